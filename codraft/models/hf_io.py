@@ -1,0 +1,122 @@
+"""Load and save the HF checkpoint format: config.json + *.safetensors (single or sharded).
+
+Writes go to a temporary sibling folder that is renamed into place, so an interrupted
+save never leaves a folder that looks complete.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from codraft.atomic import atomic_dir
+from codraft.models.config import ModelConfig
+from codraft.models.transformer import Transformer
+
+INDEX = "model.safetensors.index.json"
+
+
+def _hf_name(name: str) -> str:
+    return name if name.startswith("lm_head.") else "model." + name
+
+
+def _our_name(name: str) -> str:
+    return name[len("model."):] if name.startswith("model.") else name
+
+
+def read_config(path: str | os.PathLike) -> ModelConfig:
+    path = Path(path)
+    if not path.is_dir():
+        raise FileNotFoundError(f"model folder {str(path)!r} does not exist")
+    cfg = path / "config.json"
+    if not cfg.is_file():
+        raise FileNotFoundError(f"{cfg} is missing: not an HF model folder")
+    return ModelConfig.from_dict(json.loads(cfg.read_text()))
+
+
+def _weight_files(path: Path) -> list[Path]:
+    if (path / INDEX).is_file():
+        index = json.loads((path / INDEX).read_text())
+        files = sorted(set(index["weight_map"].values()))
+        for f in files:
+            if not (path / f).is_file():
+                raise FileNotFoundError(f"shard {f} listed in {path / INDEX} is missing")
+        return [path / f for f in files]
+    single = path / "model.safetensors"
+    if single.is_file():
+        return [single]
+    found = sorted(path.glob("*.safetensors"))
+    if not found:
+        raise FileNotFoundError(f"no *.safetensors weights in {path}")
+    return found
+
+
+def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
+                    device: str | torch.device = "cpu") -> Transformer:
+    path = Path(path)
+    config = read_config(path)
+    with torch.device("meta"):
+        model = Transformer(config)
+    expected = {_hf_name(k): v for k, v in model.state_dict().items()}
+    state, unexpected = {}, []
+    for f in _weight_files(path):
+        with safe_open(str(f), framework="pt", device="cpu") as sf:
+            for name in sf.keys():
+                if name not in expected:
+                    if config.tie_word_embeddings and name == "lm_head.weight":
+                        continue  # some exporters write the tied head anyway
+                    unexpected.append(name)
+                    continue
+                t = sf.get_tensor(name)
+                if tuple(t.shape) != tuple(expected[name].shape):
+                    raise ValueError(f"tensor {name} in {f.name} has shape {tuple(t.shape)}, "
+                                     f"expected {tuple(expected[name].shape)} from config.json")
+                state[_our_name(name)] = t.to(dtype)
+    missing = sorted(set(expected) - {_hf_name(k) for k in state})
+    if missing or unexpected:
+        raise ValueError(f"checkpoint {path} does not match config.json: "
+                         f"missing tensors {missing[:8]}{'...' if len(missing) > 8 else ''}, "
+                         f"unexpected tensors {sorted(unexpected)[:8]}{'...' if len(unexpected) > 8 else ''}")
+    model = Transformer(config).to(dtype)  # real init (buffers included), then overwrite
+    model.load_state_dict(state)
+    return model.to(device)
+
+
+def save_pretrained(model: Transformer, path: str | os.PathLike, *, max_shard_bytes: int | None = None,
+                    dtype: torch.dtype | None = None, extra_files: dict[str, str] | None = None):
+    """Write config.json + weights (sharded above ``max_shard_bytes``) atomically.
+
+    extra_files: name -> text written beside them (tokenizer.json, chat template, ...).
+    """
+    path = Path(path)
+    state = {_hf_name(k): v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in model.state_dict().items()}
+    cfg = model.config.to_dict()
+    cfg["torch_dtype"] = str(next(iter(state.values())).dtype).replace("torch.", "")
+    cfg["architectures"] = list(model.config.architectures)
+    with atomic_dir(path) as tmp:
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text)
+        total = sum(t.numel() * t.element_size() for t in state.values())
+        if max_shard_bytes is None or total <= max_shard_bytes:
+            save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+            return
+        shards, cur, size = [], {}, 0
+        for name, t in state.items():
+            nbytes = t.numel() * t.element_size()
+            if cur and size + nbytes > max_shard_bytes:
+                shards.append(cur)
+                cur, size = {}, 0
+            cur[name] = t
+            size += nbytes
+        shards.append(cur)
+        weight_map = {}
+        for i, shard in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+            weight_map.update({n: fname for n in shard})
+        (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))

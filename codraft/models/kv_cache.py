@@ -1,0 +1,57 @@
+"""Static, position-indexed KV cache with a length per row.
+
+Row b holds ``lengths[b]`` valid positions; everything past that is stale and masked.
+Rolling back rejected speculative tokens is therefore just lowering ``lengths``:
+no copy, and the stale slots are overwritten by the next write.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, *, num_layers: int, batch: int, max_len: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device | str):
+        shape = (num_layers, batch, num_kv_heads, max_len, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
+        self.max_len = max_len
+        self.span = 0  # host-side upper bound of max(lengths): how far attention must read
+
+    @classmethod
+    def for_model(cls, model, batch: int, max_len: int) -> "KVCache":
+        c = model.config
+        w = model.embed_tokens.weight
+        return cls(num_layers=c.num_hidden_layers, batch=batch, max_len=max_len,
+                   num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=w.dtype, device=w.device)
+
+    def reserve(self, t: int) -> int:
+        """Make room for t new tokens per row; returns the span attention must read."""
+        if self.span + t > self.max_len:
+            raise ValueError(f"KV cache overflow: {self.span} + {t} new tokens > max_len {self.max_len}")
+        return self.span + t
+
+    def write(self, layer: int, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor, span: int):
+        """Store k/v (B,Hkv,T,D) at per-row positions (B,T); return the cache read up to ``span``."""
+        b, h, t, d = k.shape
+        idx = positions[:, None, :, None].expand(b, h, t, d)
+        self.k[layer].scatter_(2, idx, k)
+        self.v[layer].scatter_(2, idx, v)
+        return self.k[layer, :, :, :span], self.v[layer, :, :, :span]
+
+    def advance(self, t: int, span: int):
+        self.lengths += t
+        self.span = span
+
+    def set_lengths(self, lengths: torch.Tensor, span: int | None = None):
+        """Roll rows back (or forward) to ``lengths``; ``span`` is a host-known upper bound if available."""
+        self.lengths.copy_(lengths)
+        if span is not None:
+            self.span = span
+
+    def select(self, rows: torch.Tensor):
+        """Keep only the given rows (e.g. to drop finished sequences)."""
+        self.k = self.k[:, rows]
+        self.v = self.v[:, rows]
+        self.lengths = self.lengths[rows]

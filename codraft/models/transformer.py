@@ -1,0 +1,193 @@
+"""The Llama/Qwen3-family decoder, free of distributed code.
+
+Features: token embedding, RMSNorm, RoPE (with Llama-3 frequency scaling), grouped-query
+attention, optional q/k RMSNorm (Qwen3), SwiGLU MLP, tied or untied LM head. Parameter
+names follow HF (`model.layers.N.self_attn.q_proj.weight` minus the `model.` prefix), so
+state dicts map one-to-one.
+
+One forward covers the three layouts the system needs:
+  * plain batch (B,T), causal;
+  * packed varlen: one row holding several sequences delimited by ``cu_seqlens``,
+    positions restarting per sequence, no attention across sequences;
+  * KV-cache decode: new tokens written at per-row ``cache.lengths``.
+Attention itself is a pluggable function ``attn(q, k, v, mask)`` (see codraft.attention),
+which is where context parallelism hooks in later.
+"""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from codraft.attention import sdpa, varlen_causal_mask, cache_causal_mask, positions_from_cu_seqlens
+from codraft.models.config import ModelConfig
+from codraft.models.kv_cache import KVCache
+
+AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    d = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    s = config.rope_scaling
+    if s and s.get("rope_type", s.get("type")) == "llama3":
+        # Llama-3: keep high frequencies, divide low ones by `factor`, interpolate between.
+        factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = (old / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        mid = (wavelen <= old / lo) & (wavelen >= old / hi)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    elif s and s.get("rope_type", s.get("type", "default")) != "default":
+        raise ValueError(f"unsupported rope_scaling type {s.get('rope_type')!r}; supported: default, llama3")
+    return inv
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    """positions (B,T) -> cos, sin (B,1,T,D) in the rotate-half convention."""
+    freqs = positions[..., None].float() * inv_freq  # (B,T,D/2)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def apply_rope(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+class Attention(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, c.hidden_size, bias=False)
+        if c.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, attn: AttnFn, mask, cache: KVCache | None, layer: int, positions, span):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rope(q.transpose(1, 2), cos, sin)  # (B,H,T,D)
+        k = apply_rope(k.transpose(1, 2), cos, sin)  # (B,Hkv,T,D)
+        if cache is not None:
+            k, v = cache.write(layer, k, v, positions, span)
+        o = attn(q, k, v, mask)  # (B,H,T,D)
+        return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = Attention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, x, *args):
+        x = x + self.self_attn(self.input_layernorm(x), *args)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, config: ModelConfig, attention: AttnFn = sdpa):
+        super().__init__()
+        self.config = config
+        self.attention = attention
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.apply(self._init)
+
+    def _init(self, m):
+        if isinstance(m, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(m.weight, std=0.02)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final norm + LM head on layer outputs."""
+        return F.linear(self.norm(h), self.head_weight)
+
+    def forward(self, input_ids: torch.Tensor, *, taps: tuple[int, ...] | None = None,
+                cu_seqlens: torch.Tensor | None = None, positions: torch.Tensor | None = None,
+                cache: KVCache | None = None, logit_index: torch.Tensor | None = None,
+                attention: AttnFn | None = None):
+        """input_ids (B,T) -> logits (B,T,V), or (logits, {i: output of layer i}) when ``taps`` is given.
+
+        cu_seqlens: packed layout (B must be 1); cache: decode into a KVCache (advances its lengths);
+        logit_index (B,): only compute logits at that position per row -> (B,1,V).
+        """
+        b, t = input_ids.shape
+        attn = attention or self.attention
+        span = None
+        if cache is not None:
+            if cu_seqlens is not None:
+                raise ValueError("packed input (cu_seqlens) cannot be decoded into a KV cache")
+            span = cache.reserve(t)
+            positions = cache.lengths[:, None] + torch.arange(t, device=input_ids.device)
+            mask = cache_causal_mask(cache.lengths, t, span)
+        elif cu_seqlens is not None:
+            if b != 1:
+                raise ValueError(f"packed input must have batch 1, got {b}")
+            positions = positions_from_cu_seqlens(cu_seqlens, t)[None]
+            mask = varlen_causal_mask(cu_seqlens, t)
+        else:
+            mask = None
+            if positions is None:
+                positions = torch.arange(t, device=input_ids.device)[None].expand(b, t)
+
+        x = self.embed_tokens(input_ids)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
+        tapped = {}
+        want = set(taps or ())
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, attn, mask, cache, i, positions, span)
+            if i in want:
+                tapped[i] = x
+        if cache is not None:
+            cache.advance(t, span)
+        if logit_index is not None:
+            x = x[torch.arange(b, device=x.device), logit_index][:, None]
+        logits = self.logits(x)
+        return (logits, tapped) if taps is not None else logits
