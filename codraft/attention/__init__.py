@@ -4,7 +4,22 @@ Every attention function has the signature ``attn(q, k, v, mask) -> o`` with
 q (B,H,T,D), k/v (B,Hkv,S,D), mask bool (B|1, 1, T, S) where True = attend, or
 ``None`` for plain causal attention with T == S. The model calls whatever function
 it is given, so context-parallel rings plug in without touching the model.
+
+Partial attentions return (O, LSE) and combine exactly with ``merge_lse`` (merge.py);
+``branch_attention`` (branch.py) runs draft branches (EAGLE-3 TTT diagonal, DFlash/DSpark
+blocks) as a main-prefix part and a local part merged that way.
 """
 from codraft.attention.dense import sdpa, varlen_causal_mask, cache_causal_mask, positions_from_cu_seqlens
+from codraft.attention.merge import attention_with_lse, merge_lse, softmax_with_lse
+from codraft.attention.branch import (
+    branch_attention,
+    branch_attention_with_lse,
+    branch_local_part,
+    branch_main_part,
+    dense_branch_reference,
+)
 
-__all__ = ["sdpa", "varlen_causal_mask", "cache_causal_mask", "positions_from_cu_seqlens"]
+__all__ = ["sdpa", "varlen_causal_mask", "cache_causal_mask", "positions_from_cu_seqlens",
+           "attention_with_lse", "merge_lse", "softmax_with_lse",
+           "branch_attention", "branch_attention_with_lse", "branch_main_part", "branch_local_part",
+           "dense_branch_reference"]
