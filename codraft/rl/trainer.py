@@ -1,0 +1,211 @@
+"""The `codraft train` loop: GRPO with speculative rollouts and an online co-trained draft.
+
+Per step:
+  1. rollout    the engine (policy θ_t + draft φ_t, lossless speculative decoding) samples
+                `group_size` completions for each of `prompts_per_step` training prompts;
+  2. reward     the task scores each completion; GRPO advantages per group;
+  3. train      one packed policy forward -> L_RL(θ) + λ·L_draft(φ; x, sg(H_θ(x))),
+                one backward, policy and draft optimisers step (draft.mode=cotrain);
+  4. observe    metrics.jsonl / TensorBoard, every k steps held-out accuracy and the
+                measured rollout speedup (a plain-decoding rollout of the same prompts),
+                checkpoints; plots at the end.
+The engine holds references to the live policy and draft modules, so step t+1's rollout
+uses the weights updated at step t with no copy.
+
+Determinism: every step reseeds from (seed, step), so a resumed run repeats an
+uninterrupted one's rollouts and updates exactly (timings aside).
+"""
+from __future__ import annotations
+
+import copy
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+import yaml
+from tqdm import tqdm
+
+from codraft.config import RunConfig
+from codraft.drafts import build_draft
+from codraft.rl import checkpoint as ckpt
+from codraft.rl.cotrain import cotrain_loss, pack
+from codraft.rl.grpo import group_advantages
+from codraft.rl.logger import MetricsLogger
+from codraft.rl.plots import plot_run
+from codraft.rl.tasks import make_task
+from codraft.rollout import Engine
+
+
+def _step_seed(seed: int, step: int) -> int:
+    return (seed * 1_000_003 + step * 7919) % (2 ** 62)
+
+
+def _warmup_cosine(warmup: int, total: int):
+    return lambda s: min(1.0, (s + 1) / max(warmup, 1)) * (0.5 * (1 + math.cos(math.pi * min(s, total) / max(total, 1))) * 0.9 + 0.1)
+
+
+class Trainer:
+    def __init__(self, cfg: RunConfig, *, resume: str | None = None, progress: bool = True):
+        from codraft.policy import load_policy
+        from codraft.drafts.offline import init_draft
+
+        self.cfg, self.progress = cfg, progress
+        self.run_dir = Path(resume or cfg.run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(cfg.seed)
+        random.seed(cfg.seed)
+        dtype = getattr(torch, cfg.policy.dtype)
+        self.policy, self.tok, self.policy_dir = load_policy(cfg.policy.init, dtype)
+        self.task = make_task(cfg.task.name, max_chars=cfg.task.max_chars, format_reward=cfg.task.format_reward)
+        latest = ckpt.list_checkpoints(self.run_dir)[-1] if resume and ckpt.list_checkpoints(self.run_dir) else None
+        if resume and latest is None:
+            raise FileNotFoundError(f"--resume {resume}: no complete step_N checkpoint in that folder")
+        if latest is not None:
+            self.policy = ckpt.load_policy_from(latest, dtype)
+        self.policy.to(cfg.device)
+
+        d = cfg.draft
+        self.draft = None if d.mode == "none" else init_draft(
+            d.kind, d.init, policy=self.policy, tok=self.tok, task=self.task, policy_dir=self.policy_dir,
+            gamma=d.gamma, seed=cfg.seed, progress=progress)
+        self.trains_draft = d.mode == "cotrain" and self.draft is not None and hasattr(self.draft, "loss") \
+            and any(p.requires_grad for p in self.draft.parameters())
+        self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False) if cfg.grpo.kl_coef > 0 else None
+
+        g = cfg.grpo
+        self.opt = torch.optim.AdamW(self.policy.parameters(), lr=g.lr, weight_decay=g.weight_decay, betas=(0.9, 0.99))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _warmup_cosine(g.warmup_steps, cfg.steps))
+        self.draft_opt = self.draft_sched = None
+        if self.trains_draft:
+            self.draft_opt = torch.optim.AdamW([p for p in self.draft.parameters() if p.requires_grad], lr=d.lr,
+                                               betas=(0.9, 0.95))
+            self.draft_sched = torch.optim.lr_scheduler.LambdaLR(self.draft_opt, lambda s: 1.0)
+        self.start_step, self.prompts_used, self._stream = 0, 0, None
+        if latest is not None:
+            state = ckpt.restore(latest, draft=self.draft, optimizers=self._optimizers())
+            self.start_step, self.prompts_used = state["step"], state["prompts_used"]
+
+        self.engine = Engine(self.policy, self.draft, d.gamma if self.draft is not None else None)
+        self.plain_engine = Engine(self.policy)
+        self.val = self.task.sample("val", cfg.log.val_size, seed=cfg.seed)
+        self.logger = MetricsLogger(self.run_dir, resume_step=self.start_step if latest is not None else None)
+        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+
+    def _optimizers(self) -> dict:
+        return {"policy": self.opt, "policy_sched": self.sched, "draft": self.draft_opt, "draft_sched": self.draft_sched}
+
+    def _prompts(self) -> list:
+        """The next training prompts from the task's train stream (position saved in checkpoints)."""
+        if self._stream is None:  # (re)open at the loader position, e.g. after a resume
+            self._stream = self.task.stream("train", seed=self.cfg.seed)
+            for _ in range(self.prompts_used):
+                next(self._stream)
+        n = self.cfg.rollout.prompts_per_step
+        self.prompts_used += n
+        return [next(self._stream) for _ in range(n)]
+
+    def _generate(self, engine: Engine, prompts, seed: int, temperature=None):
+        r = self.cfg.rollout
+        t0 = time.perf_counter()
+        out = engine.generate(prompts, r.max_new_tokens, temperature=r.temperature if temperature is None else temperature,
+                              top_p=r.top_p, seed=seed, eos_id=self.tok.eos_id)
+        return out, time.perf_counter() - t0
+
+    def validate(self) -> float:
+        self.policy.eval()
+        prompts = [self.tok.prompt_ids(p.prompt) for p in self.val]
+        out, _ = self._generate(self.engine, prompts, seed=0, temperature=0.0)
+        return sum(self.task.reward(p, self.tok.decode(o.tokens)) for p, o in zip(self.val, out)) / len(self.val)
+
+    def step(self, step: int) -> dict:
+        cfg, r, g = self.cfg, self.cfg.rollout, self.cfg.grpo
+        seed = _step_seed(cfg.seed, step)
+        torch.manual_seed(seed)
+        t_step = time.perf_counter()
+        problems = self._prompts()
+        group = [p for p in problems for _ in range(r.group_size)]
+        prompts = [self.tok.prompt_ids(p.prompt) for p in group]
+
+        # 1. rollout
+        self.policy.eval()
+        out, t_rollout = self._generate(self.engine, prompts, seed)
+        stats = self.engine.stats
+        m = {"time_rollout": t_rollout}
+        if self.draft is not None:
+            m.update(acceptance_length=stats.acceptance_length, acceptance_per_position=stats.acceptance_per_position)
+        if cfg.log.speedup_every and step % cfg.log.speedup_every == 0:
+            _, t_plain = self._generate(self.plain_engine, prompts, seed)
+            m.update(time_rollout_plain=t_plain, rollout_speedup=t_plain / t_rollout)
+
+        # 2. reward
+        rewards = torch.tensor([self.task.reward(p, self.tok.decode(o.tokens)) for p, o in zip(group, out)])
+        adv = group_advantages(rewards, r.group_size, leave_one_out=g.leave_one_out)
+
+        # 3. train: one packed forward, L_RL + λ·L_draft, one backward, two optimisers
+        t_train = time.perf_counter()
+        self.policy.train()
+        batch = pack(prompts, [o.tokens for o in out], [o.logprobs for o in out], device=cfg.device)
+        loss, lm = cotrain_loss(self.policy, self.draft, batch, adv.to(cfg.device), temperature=r.temperature,
+                                lam=cfg.draft.lam, eps_low=g.eps_low, eps_high=g.eps_high, norm=g.norm,
+                                kl_coef=g.kl_coef, reference=self.reference, train_draft=self.trains_draft)
+        self.opt.zero_grad(set_to_none=True)
+        if self.draft_opt is not None:
+            self.draft_opt.zero_grad(set_to_none=True)
+        loss.backward()
+        m["policy/grad_norm"] = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), g.grad_clip)
+        self.opt.step()
+        self.sched.step()
+        if self.draft_opt is not None:
+            m["draft/grad_norm"] = torch.nn.utils.clip_grad_norm_(
+                [p for p in self.draft.parameters() if p.requires_grad], cfg.draft.grad_clip)
+            self.draft_opt.step()
+            self.draft_sched.step()
+        m["time_train"] = time.perf_counter() - t_train
+
+        # 4. observe
+        lens = [len(o.tokens) for o in out]
+        m.update({k: v for k, v in lm.items()})
+        m.update(reward_mean=rewards.mean(), reward_std=rewards.std() if len(rewards) > 1 else 0.0,
+                 completion_len=sum(lens) / len(lens), lr=self.sched.get_last_lr()[0],
+                 mismatch_kl=lm.get("policy/rollout_kl"), token_mult_prob_error=lm.get("policy/token_mult_prob_error"))
+        if cfg.log.val_every and (step + 1) % cfg.log.val_every == 0:
+            m["val_accuracy"] = self.validate()
+        m["time_step"] = time.perf_counter() - t_step
+        m["tokens_per_s"] = sum(lens) / t_rollout
+        return m
+
+    def fit(self):
+        cfg = self.cfg
+        if self.start_step == 0 and cfg.log.val_every:
+            self.logger.log(0, {"val_accuracy": self.validate()})
+        bar = tqdm(range(self.start_step, cfg.steps), desc="train", disable=not self.progress, dynamic_ncols=True,
+                   initial=self.start_step, total=cfg.steps)
+        try:
+            for step in bar:
+                m = self.step(step)
+                self.logger.log(step + 1, m)
+                post = {"reward": f"{float(m['reward_mean']):.2f}", "step_s": f"{m['time_step']:.1f}"}
+                if "acceptance_length" in m:
+                    post["tau"] = f"{m['acceptance_length']:.2f}"
+                bar.set_postfix(post)
+                if cfg.log.checkpoint_every and ((step + 1) % cfg.log.checkpoint_every == 0 or step + 1 == cfg.steps):
+                    ckpt.save_checkpoint(self.run_dir, step + 1, policy=self.policy, draft=self.draft,
+                                         optimizers=self._optimizers(),
+                                         state={"prompts_used": self.prompts_used}, config=cfg.to_dict(),
+                                         keep_last=cfg.log.keep_last, extra_files=_tokenizer_files(self.policy_dir))
+        finally:
+            self.logger.close()
+            plot_run(self.run_dir)
+        return self.run_dir
+
+
+def _tokenizer_files(policy_dir: Path) -> dict[str, str]:
+    names = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+             "char_tokenizer.json")
+    return {n: (policy_dir / n).read_text() for n in names if (policy_dir / n).is_file()}
+
+
+def train(cfg: RunConfig, resume: str | None = None, progress: bool = True) -> Path:
+    return Trainer(cfg, resume=resume, progress=progress).fit()
