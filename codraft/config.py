@@ -117,6 +117,11 @@ def _coerce(key: str, value, typ: type):
     """Convert a YAML/CLI value to ``typ``; strings from the command line are parsed as YAML scalars."""
     if isinstance(value, str) and typ is not str:
         value = yaml.safe_load(value)
+    if typ is float and isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
+        try:
+            value = float(value)
+        except ValueError:
+            pass
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         value = float(value)
     if typ is str and isinstance(value, (int, float)) and not isinstance(value, bool):

@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 
 from codraft.atomic import atomic_dir
 from codraft.models.config import ModelConfig
-from codraft.models.transformer import Transformer
+from codraft.models.transformer import Transformer, rope_inv_freq
 
 INDEX = "model.safetensors.index.json"
 
@@ -81,8 +81,8 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
         raise ValueError(f"checkpoint {path} does not match config.json: "
                          f"missing tensors {missing[:8]}{'...' if len(missing) > 8 else ''}, "
                          f"unexpected tensors {sorted(unexpected)[:8]}{'...' if len(unexpected) > 8 else ''}")
-    model = Transformer(config).to(dtype)  # real init (buffers included), then overwrite
-    model.load_state_dict(state)
+    model.load_state_dict(state, assign=True)  # no random init of weights that get overwritten anyway
+    model.inv_freq = rope_inv_freq(config)  # the one non-persistent buffer: rebuild it off the meta device
     return model.to(device)
 
 

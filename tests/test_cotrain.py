@@ -1,0 +1,156 @@
+"""The co-training step and the trainer loop: stop-gradient, alignment, resume, config, CLI."""
+import json
+
+import pytest
+import torch
+
+from codraft.config import ConfigError, load_config
+from codraft.drafts.offline import build_for
+from codraft.models import Transformer
+from codraft.rl.cotrain import cotrain_loss, pack
+from codraft.rollout import Engine
+from codraft.tokenizer import CharTokenizer
+from codraft.warmstart import CHAR_TOKENIZER_FILE, tiny_model_config
+
+
+def _policy(seed=0, layers=4, hidden=64):
+    tok = CharTokenizer()
+    cfg = tiny_model_config(tok)
+    cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers = hidden, 128, layers
+    cfg.head_dim = hidden // cfg.num_attention_heads
+    torch.manual_seed(seed)
+    return Transformer(cfg), tok
+
+
+def _rollouts(policy, tok, n=4, max_new=12, seed=0):
+    prompts = [tok.prompt_ids(s) for s in ["12+3=", "7*8-1=", "5+5=", "99-9*2="][:n]]
+    out = Engine(policy).generate(prompts, max_new, temperature=1.0, seed=seed, eos_id=tok.eos_id)
+    return prompts, out
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash", "dspark"])
+def test_draft_loss_never_reaches_policy(kind):
+    policy, tok = _policy()
+    prompts, out = _rollouts(policy, tok)
+    batch = pack(prompts, [o.tokens for o in out], [o.logprobs for o in out])
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    torch.manual_seed(1)
+    draft = build_for(kind, policy, gamma=3)
+
+    grads = {}
+    for lam in (0.0, 1.0):
+        policy.zero_grad(set_to_none=True)
+        draft.zero_grad(set_to_none=True)
+        torch.manual_seed(2)  # same anchors for the block drafts
+        loss, m = cotrain_loss(policy, draft, batch, adv, temperature=1.0, lam=lam, eps_low=0.2, eps_high=0.28,
+                               norm="token")
+        loss.backward()
+        grads[lam] = {n: p.grad.clone() for n, p in policy.named_parameters()}
+        if lam > 0:
+            draft_grads = [p.grad for p in draft.parameters() if p.requires_grad]
+            assert all(g is not None for g in draft_grads)
+            assert sum(g.abs().sum() for g in draft_grads) > 0
+            assert m["draft/loss"] > 0
+    for name in grads[0.0]:
+        assert torch.equal(grads[0.0][name], grads[1.0][name]), name
+    assert any(g.abs().sum() > 0 for g in grads[1.0].values())  # the RL loss itself does train θ
+
+
+def test_packed_logprobs_match_rollout_engine():
+    """The trainer's token alignment reproduces the engine's own logprobs (independent path)."""
+    policy, tok = _policy()
+    prompts, out = _rollouts(policy, tok)
+    batch = pack(prompts, [o.tokens for o in out], [o.logprobs for o in out])
+    _, m = cotrain_loss(policy, None, batch, torch.zeros(4), temperature=1.0, lam=0.0, eps_low=0.2,
+                        eps_high=0.2, norm="token")
+    assert abs(float(m["policy/token_mult_prob_error"]) - 1.0) < 1e-4
+    assert abs(float(m["policy/rollout_kl"])) < 1e-5
+    assert m["policy/num_tokens"] == sum(len(o.tokens) for o in out)
+
+
+@pytest.fixture
+def tiny_policy_dir(tmp_path):
+    from codraft.models import save_pretrained
+    policy, tok = _policy(layers=2, hidden=32)
+    save_pretrained(policy, tmp_path / "policy",
+                    extra_files={CHAR_TOKENIZER_FILE: json.dumps({"alphabet": tok.alphabet})})
+    return tmp_path / "policy"
+
+
+def _cfg(policy_dir, run_dir, steps, kind="dflash", mode="cotrain"):
+    return load_config(None, [f"policy.init={policy_dir}", f"steps={steps}", f"run_dir={run_dir}",
+                              "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=10",
+                              "log.val_size=4", "log.val_every=2", "log.speedup_every=2", "log.checkpoint_every=2",
+                              "log.keep_last=3", f"draft.kind={kind}", f"draft.mode={mode}", "draft.init=random",
+                              "draft.gamma=3", "grpo.lr=1e-3", "grpo.kl_coef=0.01"])
+
+
+_TIMING = ("time", "tokens_per_s", "rollout_speedup")
+
+
+def _comparable(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(_TIMING) and "time" not in k} for r in rows]
+
+
+def test_resume_repeats_uninterrupted_run(tmp_path, tiny_policy_dir, monkeypatch):
+    from codraft.rl.logger import read_metrics
+    from codraft.rl.trainer import Trainer, train
+    train(_cfg(tiny_policy_dir, tmp_path / "full", 4), progress=False)
+
+    real_step = Trainer.step
+
+    def crash_at_2(self, step):
+        if step == 2:
+            raise KeyboardInterrupt  # interrupted after the step-2 checkpoint
+        return real_step(self, step)
+
+    monkeypatch.setattr(Trainer, "step", crash_at_2)
+    with pytest.raises(KeyboardInterrupt):
+        train(_cfg(tiny_policy_dir, tmp_path / "cut", 4), progress=False)
+    monkeypatch.setattr(Trainer, "step", real_step)
+    assert (tmp_path / "cut" / "step_2" / "policy" / "config.json").is_file()
+    train(_cfg(tiny_policy_dir, tmp_path / "cut", 4), resume=str(tmp_path / "cut"), progress=False)
+    full, cut = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "cut")
+    assert [r["step"] for r in cut] == [0, 1, 2, 3, 4]
+    assert _comparable(full) == _comparable(cut)
+    from codraft.rl.checkpoint import list_checkpoints
+    assert [p.name for p in list_checkpoints(tmp_path / "full")] == ["step_2", "step_4"]
+    for png in ("reward.png", "acceptance.png", "step_time.png"):
+        assert (tmp_path / "full" / png).stat().st_size > 0
+
+
+def test_frozen_draft_does_not_change(tmp_path, tiny_policy_dir):
+    from codraft.rl.trainer import Trainer
+    t = Trainer(_cfg(tiny_policy_dir, tmp_path / "run", 1, kind="dspark", mode="frozen"), progress=False)
+    before = {k: v.clone() for k, v in t.draft.state_dict().items()}
+    t.step(0)
+    assert all(torch.equal(before[k], v) for k, v in t.draft.state_dict().items())
+    assert t.draft_opt is None
+
+
+def test_config_validation():
+    cfg = load_config(None, ["steps=3", "seed=7", "run_dir=/tmp/r"])
+    assert (cfg.steps, cfg.seed, cfg.run_dir) == (3, 7, "/tmp/r")
+    assert load_config("smollm2-gsm", ["steps=1"]).task.name == "gsm_symbolic"
+    with pytest.raises(ConfigError, match="did you mean steps"):
+        load_config(None, ["stepz=3"])
+    with pytest.raises(ConfigError, match="'steps' expects int"):
+        load_config(None, ["steps=three"])
+    with pytest.raises(ConfigError, match="draft.kind.*one of eagle3, dflash, dspark"):
+        load_config(None, ["draft.kind=medusa"])
+    with pytest.raises(ConfigError, match="unknown preset"):
+        load_config("huge")
+    with pytest.raises(ConfigError, match="not key=value"):
+        load_config(None, ["steps"])
+
+
+def test_cli_train_writes_run_folder(tmp_path, tiny_policy_dir, capsys):
+    from codraft.cli import main
+    main(["train", f"policy.init={tiny_policy_dir}", "steps=1", f"run_dir={tmp_path / 'run'}",
+          "rollout.prompts_per_step=1", "rollout.max_new_tokens=8", "log.val_size=2", "draft.kind=eagle3",
+          "draft.init=random", "draft.gamma=2", "log.checkpoint_every=1"])
+    rows = [json.loads(l) for l in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["step"] == 1 and "acceptance_length" in rows[-1] and "reward_mean" in rows[-1]
+    assert (tmp_path / "run" / "config.yaml").is_file()
+    with pytest.raises(SystemExit, match="unknown config key"):
+        main(["train", "stepz=1"])
