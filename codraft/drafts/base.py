@@ -1,0 +1,86 @@
+"""The interface every draft implements for decoding (``Draft``), as the rollout engine uses it.
+
+Lifecycle of one ``Engine.generate`` call with a draft::
+
+    state = draft.begin(tokens, lengths, features, max_len=...)    # after the target prefill
+    loop:
+        x, q = draft.propose(state, gamma, sampler, context_len=...)
+        ... target verifies [last, x_1..x_γ] in one forward, the rule accepts n per row ...
+        state = draft.commit(state, emitted, counts, features)
+        state = draft.select(state, rows)                          # when rows finish
+
+Context invariant. A row's *context* is its prompt followed by every token emitted so far.
+The target has run over every context token except the last one (the pending token, fed
+at the start of the next verify forward), so target features exist for context positions
+0..len-2. Both ``begin`` and ``commit`` hand the draft exactly those features:
+
+  * ``begin(tokens (B,T), lengths (B,), features {layer: (B,T-1 or more,H)})``: tokens are
+    the right-padded contexts (prompt + the first token sampled from the prefill logits),
+    lengths their true lengths (>= 2); features[l][b, t] is target layer l's output at
+    position t for t < lengths[b] - 1 (entries beyond are padding junk).
+  * ``commit(state, tokens (B,γ+1), counts (B,), features {layer: (B,γ+1,H)})``: row b's
+    context grew by tokens[b, :counts[b]] (accepted drafts then the correction/bonus token;
+    counts = n_accepted + 1 >= 1); features[l][b, j] for j < counts[b] are the target's at
+    the previous pending token (j = 0) and the accepted drafts, i.e. at the token *before*
+    each appended one. Entries past counts[b] are junk. Rows that stop at EOS or
+    max_new_tokens may be committed too and are dropped by ``select`` right after.
+
+EAGLE-3 reads (h_t, emb(x_{t+1})) pairs and DFlash/DSpark read the context features plus the
+pending token as the block anchor: both fit this invariant (``feature_layers`` lists which
+target layer outputs to tap, 0-based; the engine taps them in the prefill and in every
+verify forward, and passes ``{}`` when the tuple is empty).
+
+``propose(state, gamma, sampler, *, context_len)`` returns
+  * tokens (B,γ) long: x_1..x_γ continuing each row's context;
+  * q (B,γ,V) float: the row q_k each x_k was *really* drawn from (after the sampler's
+    temperature/top-k/top-p transform: use ``sampler.probs(logits)`` and
+    ``sampler.sample(probs)``), or None when the proposal is deterministic (q_k one-hot at
+    x_k). Under greedy decoding (``sampler.greedy``) q is ignored and may be None.
+  ``context_len`` is a host-side upper bound of the longest context, so a draft can size its
+  attention reads without a device sync. propose may mutate state (speculative cache
+  writes): commit must leave it consistent with the context invariant again.
+
+Drafts must not sync the host with the device in propose/commit (no .item(), .tolist(),
+boolean-mask indexing): the engine does one sync per round. ``vocab_size`` must equal the
+target's (the engine checks). ``default_gamma`` is used when the engine gets gamma=None.
+
+To add a draft kind: subclass ``Draft`` (also ``torch.nn.Module`` if it has weights; the
+engine moves modules to the target's device), implement the four methods, and register a
+builder ``build(target_config, **options)`` in ``codraft/drafts/__init__.py``.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from codraft.rollout.sampling import Sampler
+
+Features = dict[int, torch.Tensor]  # target layer id -> (B,T,H) output of that decoder layer
+
+
+class Draft(ABC):
+    vocab_size: int
+    feature_layers: tuple[int, ...] = ()
+    default_gamma: int = 4
+
+    @abstractmethod
+    def begin(self, tokens: torch.Tensor, lengths: torch.Tensor, features: Features, *, max_len: int) -> Any:
+        """Start a batch: tokens (B,T) right-padded contexts, lengths (B,); returns the draft's state.
+
+        max_len: positions any per-row buffer needs (longest context + γ + 1 spare slots).
+        """
+
+    @abstractmethod
+    def propose(self, state: Any, gamma: int, sampler: Sampler, *,
+                context_len: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """-> (tokens (B,γ) long, q (B,γ,V) float or None for one-hot)."""
+
+    @abstractmethod
+    def commit(self, state: Any, tokens: torch.Tensor, counts: torch.Tensor, features: Features) -> Any:
+        """Append tokens[b, :counts[b]] to row b's context; returns the updated state."""
+
+    @abstractmethod
+    def select(self, state: Any, rows: torch.Tensor) -> Any:
+        """Keep only ``rows`` (long tensor of batch indices, in order); returns the new state."""

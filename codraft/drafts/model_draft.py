@@ -1,0 +1,120 @@
+"""A small independent decoder as the draft ("model" kind): classic two-model speculative decoding.
+
+The draft is a ``codraft.models.Transformer`` with the target's vocabulary (and by default
+its widths, with fewer layers), its own static KV cache, randomly initialised unless weights
+are given. It samples each proposal from its own softmax under the same
+temperature/top-k/top-p transform as the target, and returns that row as q_k. It reads no
+target features (``feature_layers == ()``).
+
+Cache invariant (see base.py): the draft cache holds the context minus its last two tokens,
+which are kept in ``last2`` and re-fed as a 2-token chunk at the start of every proposal.
+Re-feeding the second-to-last token is what makes "all γ accepted" free: x_γ was never fed
+to the draft, and it is exactly that token. When it was fed, rewriting it at the same
+position stores the same K/V, so the rollback after a rejection is just lowering lengths.
+"""
+from __future__ import annotations
+
+import dataclasses
+import os
+from pathlib import Path
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+
+from codraft.drafts.base import Draft, Features
+from codraft.models import KVCache, ModelConfig, Transformer, load_pretrained
+from codraft.rollout.sampling import Sampler
+
+
+class ModelDraftState(NamedTuple):
+    cache: KVCache  # lengths = context length - 2
+    last2: torch.Tensor  # (B,2) the last two context tokens
+
+
+class ModelDraft(nn.Module, Draft):
+    def __init__(self, net: Transformer, *, default_gamma: int = 4):
+        super().__init__()
+        self.net = net
+        self.vocab_size = net.config.vocab_size
+        self.default_gamma = default_gamma
+
+    def begin(self, tokens, lengths, features: Features, *, max_len: int) -> ModelDraftState:
+        b = tokens.shape[0]
+        cache = KVCache.for_model(self.net, b, max_len)
+        # writes tokens[:, :T-1]; only one logit row is computed, and none is used
+        self.net(tokens[:, :-1], cache=cache, logit_index=torch.zeros_like(lengths))
+        cache.set_lengths(lengths - 2)  # span stays at T-1, an upper bound
+        last2 = tokens.gather(1, torch.stack([lengths - 2, lengths - 1], 1))
+        return ModelDraftState(cache, last2)
+
+    def propose(self, state: ModelDraftState, gamma: int, sampler: Sampler, *, context_len: int):
+        cache = state.cache
+        cache.span = max(context_len - 2, 0)  # host bound of lengths: keeps reads short without a sync
+        b = state.last2.shape[0]
+        inp, at = state.last2, torch.ones(b, dtype=torch.long, device=cache.lengths.device)
+        tokens, qs = [], []
+        for k in range(gamma):
+            logits = self.net(inp, cache=cache, logit_index=at)[:, 0]  # (B,V)
+            if sampler.greedy:
+                tok = logits.argmax(-1)
+            else:
+                q = sampler.probs(logits)  # (B,V) the row x_k is drawn from
+                tok = sampler.sample(q)
+                qs.append(q)
+            tokens.append(tok)
+            inp, at = tok[:, None], torch.zeros_like(at)
+        # the cache now also holds last2 and x_1..x_{γ-1}: lengths = context + γ - 1
+        return torch.stack(tokens, 1), (torch.stack(qs, 1) if qs else None)
+
+    def commit(self, state: ModelDraftState, tokens, counts, features: Features) -> ModelDraftState:
+        gamma = tokens.shape[1] - 1
+        cache = state.cache
+        # keep context-2 + counts: the old last2 and the accepted x_1..x_{n-1} (n = counts-1)
+        cache.set_lengths(cache.lengths - (gamma + 1) + counts)
+        ext = torch.cat([state.last2[:, 1:], tokens], 1)  # (B,γ+2) old last token, then the new ones
+        last2 = ext.gather(1, torch.stack([counts - 1, counts], 1))
+        return ModelDraftState(cache, last2)
+
+    def select(self, state: ModelDraftState, rows) -> ModelDraftState:
+        state.cache.select(rows)
+        return ModelDraftState(state.cache, state.last2[rows])
+
+
+def _draft_config(target: ModelConfig, num_hidden_layers: int, overrides: dict) -> ModelConfig:
+    if overrides.get("vocab_size", target.vocab_size) != target.vocab_size:
+        raise ValueError(f"a model draft must share the target's vocabulary: vocab_size="
+                         f"{overrides['vocab_size']} given, target vocab_size={target.vocab_size}")
+    derived = {}
+    if {"hidden_size", "num_attention_heads"} & overrides.keys():  # let ModelConfig re-derive these
+        derived = {"head_dim": None, "num_key_value_heads": None}
+    return dataclasses.replace(target, **{**derived, "num_hidden_layers": num_hidden_layers, **overrides})
+
+
+def build(target_config: ModelConfig, *, num_hidden_layers: int = 1,
+          weights: dict | str | os.PathLike | None = None, default_gamma: int = 4, **overrides) -> ModelDraft:
+    """A draft Transformer: the target's config with ``num_hidden_layers`` and ``overrides`` applied.
+
+    weights: a state dict of ``Transformer`` parameter names, a ``.safetensors``/``.pt`` file of
+    one, or an HF model folder (``save_pretrained``; its own config.json then defines the
+    architecture). None: random init (seed with torch.manual_seed beforehand).
+    """
+    if weights is not None and not isinstance(weights, dict) and Path(weights).is_dir():
+        net = load_pretrained(weights)
+        if net.config.vocab_size != target_config.vocab_size:
+            raise ValueError(f"draft weights in {weights} have vocab_size={net.config.vocab_size}, "
+                             f"target vocab_size={target_config.vocab_size}")
+        return ModelDraft(net.eval(), default_gamma=default_gamma)
+    net = Transformer(_draft_config(target_config, num_hidden_layers, overrides))
+    if weights is not None:
+        if not isinstance(weights, dict):
+            path = Path(weights)
+            if not path.is_file():
+                raise FileNotFoundError(f"draft weights {str(path)!r} do not exist")
+            if path.suffix == ".safetensors":
+                from safetensors.torch import load_file
+                weights = load_file(str(path))
+            else:
+                weights = torch.load(path, map_location="cpu", weights_only=True)
+        net.load_state_dict(weights)
+    return ModelDraft(net.eval(), default_gamma=default_gamma)

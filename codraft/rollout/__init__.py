@@ -1,0 +1,12 @@
+"""Rollout generation: batched static-cache decoding with lossless speculative verification.
+
+``Engine(model, draft=None, gamma=None, *, max_len=None).generate(prompts, max_new_tokens, ...)``
+returns ``GenerationResult``s (new tokens, target logprobs); ``engine.stats`` holds the
+acceptance and timing figures of the last call.
+"""
+from codraft.rollout.engine import Engine, GenerationResult, Rollout
+from codraft.rollout.sampling import Sampler, filter_logits
+from codraft.rollout.stats import SpecStats
+from codraft.rollout.verify import Verdict, verify_drafts
+
+__all__ = ["Engine", "GenerationResult", "Rollout", "Sampler", "filter_logits", "SpecStats", "Verdict", "verify_drafts"]

@@ -1,0 +1,225 @@
+"""Batched generation with a static KV cache, plain or with lossless speculative decoding.
+
+One ``generate`` call:
+  1. prefill: the right-padded prompts in one forward into a pre-allocated ``KVCache``
+     (per-row lengths); the first new token is sampled from each row's last prompt logit;
+  2. rounds, until every row has stopped:
+       plain:  feed the pending token (B,1), sample one token;
+       spec:   the draft proposes x_1..x_γ (+ q rows); ONE target forward over
+               [pending, x_1..x_γ] (B,γ+1) written at cache.lengths; ``verify_drafts`` accepts
+               n per row and emits n+1 tokens; the cache rolls back per row to
+               old + n + 1 (stale slots are masked); the draft commits the same tokens;
+  3. per round one host sync (done flags + the longest cache row): rows that hit EOS or
+     max_new_tokens are dropped from the cache, the draft and the batch.
+Row invariant: the cache holds the row's context except its last (pending) token.
+Outputs accumulate on the device and are copied to the host once at the end.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from time import perf_counter
+
+import torch
+import torch.nn as nn
+
+from codraft.models import KVCache
+from codraft.rollout.sampling import Sampler
+from codraft.rollout.stats import SpecStats
+from codraft.rollout.verify import verify_drafts
+
+
+@dataclass
+class GenerationResult:
+    tokens: list[int]  # new tokens, up to and including EOS
+    logprobs: list[float]  # target logprob of each, see codraft.rollout.sampling for the convention
+    finish_reason: str  # "eos" or "length"
+
+
+class Engine:
+    """Rollout engine: ``Engine(model, draft=None, gamma=None, *, max_len=None)``.
+
+    draft: a ``codraft.drafts.Draft`` (None = plain decoding); gamma: tokens drafted per round
+    (default ``draft.default_gamma``); max_len: longest prompt + new tokens allowed (default
+    ``model.config.max_position_embeddings``); timing_sync: sync the device at every phase
+    boundary so ``stats`` splits time exactly on accelerators (costs extra syncs).
+    """
+
+    def __init__(self, model: nn.Module, draft=None, gamma: int | None = None, *,
+                 max_len: int | None = None, timing_sync: bool = False):
+        cfg = model.config
+        if draft is None and gamma is not None:
+            raise ValueError(f"gamma={gamma} given without a draft")
+        if draft is not None:
+            gamma = draft.default_gamma if gamma is None else gamma
+            if not isinstance(gamma, int) or gamma < 1:
+                raise ValueError(f"gamma must be an int >= 1, got {gamma!r}")
+            if draft.vocab_size != cfg.vocab_size:
+                raise ValueError(f"draft vocab_size={draft.vocab_size} != target vocab_size={cfg.vocab_size}")
+            bad = [i for i in draft.feature_layers if not 0 <= i < cfg.num_hidden_layers]
+            if bad:
+                raise ValueError(f"draft.feature_layers {bad} out of range for a {cfg.num_hidden_layers}-layer target")
+        self.max_len = cfg.max_position_embeddings if max_len is None else max_len
+        if self.max_len < 2:
+            raise ValueError(f"max_len must be >= 2, got {self.max_len}")
+        self.model, self.draft, self.gamma = model, draft, gamma or 0
+        self.timing_sync = timing_sync
+        self.device = next(model.parameters()).device
+        if isinstance(draft, nn.Module):
+            draft.to(self.device)
+        self.stats = SpecStats(gamma=self.gamma)
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
+                 top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
+                 eos_id: int | list[int] | None = None) -> list[GenerationResult]:
+        """One result per prompt. temperature 0 = greedy. eos_id defaults to model.config.eos_token_id;
+        seed None draws one from torch's global RNG (so torch.manual_seed makes runs repeatable)."""
+        run = self.start(prompts, max_new_tokens, temperature, top_p, top_k, seed, eos_id)
+        while not run.finished:
+            run.step()
+        results = run.results()
+        self.stats = run.stats
+        return results
+
+    def start(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, seed=None,
+              eos_id=None) -> "Rollout":
+        """Validate, prefill and return the ``Rollout`` (``generate`` steps it to the end)."""
+        self._check(prompts, max_new_tokens)
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(int(torch.randint(2**62, (1,))) if seed is None else seed)
+        sampler = Sampler(temperature, top_p, top_k, gen)
+        eos = self.model.config.eos_token_id if eos_id is None else eos_id
+        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        return Rollout(self, [list(p) for p in prompts], max_new_tokens, sampler, eos)
+
+    def _check(self, prompts, max_new_tokens):
+        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        if len(prompts) == 0:
+            raise ValueError("prompts is empty: nothing to generate")
+        vocab = self.model.config.vocab_size
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty (at least one token is needed)")
+            if len(p) + max_new_tokens > self.max_len:
+                raise ValueError(f"prompt {i} has {len(p)} tokens + max_new_tokens={max_new_tokens} "
+                                 f"> max_len={self.max_len}")
+            if min(p) < 0 or max(p) >= vocab:
+                raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
+
+
+class Rollout:
+    """One batched generation in progress: prefilled on construction, advanced by ``step()``."""
+
+    @torch.inference_mode()
+    def __init__(self, engine: Engine, prompts: list[list[int]], max_new: int, sampler: Sampler, eos: list[int]):
+        self.model, self.draft, self.gamma = engine.model, engine.draft, engine.gamma
+        self.sampler, self.max_new, self.timing_sync = sampler, max_new, engine.timing_sync
+        self.taps = tuple(self.draft.feature_layers) if self.draft is not None else ()
+        dev = self.device = engine.device
+        self.stats = SpecStats(gamma=self.gamma, accepted_per_position=[0] * self.gamma)
+        self._t0 = self._t = perf_counter()
+        b, t = len(prompts), max(map(len, prompts))
+        ids = torch.tensor([p + [0] * (t - len(p)) for p in prompts], device=dev)  # (B,T) right-padded
+        lens = torch.tensor([len(p) for p in prompts], device=dev)  # (B,)
+        self.eos = torch.tensor(eos, dtype=torch.long, device=dev)
+        self.cache = KVCache.for_model(self.model, b, t + max_new + self.gamma + 1)
+        self.rows = torch.arange(b, device=dev)  # original index of each active row
+        self.out_tokens = torch.zeros(b, max_new + self.gamma + 1, dtype=torch.long, device=dev)
+        self.out_logp = torch.zeros(b, max_new + self.gamma + 1, device=dev)
+        self.n_out = torch.zeros(b, dtype=torch.long, device=dev)
+        self._accepted = torch.zeros(self.gamma, dtype=torch.long, device=dev)  # per draft position
+        self.finished = False
+
+        logits, feats = self.model(ids, cache=self.cache, logit_index=lens - 1, taps=self.taps)  # (B,1,V)
+        self.cache.set_lengths(lens, span=t)
+        self.last, logp = sampler.sample_logits(logits[:, 0])  # (B,) the pending token
+        self._lap("prefill_s")
+        if self.draft is not None:
+            ctx = torch.cat([ids, ids[:, :1]], 1).scatter(1, lens[:, None], self.last[:, None])  # (B,T+1)
+            self.draft_state = self.draft.begin(ctx, lens + 1, feats, max_len=self.cache.max_len)
+            self._lap("draft_s")
+        self._emit(self.last[:, None], logp[:, None], torch.ones_like(lens))
+        self._sync()
+        self._lap("bookkeeping_s")
+
+    @torch.inference_mode()
+    def step(self):
+        """One decode step (plain) or one draft-verify round (speculative), then the host sync."""
+        if self.finished:
+            return
+        b = self.rows.numel()
+        self.stats.rounds += 1
+        self.stats.row_rounds += b
+        if self.draft is None:
+            logits = self.model(self.last[:, None], cache=self.cache)  # (B,1,V)
+            self.last, logp = self.sampler.sample_logits(logits[:, 0])
+            self._lap("verify_s")
+            self._emit(self.last[:, None], logp[:, None], torch.ones_like(self.last))
+        else:
+            g = self.gamma
+            x, q = self.draft.propose(self.draft_state, g, self.sampler, context_len=self.cache.span + 1)
+            self._lap("draft_s")
+            logits, feats = self.model(torch.cat([self.last[:, None], x], 1), cache=self.cache,
+                                       taps=self.taps)  # (B,γ+1,V)
+            v = verify_drafts(logits, x, q, self.sampler)
+            self._lap("verify_s")
+            # the forward advanced every row by γ+1; keep [pending, x_1..x_n]
+            self.cache.set_lengths(self.cache.lengths - g + v.n_accepted)
+            counts = v.n_accepted + 1
+            self._emit(v.tokens, v.logprobs, counts)
+            self.last = v.tokens.gather(1, v.n_accepted[:, None]).squeeze(1)
+            self._accepted += (v.n_accepted[:, None] > torch.arange(g, device=self.device)).sum(0)
+            self.stats.drafted += b * g
+            self._lap("bookkeeping_s")
+            self.draft_state = self.draft.commit(self.draft_state, v.tokens, counts, feats)
+            self._lap("draft_s")
+        self._sync()
+        self._lap("bookkeeping_s")
+
+    def _emit(self, tokens: torch.Tensor, logp: torch.Tensor, counts: torch.Tensor):
+        """Append tokens[b, :counts[b]] (B,m) to the outputs, cut at EOS and max_new; set self.done."""
+        rows, n_out = self.rows, self.n_out[self.rows]  # (B,)
+        j = torch.arange(tokens.shape[1], device=self.device)
+        room = torch.minimum(counts, self.max_new - n_out)
+        is_eos = (j < room[:, None]) & (tokens[..., None] == self.eos).any(-1)  # (B,m); isin may sync
+        hit = is_eos.any(-1)
+        n_new = torch.where(hit, is_eos.long().argmax(-1) + 1, room)  # through the first EOS
+        pos = n_out[:, None] + j  # (B,m): slots past n_new are junk, overwritten by later writes
+        self.out_tokens[rows[:, None], pos] = tokens
+        self.out_logp[rows[:, None], pos] = logp
+        self.n_out[rows] = n_out + n_new
+        self.done = hit | (n_out + n_new >= self.max_new)
+
+    def _sync(self):
+        """The round's one host sync: done flags and the longest cache row; drop finished rows."""
+        longest = torch.where(self.done, 0, self.cache.lengths).max()  # over the rows that continue
+        flags = torch.cat([self.done.long(), longest[None]]).tolist()
+        done, self.cache.span = flags[:-1], flags[-1]  # exact span: attention reads no further
+        if all(done):
+            self.finished = True
+        elif any(done):
+            keep = torch.tensor([i for i, d in enumerate(done) if not d], device=self.device)
+            self.rows, self.last = self.rows[keep], self.last[keep]
+            self.cache.select(keep)
+            if self.draft is not None:
+                self.draft_state = self.draft.select(self.draft_state, keep)
+
+    def _lap(self, phase: str):
+        if self.timing_sync and self.device.type != "cpu":
+            getattr(torch, self.device.type).synchronize()
+        now = perf_counter()
+        setattr(self.stats, phase, getattr(self.stats, phase) + now - self._t)
+        self._t = now
+
+    def results(self) -> list[GenerationResult]:
+        """Copy the outputs to the host (once) and fill the final stats."""
+        k = self.max_new
+        tokens, logps, n = self.out_tokens[:, :k].tolist(), self.out_logp[:, :k].tolist(), self.n_out.tolist()
+        eos = set(self.eos.tolist())
+        self.stats.accepted_per_position = self._accepted.tolist()
+        self.stats.accepted = sum(self.stats.accepted_per_position)
+        self.stats.emitted_tokens = sum(n)
+        self._lap("bookkeeping_s")
+        self.stats.total_s = self._t - self._t0
+        return [GenerationResult(t[:m], lp[:m], "eos" if m and t[m - 1] in eos else "length")
+                for t, lp, m in zip(tokens, logps, n)]
