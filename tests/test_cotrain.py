@@ -28,7 +28,7 @@ def _rollouts(policy, tok, n=4, max_new=12, seed=0):
     return prompts, out
 
 
-@pytest.mark.parametrize("kind", ["eagle3", "dflash", "dspark"])
+@pytest.mark.parametrize("kind", ["eagle3", "dflash", "dspark", "model"])
 def test_draft_loss_never_reaches_policy(kind):
     policy, tok = _policy()
     prompts, out = _rollouts(policy, tok)

@@ -23,6 +23,7 @@ import torch
 import torch.nn as nn
 
 from codraft.drafts.base import Draft, Features
+from codraft.drafts.batch import DraftBatch
 from codraft.models import KVCache, ModelConfig, Transformer, load_pretrained
 from codraft.rollout.sampling import Sampler
 
@@ -38,6 +39,21 @@ class ModelDraft(nn.Module, Draft):
         self.net = net
         self.vocab_size = net.config.vocab_size
         self.default_gamma = default_gamma
+
+    def loss(self, batch: DraftBatch):
+        """Distillation: soft cross-entropy to the target's next-token distribution.
+
+        Position t predicts token t+1; it is supervised where token t+1 is a loss target
+        (a completion token, always preceded by its own prompt, so never across sequences).
+        """
+        logits = self.net(batch.input_ids, cu_seqlens=batch.cu_seqlens)[:, :-1].float()  # (1,T-1,V)
+        mask = batch.loss_mask[:, 1:]
+        teacher = batch.teacher_logits[:, :-1].float().softmax(-1)
+        ce = -(teacher * logits.log_softmax(-1)).sum(-1)  # (1,T-1)
+        n = mask.sum().clamp_min(1)
+        loss = (ce * mask).sum() / n
+        acc = ((logits.argmax(-1) == teacher.argmax(-1)) & mask).sum() / n
+        return loss, {"loss": loss.detach(), "acc": acc.detach()}
 
     def begin(self, tokens, lengths, features: Features, *, max_len: int) -> ModelDraftState:
         b = tokens.shape[0]

@@ -43,3 +43,56 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         plt.close(fig)
         written.append(out)
     return written
+
+
+def plot_compare(run_dirs: list[str | Path], out_dir: str | Path, labels: list[str] | None = None) -> list[Path]:
+    """Overlay the same panels for several runs (e.g. frozen vs co-trained draft, seeds)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [read_metrics(d) for d in run_dirs]
+    labels = labels or [Path(d).name for d in run_dirs]
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, keys, title in PANELS:
+        key = keys[0]
+        fig, ax = plt.subplots(figsize=(5.5, 3.4))
+        drawn = False
+        for rows, label in zip(runs, labels):
+            pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+            if pts:
+                ax.plot(*zip(*pts), label=label)
+                drawn = True
+        if not drawn:
+            plt.close(fig)
+            continue
+        ax.set_title(f"{title} ({key})")
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+        fig.tight_layout()
+        out = out_dir / f"compare_{name}.png"
+        fig.savefig(out, dpi=100)
+        plt.close(fig)
+        written.append(out)
+    return written
+
+
+def summarize(run_dir: str | Path, last: int = 5) -> dict:
+    """Headline figures of a run: means over its last ``last`` steps and totals."""
+    rows = [r for r in read_metrics(run_dir) if "time_step" in r]
+
+    def mean(key, rs):
+        vals = [r[key] for r in rs if isinstance(r.get(key), (int, float))]
+        return sum(vals) / len(vals) if vals else None
+
+    tail = rows[-last:]
+    val = [r["val_accuracy"] for r in read_metrics(run_dir) if isinstance(r.get("val_accuracy"), (int, float))]
+    return {"steps": len(rows), "reward_first": mean("reward_mean", rows[:last]), "reward_last": mean("reward_mean", tail),
+            "val_first": val[0] if val else None, "val_last": val[-1] if val else None,
+            "tau_first": mean("acceptance_length", rows[:last]), "tau_last": mean("acceptance_length", tail),
+            "rollout_speedup": mean("rollout_speedup", rows), "time_rollout": mean("time_rollout", rows),
+            "time_train": mean("time_train", rows), "time_step": mean("time_step", rows),
+            "mismatch_kl": mean("mismatch_kl", rows), "rollout_share": (mean("time_rollout", rows) or 0) / (mean("time_step", rows) or 1)}

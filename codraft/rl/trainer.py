@@ -170,9 +170,10 @@ class Trainer:
         m.update(reward_mean=rewards.mean(), reward_std=rewards.std() if len(rewards) > 1 else 0.0,
                  completion_len=sum(lens) / len(lens), lr=self.sched.get_last_lr()[0],
                  mismatch_kl=lm.get("policy/rollout_kl"), token_mult_prob_error=lm.get("policy/token_mult_prob_error"))
+        # step time = rollout + reward + train; the measurement extras below are not part of it
+        m["time_step"] = time.perf_counter() - t_step - m.get("time_rollout_plain", 0.0)
         if cfg.log.val_every and (step + 1) % cfg.log.val_every == 0:
             m["val_accuracy"] = self.validate()
-        m["time_step"] = time.perf_counter() - t_step
         m["tokens_per_s"] = sum(lens) / t_rollout
         return m
 
