@@ -34,6 +34,106 @@ def _cmd_train(args):
     train(cfg, resume=args.resume)
 
 
+def _cmd_generate(args):
+    import time
+
+    import torch
+    from codraft.bench.spec import CHAT_PROMPTS, default_task_name, load_draft
+    from codraft.policy import load_policy
+    from codraft.rollout import Engine
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    model, tok, folder = load_policy(args.model)
+    model.eval()
+    draft = None
+    if args.draft:
+        draft = load_draft(args.draft, model, tok, folder, gamma=args.gamma or 4, init=args.draft_init,
+                           seed=args.seed, progress=not args.json)
+    elif args.gamma is not None:
+        raise ValueError(f"--gamma {args.gamma} needs a --draft")
+    texts = args.prompt
+    if not texts:
+        if default_task_name(tok) == "arith":
+            from codraft.rl.tasks import make_task
+            texts = [make_task("arith").sample("val", 1, seed=args.seed)[0].prompt]
+        else:
+            texts = CHAT_PROMPTS[:1]
+    prompts = [tok.prompt_ids(t) for t in texts]
+    engine = Engine(model, draft, (args.gamma or 4) if draft is not None else None)
+    t0 = time.perf_counter()
+    results = engine.generate(prompts, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                              top_k=args.top_k, seed=args.seed, eos_id=tok.eos_id)
+    wall = time.perf_counter() - t0
+    st = engine.stats
+    if args.json:
+        print(json.dumps({
+            "model": args.model, "folder": str(folder), "draft": args.draft, "gamma": engine.gamma or None,
+            "settings": {"max_new_tokens": args.max_new_tokens, "temperature": args.temperature,
+                         "top_p": args.top_p, "top_k": args.top_k, "seed": args.seed, "eos_id": tok.eos_id,
+                         "threads": torch.get_num_threads()},
+            "results": [{"prompt": t, "prompt_tokens": p, "tokens": r.tokens, "text": tok.decode(r.tokens),
+                         "logprobs": r.logprobs, "finish_reason": r.finish_reason}
+                        for t, p, r in zip(texts, prompts, results)],
+            "stats": {**st.as_dict(), "wall_s": wall}}))
+        return
+    for i, (t, r) in enumerate(zip(texts, results)):
+        print(f"--- [{i}] {t!r} ({len(r.tokens)} tokens, {r.finish_reason})")
+        print(tok.decode(r.tokens))
+    acc = " ".join(f"{a:.2f}" for a in st.acceptance_per_position) or "-"
+    print(f"--- {st.emitted_tokens} tokens in {wall:.2f} s = {st.emitted_tokens / wall:.1f} tok/s"
+          + (f"; draft {args.draft} γ={engine.gamma}: τ={st.acceptance_length:.2f}, per-position acceptance [{acc}]"
+             if draft is not None else "; plain decoding")
+          + f"; time: prefill {st.prefill_s:.2f} s, draft {st.draft_s:.2f} s, verify {st.verify_s:.2f} s, "
+            f"bookkeeping {st.bookkeeping_s:.2f} s")
+
+
+def _cmd_train_draft(args):
+    import torch
+    from codraft.drafts.offline import build_for, train_offline
+    from codraft.policy import load_policy
+    from codraft.rl.tasks import make_task
+    model, tok, folder = load_policy(args.model)
+    task = make_task(args.task or ("arith" if (folder / "char_tokenizer.json").is_file() else "gsm_symbolic"))
+    out = args.out or f"drafts/{args.kind}"
+    torch.manual_seed(args.seed)
+    draft = build_for(args.kind, model, gamma=args.gamma)
+    report = train_offline(model, tok, task, draft, out_dir=out, steps=args.steps, lr=args.lr, seed=args.seed,
+                           n_prompts=args.prompts, max_new_tokens=args.max_new_tokens)
+    print(json.dumps(report))
+    print(f"{out}/draft")
+
+
+def _cmd_plot(args):
+    from codraft.rl.plots import plot_compare, plot_run
+    if len(args.run_dirs) == 1 and not args.out:
+        written = plot_run(args.run_dirs[0])
+    else:
+        written = plot_compare(args.run_dirs, args.out or args.run_dirs[0])
+    print("\n".join(map(str, written)))
+
+
+def _cmd_bench(args):
+    if args.bench in ("drift", "parity"):
+        from codraft.bench import experiments
+        fn = getattr(experiments, args.bench)
+        kinds = _csv(args.kinds) if args.kinds else None
+        opts = {"steps": args.steps, "extra": args.overrides}
+        if kinds:
+            opts["kinds"] = kinds
+        if args.bench == "parity":
+            opts["seeds"] = [int(s) for s in _csv(args.seeds)]
+        fn(args.out, **opts)
+    elif args.bench == "spec":
+        from codraft.bench.spec import run
+        run(models=_csv(args.models), batches=[int(b) for b in _csv(args.batches)],
+            max_new_tokens=args.max_new_tokens, drafts=_csv(args.drafts), gamma=args.gamma, threads=args.threads,
+            repeats=args.repeats, draft_init=args.draft_init, hf=not args.no_hf, json_path=args.json)
+
+
+def _csv(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
 def main(argv: list[str] | None = None):
     p = argparse.ArgumentParser(prog="codraft", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -53,6 +153,66 @@ def main(argv: list[str] | None = None):
     s = sub.add_parser("prepare", help="build an HF-format folder of a packaged pretrained model")
     s.add_argument("name", help="smollm2-135m")
     s.set_defaults(fn=_cmd_prepare)
+
+    s = sub.add_parser("generate", help="generate text from a policy, plain or with a speculative draft")
+    s.add_argument("--model", required=True, help="policy name (tiny-sft, smollm2-135m) or HF-format folder")
+    s.add_argument("--draft", help="draft kind (ngram, model, eagle3, dflash, dspark) or a saved draft folder")
+    s.add_argument("--draft-init", default="offline", choices=("offline", "random"),
+                   help="for trained kinds: cached short offline training on the model's task, or untrained")
+    s.add_argument("--gamma", type=int, help="tokens drafted per round (default 4)")
+    s.add_argument("--prompt", action="extend", nargs="+", metavar="TEXT",
+                   help="prompt(s); chat models get their chat template (default: one example prompt)")
+    s.add_argument("--max-new-tokens", type=int, default=64)
+    s.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    s.add_argument("--top-p", type=float, default=1.0)
+    s.add_argument("--top-k", type=int, default=0)
+    s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    s.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    s.set_defaults(fn=_cmd_generate)
+
+    s = sub.add_parser("bench", help="benchmarks that print a table and write JSON")
+    bench = s.add_subparsers(dest="bench", required=True)
+    b = bench.add_parser("spec", help="decode tokens/s: plain vs speculative vs transformers generate()")
+    b.add_argument("--models", default="tiny,smollm2", help="comma list of tiny, smollm2 (default: both)")
+    b.add_argument("--batches", default="1,4,16")
+    b.add_argument("--max-new-tokens", type=int, default=128)
+    b.add_argument("--drafts", default="ngram,model", help="comma list of draft kinds or saved draft folders")
+    b.add_argument("--draft-init", default="auto", choices=("auto", "offline", "random"),
+                   help="trained kinds: auto = offline on tiny, random (untrained) on smollm2")
+    b.add_argument("--gamma", type=int, default=4)
+    b.add_argument("--threads", type=int, default=2)
+    b.add_argument("--repeats", type=int, default=3, help="timed repetitions per side (median reported)")
+    b.add_argument("--no-hf", action="store_true", help="skip the transformers peers")
+    b.add_argument("--json", metavar="FILE", help="write every figure to this JSON file")
+    s.set_defaults(fn=_cmd_bench)
+
+    for name, default_steps, help_text in (("drift", 50, "frozen vs co-trained draft τ as the policy drifts"),
+                                           ("parity", 30, "reward/accuracy/mismatch with each draft vs none, over seeds")):
+        b = bench.add_parser(name, help=help_text)
+        b.add_argument("--out", default=f"runs/{name}", help="folder for the run folders and the summary")
+        b.add_argument("--steps", type=int, default=default_steps)
+        b.add_argument("--kinds", help="comma list of draft kinds")
+        b.add_argument("--seeds", default="0,1,2", help="(parity) comma list of seeds")
+        b.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every run")
+
+    s = sub.add_parser("train-draft", help="offline draft training on samples from the target (resumable)")
+    s.add_argument("--model", required=True, help="policy name (tiny-sft, smollm2-135m) or HF-format folder")
+    s.add_argument("--kind", required=True, help="eagle3, dflash, dspark or model")
+    s.add_argument("--out", help="output folder (default drafts/KIND); rerun with the same folder to resume")
+    s.add_argument("--task", help="prompt source (default: arith for the tiny model, gsm_symbolic otherwise)")
+    s.add_argument("--steps", type=int, default=200)
+    s.add_argument("--gamma", type=int, default=7, help="tokens drafted per round the draft is built for")
+    s.add_argument("--lr", type=float, default=1e-3)
+    s.add_argument("--prompts", type=int, default=512, help="prompts sampled from the target as training data")
+    s.add_argument("--max-new-tokens", type=int, default=64)
+    s.add_argument("--seed", type=int, default=0)
+    s.set_defaults(fn=_cmd_train_draft)
+
+    s = sub.add_parser("plot", help="PNG plots of a run folder, or overlays of several")
+    s.add_argument("run_dirs", nargs="+")
+    s.add_argument("--out", help="folder for overlay plots (default: the first run folder)")
+    s.set_defaults(fn=_cmd_plot)
 
     args = p.parse_args(argv)
     try:

@@ -1,0 +1,105 @@
+"""The RL experiments of the co-training issue, as commands (`codraft bench drift|parity`).
+
+drift   same seed, same initial (offline-trained) draft: a frozen draft vs a co-trained one,
+        per draft kind, while the policy changes. Reports τ at the start and the end.
+parity  reward, validation accuracy and mismatch KL with speculative rollouts (each kind)
+        vs draft.mode=none, over several seeds; also the end-to-end numbers (rollout
+        speedup, step speedup, rollout share of step time and Amdahl's bound).
+Each run is an ordinary `codraft train` run folder under ``out``; the summary is a
+markdown table + JSON, and overlay plots.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from codraft.config import load_config
+from codraft.rl.plots import plot_compare, summarize
+
+
+def _run(out: Path, name: str, overrides: list[str], progress: bool) -> Path:
+    from codraft.rl.trainer import train
+    run_dir = out / name
+    if (run_dir / "metrics.jsonl").is_file() and (run_dir / "done").is_file():
+        return run_dir  # finished earlier: experiments are resumable run by run
+    cfg = load_config(None, overrides + [f"run_dir={run_dir}"])
+    print(f"== {name}: {' '.join(overrides)}", flush=True)
+    train(cfg, progress=progress)
+    (run_dir / "done").write_text("")
+    return run_dir
+
+
+def _fmt(v, nd=3):
+    return "-" if v is None else f"{v:.{nd}f}" if isinstance(v, float) else str(v)
+
+
+def drift(out: str | Path, *, kinds=("dflash", "dspark", "eagle3"), steps: int = 50, seed: int = 0,
+          extra: list[str] = (), progress: bool = True) -> dict:
+    out = Path(out)
+    rows, dirs = {}, []
+    for kind in kinds:
+        for mode in ("frozen", "cotrain"):
+            d = _run(out, f"drift-{kind}-{mode}", [f"steps={steps}", f"seed={seed}", f"draft.kind={kind}",
+                                                     f"draft.mode={mode}", "log.speedup_every=0",
+                                                     "log.checkpoint_every=0", *extra], progress)
+            rows[f"{kind}/{mode}"] = summarize(d)
+            dirs.append(d)
+    plot_compare(dirs, out / "drift-plots")
+    lines = ["| kind | mode | τ first 5 steps | τ last 5 steps | reward first → last |", "|---|---|---|---|---|"]
+    for key, s in rows.items():
+        kind, mode = key.split("/")
+        lines.append(f"| {kind} | {mode} | {_fmt(s['tau_first'], 2)} | {_fmt(s['tau_last'], 2)} | "
+                     f"{_fmt(s['reward_first'], 2)} → {_fmt(s['reward_last'], 2)} |")
+    ratios = {k: rows[f"{k}/cotrain"]["tau_last"] / rows[f"{k}/frozen"]["tau_last"] for k in kinds
+              if rows[f"{k}/frozen"]["tau_last"]}
+    lines += ["", "co-trained / frozen τ at the end: " + ", ".join(f"{k} {v:.2f}×" for k, v in ratios.items())]
+    return _write(out, "drift", rows, lines)
+
+
+def parity(out: str | Path, *, kinds=("none", "dflash", "dspark", "eagle3"), seeds=(0, 1, 2), steps: int = 30,
+           extra: list[str] = (), progress: bool = True) -> dict:
+    out = Path(out)
+    rows, dirs = {}, []
+    for kind in kinds:
+        for seed in seeds:
+            mode = ["draft.mode=none"] if kind == "none" else [f"draft.kind={kind}", "draft.mode=cotrain"]
+            d = _run(out, f"parity-{kind}-seed{seed}", [f"steps={steps}", f"seed={seed}", *mode,
+                                                         "log.speedup_every=5", "log.checkpoint_every=0", *extra],
+                     progress)
+            rows[f"{kind}/{seed}"] = summarize(d)
+            dirs.append(d)
+    plot_compare(dirs, out / "parity-plots")
+
+    def spread(kind, key):
+        vals = [rows[f"{kind}/{s}"][key] for s in seeds if rows[f"{kind}/{s}"][key] is not None]
+        if not vals:
+            return "-"
+        m = sum(vals) / len(vals)
+        return f"{m:.3f} ± {(max(vals) - min(vals)) / 2:.3f}"
+
+    lines = ["| kind | reward (last 5) | val acc (end) | mismatch KL | τ | rollout speedup | step time s | rollout share |",
+             "|---|---|---|---|---|---|---|---|"]
+    for kind in kinds:
+        lines.append(f"| {kind} | {spread(kind, 'reward_last')} | {spread(kind, 'val_last')} | "
+                     f"{spread(kind, 'mismatch_kl')} | {spread(kind, 'tau_last')} | {spread(kind, 'rollout_speedup')} | "
+                     f"{spread(kind, 'time_step')} | {spread(kind, 'rollout_share')} |")
+    if "none" in kinds:
+        base = [rows[f"none/{s}"] for s in seeds]
+        t_none = sum(r["time_step"] for r in base) / len(base)
+        f = sum(r["rollout_share"] for r in base) / len(base)
+        lines += ["", "End to end vs draft.mode=none (mean over seeds): "]
+        for kind in kinds[1:]:
+            rs = [rows[f"{kind}/{s}"] for s in seeds]
+            t = sum(r["time_step"] for r in rs) / len(rs)
+            s_roll = sum(r["rollout_speedup"] or 0 for r in rs) / len(rs)
+            bound = 1 / ((1 - f) + f / s_roll) if s_roll else None
+            lines.append(f"- {kind}: step speedup {t_none / t:.2f}× (rollout speedup {s_roll:.2f}×, "
+                         f"Amdahl bound with f={f:.2f}: {_fmt(bound, 2)}×)")
+    return _write(out, "parity", rows, lines)
+
+
+def _write(out: Path, name: str, rows: dict, lines: list[str]) -> dict:
+    (out / f"{name}.json").write_text(json.dumps(rows, indent=2))
+    (out / f"{name}.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return rows
