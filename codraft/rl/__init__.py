@@ -1,0 +1,1 @@
+"""RL post-training: tasks and rewards, GRPO loss and advantages, the co-training step, the trainer loop."""
