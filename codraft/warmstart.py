@@ -41,9 +41,9 @@ def tiny_model_config(tok: CharTokenizer) -> ModelConfig:
 
 @dataclass
 class SFTConfig:
-    steps: int = 1200
+    steps: int = 500
     batch_size: int = 48
-    lr: float = 2e-3
+    lr: float = 3e-3
     warmup: int = 50
     weight_decay: float = 0.01
     seed: int = 0

@@ -11,9 +11,9 @@ from codraft.tokenizer import CHAR_ALPHABET
 
 ARITH_KNOBS = [
     {},  # the defaults
-    {"operands": (2, 6), "ops": "+-*/", "mul_digits": (2, 2)},
-    {"operands": (3, 5), "allow_negative": True, "add_digits": (2, 4), "p_product": 0.8},
-    {"operands": (2, 3), "ops": "+", "min_products": 0},
+    {"operands": (2, 6), "ops": "+-*/", "mul_digits": (2, 2), "max_value": None},
+    {"operands": (3, 5), "allow_negative": True, "add_digits": (2, 4), "p_product": 0.8, "max_value": None},
+    {"operands": (2, 3), "ops": "+", "min_products": 0, "add_digits": (1, 3), "max_value": 500},
 ]
 
 
@@ -82,6 +82,8 @@ def test_arith_knob_errors():
         make_task("arith", val_fraction=0.0)
     with pytest.raises(ValueError, match="distinct"):  # 9 one-digit sums only: asks for too many
         make_task("arith", operands=(2, 2), add_digits=(1, 1), ops="+", min_products=0).sample("train", 100)
+    with pytest.raises(ValueError, match="no expression satisfies"):  # 2-digit products can't stay <= 20
+        make_task("arith", mul_digits=(2, 2), min_products=1).sample("train", 1)
 
 
 def test_make_task_errors_name_valid_choices():
