@@ -1,0 +1,97 @@
+"""Benchmarks behind `codraft bench ...`: each prints a table and writes every figure to JSON.
+
+Benchmarks are never run as tests. Shared helpers here: machine description, an aligned-text
+table, and a CPU-contention meter (how much of the machine other processes used meanwhile,
+which is what makes timings on a shared host noisy).
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import statistics
+
+import torch
+
+
+def machine_info() -> dict:
+    info = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+            "platform": platform.platform(), "python": platform.python_version(),
+            "processor": _cpu_model(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    try:
+        import transformers
+        info["transformers"] = transformers.__version__
+    except ImportError:
+        pass
+    return info
+
+
+def _cpu_model() -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+class CpuMeter:
+    """CPU seconds this process used vs. all processes on the machine since ``start()`` (Linux).
+
+    ``others_cores`` = mean number of cores busy with *other* processes: on a 2-core machine,
+    a value near 1 means half the machine was taken while we measured.
+    """
+
+    def __init__(self):
+        self.start()
+
+    @staticmethod
+    def _machine_busy_s() -> float | None:
+        try:
+            fields = open("/proc/stat").readline().split()[1:]
+        except OSError:
+            return None
+        ticks = [int(x) for x in fields]
+        idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+        steal = ticks[7] if len(ticks) > 7 else 0  # time the hypervisor gave to other guests
+        return (sum(ticks[:8]) - idle - steal) / os.sysconf("SC_CLK_TCK")
+
+    def start(self):
+        import time
+        self._wall, self._own, self._all = time.perf_counter(), time.process_time(), self._machine_busy_s()
+
+    def read(self) -> dict:
+        import time
+        wall = time.perf_counter() - self._wall
+        own = time.process_time() - self._own
+        busy = self._machine_busy_s()
+        out = {"wall_s": wall, "own_cpu_s": own}
+        if busy is not None and self._all is not None and wall > 0:
+            out["others_cores"] = max(0.0, (busy - self._all - own) / wall)
+        return out
+
+
+def median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def format_table(rows: list[list], headers: list[str]) -> str:
+    """Plain aligned text: numbers right-aligned, text left-aligned."""
+    cells = [[_fmt(c) for c in r] for r in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    numeric = [all(isinstance(r[i], (int, float)) or r[i] is None for r in rows) for i in range(len(headers))]
+
+    def line(vals):
+        return "  ".join(v.rjust(w) if num else v.ljust(w) for v, w, num in zip(vals, widths, numeric)).rstrip()
+
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in cells])
+
+
+def _fmt(x) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return f"{x:.3g}" if abs(x) < 10 else f"{x:.1f}"
+    return str(x)

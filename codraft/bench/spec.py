@@ -1,0 +1,306 @@
+"""`codraft bench spec`: decode throughput, plain vs speculative, next to `transformers` in the same run.
+
+For each model (``tiny`` = the tiny-sft char model on arith prompts, ``smollm2`` =
+SmolLM2-135M-Instruct fp32 on a fixed list of 16 chat instructions) and batch size B, on
+the first B prompts, timed sides:
+
+  codraft plain      ``Engine(model)``, greedy
+  codraft spec/<d>   ``Engine(model, draft)``, greedy, for each draft d (ngram, model, ...)
+  hf generate        ``transformers`` ``generate()`` greedy on an HF model built from the same folder
+  hf prompt-lookup   ``generate(prompt_lookup_num_tokens=10)`` (transformers supports it at B=1 only)
+
+Throughput is compared under greedy decoding with EOS disabled on every side, so every row
+of every side produces exactly ``max_new_tokens`` tokens and the work is identical; greedy
+tokens of codraft plain vs HF are compared too (``match_hf``). Acceptance length τ is also
+measured at temperature 1 (EOS on, seeded) for every draft: the RL setting.
+
+Timing: one warm-up run per side, then ``repeats`` rounds in which the sides run
+interleaved (so load from other processes spreads evenly over them); the median is
+reported. tokens/s = new tokens of all rows / wall time of the whole call (prefill included).
+The memory-bandwidth bound of one decode step (``codraft.bench.bandwidth``) is shown next
+to codraft's and HF's plain decode time per step at batch 1.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from time import perf_counter
+from typing import Callable
+
+import torch
+
+from codraft.bench import CpuMeter, format_table, machine_info, median
+from codraft.bench.bandwidth import decode_bound_s, measure_bandwidth, weight_bytes
+
+MODELS = {"tiny": "tiny-sft", "smollm2": "smollm2-135m"}
+DEFAULT_DRAFTS = ("ngram", "model")
+
+# Diverse single-turn instructions for the chat model (no dataset needed): the same list,
+# in this order, for every side and batch size (batch B uses the first B).
+CHAT_PROMPTS = [
+    "Write a short story about a robot who learns to paint.",
+    "Explain how photosynthesis works in simple terms.",
+    "List five tips for staying focused while studying.",
+    "What is the difference between a list and a tuple in Python?",
+    "Write a polite email asking a colleague to review my report.",
+    "Summarize the plot of Romeo and Juliet in a few sentences.",
+    "How do I make a simple tomato pasta sauce?",
+    "Why is the sky blue?",
+    "Give me three ideas for a birthday party for a ten-year-old.",
+    "Translate 'Good morning, how are you?' into French and Spanish.",
+    "Write a haiku about the ocean.",
+    "What are the main causes of climate change?",
+    "Explain what a prime number is and give some examples.",
+    "Describe the water cycle step by step.",
+    "Write a Python function that reverses a string.",
+    "What should I pack for a weekend hiking trip?",
+]
+
+
+# ---------------------------------------------------------------- drafts (shared with `codraft generate`)
+
+def default_task_name(tok) -> str:
+    """The task a policy's drafts are trained on offline: arith for the char model, gsm_symbolic otherwise."""
+    from codraft.tokenizer import CharTokenizer
+    return "arith" if isinstance(tok, CharTokenizer) else "gsm_symbolic"
+
+
+def load_draft(spec: str, policy, tok, policy_dir, *, gamma: int = 4, init: str = "offline", seed: int = 0,
+               progress: bool = True):
+    """A draft from a kind name or a saved draft folder.
+
+    spec: ``ngram`` / ``model`` / ``eagle3`` / ``dflash`` / ``dspark`` (trained kinds come from
+    ``init_draft(kind, init, ...)``: "offline" = cached short offline training on the policy's
+    default task, "random" = untrained) or a folder written by `codraft train-draft`/``save_draft``.
+    """
+    from codraft.drafts import available_drafts
+    from codraft.drafts.offline import init_draft, saved_kind
+    from codraft.rl.tasks import make_task
+    path = Path(spec)
+    if spec not in available_drafts():
+        if not path.is_dir():
+            raise ValueError(f"unknown draft {spec!r}: not a draft folder, and not a kind "
+                             f"(valid kinds: {', '.join(available_drafts())})")
+        kind, init = saved_kind(path), str(path)
+    else:
+        kind = spec
+    task = make_task(default_task_name(tok)) if kind != "ngram" and init == "offline" else None
+    return init_draft(kind, init, policy=policy, tok=tok, task=task, policy_dir=Path(policy_dir), gamma=gamma,
+                      seed=seed, progress=progress)
+
+
+# ---------------------------------------------------------------- sides
+
+
+@dataclass
+class Side:
+    name: str
+    run: Callable[[list[list[int]]], dict]  # prompts -> {"tokens": [[...]], optional "stats"}
+    times: list[float] = field(default_factory=list)
+    last: dict = field(default_factory=dict)
+
+
+def _codraft_side(name, model, draft, gamma, max_new):
+    from codraft.rollout import Engine
+    engine = Engine(model, draft, gamma if draft is not None else None)
+
+    def run(prompts, n=max_new, temperature=0.0, eos=(), seed=0):
+        res = engine.generate(prompts, n, temperature=temperature, eos_id=list(eos), seed=seed)
+        return {"tokens": [r.tokens for r in res], "stats": engine.stats.as_dict()}
+
+    return Side(name, run)
+
+
+def _hf_side(name, hf, pad_id, max_new, lookup: int | None = None):
+    from transformers import GenerationConfig
+
+    def run(prompts, n=max_new):
+        t = max(map(len, prompts))
+        ids = torch.tensor([[pad_id] * (t - len(p)) + p for p in prompts])  # left padding, as HF expects
+        mask = torch.tensor([[0] * (t - len(p)) + [1] * len(p) for p in prompts])
+        cfg = GenerationConfig(max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=pad_id,
+                               bos_token_id=None, prompt_lookup_num_tokens=lookup)
+        with torch.inference_mode():
+            out = hf.generate(ids, attention_mask=mask, generation_config=cfg)
+        return {"tokens": out[:, t:].tolist()}
+
+    return Side(name, run)
+
+
+def _load_hf(folder):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+    logging.set_verbosity_error()
+    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+
+
+def _prompts(tok, n: int) -> list[list[int]]:
+    if default_task_name(tok) == "arith":  # the char model: arithmetic prompts from the task's val split
+        from codraft.rl.tasks import make_task
+        return [tok.prompt_ids(p.prompt) for p in make_task("arith").sample("val", n, seed=0)]
+    return [tok.prompt_ids(CHAT_PROMPTS[i % len(CHAT_PROMPTS)]) for i in range(n)]
+
+
+def _match(a: list[list[int]], b: list[list[int]]) -> float:
+    """Mean fraction of each row's tokens that agree before the first difference."""
+    fr = []
+    for x, y in zip(a, b):
+        k = next((i for i, (u, v) in enumerate(zip(x, y)) if u != v), min(len(x), len(y)))
+        fr.append(k / max(len(x), 1))
+    return sum(fr) / len(fr)
+
+
+# ---------------------------------------------------------------- the benchmark
+
+
+def bench_model(model_name: str, *, batches, max_new: int, drafts, gamma: int, repeats: int, draft_init: str,
+                hf: bool = True, log=print) -> dict:
+    from codraft.policy import load_policy
+    init = MODELS.get(model_name, model_name)
+    policy, tok, folder = load_policy(init)
+    policy.eval()
+    nbytes = weight_bytes(policy)
+    out = {"policy": init, "folder": str(folder), "parameters": sum(p.numel() for p in policy.parameters()),
+           "weight_bytes": nbytes, "drafts": {}, "rows": []}
+    sides = [_codraft_side("codraft plain", policy, None, None, max_new)]
+    for spec in drafts:
+        d_init = draft_init if draft_init != "auto" else ("offline" if default_task_name(tok) == "arith" else "random")
+        t0 = perf_counter()
+        try:
+            draft = load_draft(spec, policy, tok, folder, gamma=gamma, init=d_init if spec != "ngram" else "offline",
+                               progress=False)
+        except (ValueError, FileNotFoundError, ImportError, RuntimeError) as e:
+            log(f"  draft {spec}: skipped ({type(e).__name__}: {e})")
+            out["drafts"][spec] = {"error": f"{type(e).__name__}: {e}"}
+            continue
+        out["drafts"][spec] = {"init": "-" if spec == "ngram" else d_init, "build_s": perf_counter() - t0,
+                               "weight_bytes": weight_bytes(draft) if isinstance(draft, torch.nn.Module) else 0}
+        sides.append(_codraft_side(f"codraft spec/{spec}", policy, draft, gamma, max_new))
+    hf_model = None
+    if hf:
+        hf_model = _load_hf(folder)
+        sides.append(_hf_side("hf generate", hf_model, tok.pad_id, max_new))
+        pld = _hf_side("hf prompt-lookup", hf_model, tok.pad_id, max_new, lookup=10)
+    all_prompts = _prompts(tok, max(batches))
+    for b in batches:
+        prompts = all_prompts[:b]
+        these = sides + ([pld] if hf and b == 1 else [])
+        for s in these:
+            s.times = []
+            s.run(prompts, n=min(max_new, 16))  # warm-up: allocator, thread pool, kernels
+        meter = CpuMeter()
+        for _ in range(repeats):
+            for s in these:
+                t = perf_counter()
+                s.last = s.run(prompts)
+                s.times.append(perf_counter() - t)
+        load = meter.read()
+        ref = next((s.last["tokens"] for s in these if s.name == "hf generate"), None)
+        plain = these[0]
+        for s in these:
+            n_tok = sum(map(len, s.last["tokens"]))
+            row = {"batch": b, "side": s.name, "new_tokens": n_tok, "seconds": s.times,
+                   "tokens_per_s": n_tok / median(s.times), "others_cores": load.get("others_cores")}
+            if n_tok != b * max_new:
+                row["warning"] = f"{n_tok} tokens instead of {b * max_new}"
+            st = s.last.get("stats")
+            if st is not None:
+                row["stats_greedy"] = st
+                row["tau_greedy"] = st["acceptance_length"]
+                # target forward + sampling/accept per round: a plain decode step, or one γ+1-token verify
+                row["ms_per_forward"] = 1e3 * st["verify_s"] / max(st["rounds"], 1)
+            if s.name.startswith("codraft spec/"):
+                row["identical_to_plain"] = s.last["tokens"] == plain.last["tokens"]
+                t1 = s.run(prompts, temperature=1.0, eos=[tok.eos_id], seed=1)["stats"]
+                row["tau_t1"] = t1["acceptance_length"]
+                row["acceptance_per_position_t1"] = t1["acceptance_per_position"]
+            if ref is not None and s is plain:
+                row["match_hf"] = _match(plain.last["tokens"], ref)
+            out["rows"].append(row)
+        log(f"  {model_name} batch {b}: done ({load.get('others_cores', float('nan')):.2f} cores busy elsewhere)")
+    return out
+
+
+def summarize(result: dict) -> list[dict]:
+    """Per model: plain decode ms/token at batch 1 vs the bandwidth bound and vs HF."""
+    # the best bandwidth seen (before and after the runs): a lower floor, never an inflated one
+    bw_GBps = max(b[k] for b in (result["bandwidth"], result.get("bandwidth_after") or {})
+                  for k in ("copy_GBps", "read_GBps") if k in b)
+    out = []
+    for name, m in result["models"].items():
+        rows = {(r["batch"], r["side"]): r for r in m["rows"]}
+        plain, hf = rows.get((1, "codraft plain")), rows.get((1, "hf generate"))
+        if plain is None:
+            continue
+        bound = decode_bound_s(m["weight_bytes"], bw_GBps) * 1e3
+        s = {"model": name, "weight_MB": m["weight_bytes"] / 1e6, "bandwidth_GBps": bw_GBps, "bound_ms": bound,
+             "codraft_ms_per_token": 1e3 / plain["tokens_per_s"], "codraft_ms_per_step": plain.get("ms_per_forward")}
+        s["codraft_vs_bound"] = s["codraft_ms_per_token"] / bound
+        if hf is not None:
+            s["hf_ms_per_token"] = 1e3 / hf["tokens_per_s"]
+            s["hf_vs_bound"] = s["hf_ms_per_token"] / bound
+            s["codraft_speedup_vs_hf"] = plain["tokens_per_s"] / hf["tokens_per_s"]
+        out.append(s)
+    return out
+
+
+def _label(name: str) -> str:
+    return name if name in MODELS else Path(name).name
+
+
+def print_report(result: dict, log=print):
+    for name, m in result["models"].items():
+        plain = {r["batch"]: r["tokens_per_s"] for r in m["rows"] if r["side"] == "codraft plain"}
+        hf = {r["batch"]: r["tokens_per_s"] for r in m["rows"] if r["side"] == "hf generate"}
+        table = [[r["batch"], r["side"], r["tokens_per_s"], 1e3 * median(r["seconds"]),
+                  r["tokens_per_s"] / plain[r["batch"]] if r["batch"] in plain else None,
+                  r["tokens_per_s"] / hf[r["batch"]] if r["batch"] in hf else None,
+                  r.get("tau_greedy"), r.get("tau_t1"), r.get("ms_per_forward"),
+                  {True: "yes", False: "NO"}.get(r.get("identical_to_plain"), "-")] for r in m["rows"]]
+        log(f"\n{_label(name)} ({m['parameters'] / 1e6:.1f} M params, fp32), greedy, "
+            f"{result['settings']['max_new_tokens']} new tokens/row, median of {result['settings']['repeats']}:")
+        log(format_table(table, ["B", "side", "tok/s", "ms/call", "vs plain", "vs hf", "τ greedy", "τ T=1",
+                                 "fwd ms", "= plain"]))
+    summary = summarize(result)
+    if summary:
+        log("\nbatch-1 plain decoding vs the memory-bandwidth bound (weight bytes / measured bandwidth):")
+        log(format_table([[_label(s["model"]), s["weight_MB"], s["bandwidth_GBps"], s["bound_ms"],
+                           s["codraft_ms_per_step"], s["codraft_ms_per_token"], s["codraft_vs_bound"],
+                           s.get("hf_ms_per_token"), s.get("hf_vs_bound"), s.get("codraft_speedup_vs_hf")]
+                          for s in summary],
+                         ["model", "weights MB", "GB/s", "bound ms", "codraft fwd ms", "codraft ms/tok", "x bound",
+                          "hf ms/tok", "x bound", "codraft/hf"]))
+
+
+def run(models=("tiny", "smollm2"), batches=(1, 4, 16), max_new_tokens=128, drafts=DEFAULT_DRAFTS, gamma=4,
+        threads=2, repeats=3, draft_init="auto", hf=True, json_path=None, log=print) -> dict:
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    unknown = [m for m in models if m not in MODELS and not Path(m).is_dir()]
+    if unknown:
+        raise ValueError(f"unknown model(s) {unknown}; valid: {', '.join(MODELS)} or an HF-format folder")
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    result = {"machine": machine_info(),
+              "settings": {"models": list(models), "batches": list(batches), "max_new_tokens": max_new_tokens,
+                           "drafts": list(drafts), "gamma": gamma, "threads": threads, "repeats": repeats,
+                           "draft_init": draft_init, "decoding": "greedy, EOS disabled (tau_t1: temperature 1, EOS on)",
+                           "timing": "median wall time of the whole generate call, sides interleaved"}}
+    log(f"bench spec: {threads} threads, torch {torch.__version__}; measuring memory bandwidth ...")
+    result["bandwidth"] = measure_bandwidth()
+    result["models"] = {}
+    for m in models:
+        log(f"{m}: loading and building drafts ...")
+        result["models"][m] = bench_model(m, batches=batches, max_new=max_new_tokens, drafts=drafts, gamma=gamma,
+                                          repeats=repeats, draft_init=draft_init, hf=hf, log=log)
+    result["bandwidth_after"] = measure_bandwidth()
+    result["summary"] = summarize(result)
+    result["machine"]["loadavg"] = os.getloadavg()
+    print_report(result, log)
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(result, indent=2))
+        log(f"\nwrote {json_path}")
+    return result
