@@ -198,8 +198,8 @@ class ArithTask(Task):
 
     An expression is a +/- chain of terms; a term is a number or a product/quotient of two
     numbers (a quotient is always exact). Defaults (4-5 one-digit operands, at least one
-    product, every intermediate value in 0..20) give prompts of ~10 chars and completions
-    of ~26 chars. They are calibrated so the tiny preset's few-minute warm start lands
+    product, every intermediate value in 0..20) give prompts of ~9 chars and completions
+    of ~25 chars. They are calibrated so the tiny preset's few-minute warm start lands
     around 30 % held-out accuracy (RL has room); raise the knobs for harder variants.
     """
 
@@ -234,60 +234,72 @@ class ArithTask(Task):
         if self.min_products < 0 or not 0.0 <= self.p_product <= 1.0:
             raise ValueError(f"arith: need min_products >= 0 and p_product in [0, 1], "
                              f"got {self.min_products}, {self.p_product}")
+        smallest = 1
+        for d in self.mul_digits:
+            smallest *= 2 if d == 1 else 10 ** (d - 1)
+        forced_product = self.min_products > 0 and bool(set(self.ops) & set("*/"))
+        if self.max_value is not None and forced_product and smallest > self.max_value:
+            raise ValueError(f"arith: no expression satisfies the knobs: every expression has a product of at "
+                             f"least {smallest} (mul_digits={self.mul_digits}) > max_value={self.max_value}")
 
-    def _term(self, rng: random.Random, kind: str) -> tuple[str, int, str | None]:
-        """(text, value, worked step or None) for one term of the chain."""
+    def _term(self, rng: random.Random, kind: str) -> tuple[str, int, str | None, int]:
+        """(text, value, worked step or None, largest number shown) for one term of the chain."""
         if kind == "n":
-            return (str(v := _int_with_digits(rng, rng.randint(*self.add_digits), 1)), v, None)
+            v = _int_with_digits(rng, rng.randint(*self.add_digits), 1)
+            return str(v), v, None, v
         a = _int_with_digits(rng, self.mul_digits[0], 2)  # one-digit factors skip 0 and 1: no free steps
         b = _int_with_digits(rng, self.mul_digits[1], 2)
         if kind == "*":
-            return f"{a}*{b}", a * b, f"{a}*{b}={a * b}"
-        return f"{a * b}/{b}", a, f"{a * b}/{b}={a}"  # exact by construction
+            return f"{a}*{b}", a * b, f"{a}*{b}={a * b}", a * b
+        return f"{a * b}/{b}", a, f"{a * b}/{b}={a}", a * b  # exact by construction
 
-    def make(self, rng: random.Random) -> Problem:
-        """One problem (any split) from `rng`."""
-        mults = [op for op in "*/" if op in self.ops]
-        adds = [op for op in "+-" if op in self.ops]
-        for _ in range(100_000):
-            left = rng.randint(*self.operands)
-            kinds: list[str] = []
-            if mults:
-                for _ in range(min(self.min_products, left // 2)):
-                    kinds.append(rng.choice(mults))
-                    left -= 2
-            while left > 0:
-                if mults and left >= 2 and rng.random() < self.p_product:
-                    kinds.append(rng.choice(mults))
-                    left -= 2
-                else:
-                    kinds.append("n")
-                    left -= 1
-            rng.shuffle(kinds)
-            terms = [self._term(rng, k) for k in kinds]
-            signs = [rng.choice(adds) for _ in terms[1:]]
+    def _attempt(self, rng: random.Random, mults: list[str], adds: list[str]) -> Problem | None:
+        """One draw; None when it breaks a constraint. Aborting as soon as a constraint fails
+        leaves the distribution of accepted problems unchanged and saves most of the work."""
+        cap = self.max_value
+        left = rng.randint(*self.operands)
+        kinds: list[str] = []
+        if mults:
+            for _ in range(min(self.min_products, left // 2)):
+                kinds.append(rng.choice(mults))
+                left -= 2
+        while left > 0:
+            if mults and left >= 2 and rng.random() < self.p_product:
+                kinds.append(rng.choice(mults))
+                left -= 2
+            else:
+                kinds.append("n")
+                left -= 1
+        rng.shuffle(kinds)
+        terms = []
+        for kind in kinds:
+            terms.append(term := self._term(rng, kind))
+            if cap is not None and term[3] > cap:
+                return None
 
-            steps = [step for _, _, step in terms if step is not None]  # products first, in order
-            acc = terms[0][1]
-            ok = acc >= 0
-            for sign, (_, v, _) in zip(signs, terms[1:]):
-                new = acc + v if sign == "+" else acc - v
-                steps.append(f"{acc}{sign}{v}={new}")
-                acc = new
-                ok = ok and acc >= 0
-            ok = ok or self.allow_negative
-            if self.max_value is not None:  # every product and running value stays small
-                values = [v for _, v, _ in terms] + [int(x) for x in re.findall(r"\d+", ";".join(steps))]
-                ok = ok and max(values) <= self.max_value
-            if ok:
-                break
-        else:
-            raise ValueError(f"arith: no expression satisfies the knobs (max_value={self.max_value}, "
-                             f"operands={self.operands}, add_digits={self.add_digits}, mul_digits={self.mul_digits})")
-        expr = terms[0][0] + "".join(s + t for s, (t, _, _) in zip(signs, terms[1:]))
+        steps = [step for _, _, step, _ in terms if step is not None]  # products first, in order
+        expr, acc = terms[0][0], terms[0][1]
+        for text, v, _, _ in terms[1:]:
+            sign = rng.choice(adds)
+            new = acc + v if sign == "+" else acc - v
+            if (new < 0 and not self.allow_negative) or (cap is not None and abs(new) > cap):
+                return None
+            steps.append(f"{acc}{sign}{v}={new}")
+            expr += sign + text
+            acc = new
         answer = str(acc)
         return Problem(prompt=expr + "=", answer=answer, solution=";".join(steps) + self.marker + answer,
                        meta={"expr": expr, "n_steps": len(steps)})
+
+    def make(self, rng: random.Random) -> Problem:
+        """One problem (any split) from `rng`: rejection sampling under the constraints."""
+        mults = [op for op in "*/" if op in self.ops]
+        adds = [op for op in "+-" if op in self.ops]
+        for _ in range(100_000):
+            if (problem := self._attempt(rng, mults, adds)) is not None:
+                return problem
+        raise ValueError(f"arith: no expression satisfies the knobs (max_value={self.max_value}, "
+                         f"operands={self.operands}, add_digits={self.add_digits}, mul_digits={self.mul_digits})")
 
     def _candidates(self, split: str, seed: int) -> Iterator[Problem]:
         rng = random.Random(f"codraft.arith/{split}/{seed}")  # str seeds hash with SHA-512: stable
