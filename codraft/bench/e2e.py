@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gc
 import json
 import os
 import shutil
@@ -439,7 +440,8 @@ def run(*, steps: int = 3, warmup: int = 1, draft_kinds=DEFAULT_KINDS, threads: 
                            "max_new_tokens": max_new_tokens, "prompts": prompts, "group": group, "gamma": gamma,
                            "lr": lr, "seed": seed, "speedup_every": speedup_every, "interleave": interleave,
                            "policy": policy, "task": task, "dtype": "float32", "kl_coef": 0.0,
-                           "draft_init": "random", "overrides": list(overrides)},
+                           "draft_init": "random", "overrides": list(overrides),
+                           "trl_gradient_checkpointing": trl_gradient_checkpointing},
               "sides": {}, "notes": []}
     reason = _trl_missing_reason() if trl else "disabled (--no-trl)"
     if reason:
@@ -449,32 +451,40 @@ def run(*, steps: int = 3, warmup: int = 1, draft_kinds=DEFAULT_KINDS, threads: 
     tmp = Path(tempfile.mkdtemp(prefix="codraft-bench-e2e-"))
     sides: list = []
     try:
+        factories: list[tuple[str, Callable]] = []  # (name, build) per side, in order
         for kind in draft_kinds:
-            log(f"building codraft/{kind} ...")
-            sides.append(CodraftSide(kind, policy=policy, task=task, prompts=prompts, group=group,
-                                     max_new_tokens=max_new_tokens, gamma=gamma, lr=lr, seed=seed,
-                                     speedup_every=speedup_every, run_dir=tmp / f"run-{kind}", overrides=overrides))
-        ref = sides[0] if sides else None
+            factories.append((f"codraft/{kind}", lambda kind=kind: CodraftSide(
+                kind, policy=policy, task=task, prompts=prompts, group=group, max_new_tokens=max_new_tokens,
+                gamma=gamma, lr=lr, seed=seed, speedup_every=speedup_every, run_dir=tmp / f"run-{kind}",
+                overrides=overrides)))
         if not reason:
             from codraft.policy import resolve_policy_dir
             from codraft.rl.tasks import make_task
-            cfg = ref.cfg if ref else None
-            the_task = ref.trainer.task if ref else make_task(task)
+            from codraft.tokenizer import load_tokenizer
+            policy_dir = resolve_policy_dir(policy)
+            from codraft.config import load_config
+            tcfg = load_config(PRESET, [f"task.name={task}", *overrides]).task  # codraft's task knobs
+            the_task = make_task(tcfg.name, max_chars=tcfg.max_chars, format_reward=tcfg.format_reward)
             stream = the_task.stream("train", seed=seed)
             problems = [next(stream) for _ in range(total * prompts)]
-            log("building trl GRPOTrainer ...")
-            trl_side = TrlSide(policy_dir=resolve_policy_dir(policy), problems=problems, task=the_task,
-                               prompts=prompts, group=group, max_new_tokens=max_new_tokens, lr=lr, seed=seed,
-                               total_steps=total, threads=threads, out_dir=tmp / "trl")
-            sides.append(trl_side)
-            if ref is not None:  # the same prompt tokens on both sides (chat template included)
-                same = ref.prompt_ids(total) == trl_side.prompt_ids(problems)
+            codraft_ids = [load_tokenizer(policy_dir).prompt_ids(p.prompt) for p in problems]
+
+            def build_trl():
+                side = TrlSide(policy_dir=policy_dir, problems=problems, task=the_task, prompts=prompts,
+                               group=group, max_new_tokens=max_new_tokens, lr=lr, seed=seed, total_steps=total,
+                               threads=threads, out_dir=tmp / "trl", gradient_checkpointing=trl_gradient_checkpointing)
+                same = side.prompt_ids(problems) == codraft_ids  # same prompt tokens (chat template included)
                 result["prompt_ids_match"] = same
                 if not same:
                     result["notes"].append("codraft's and TRL's prompt token ids differ (chat template)")
-            del cfg
-        for s in sides:
-            result["sides"][s.name] = {"init_s": s.init_s}
+                return side
+            factories.append(("trl", build_trl))
+
+        def build(name, factory):
+            log(f"building {name} ...")
+            side = factory()
+            result["sides"][side.name] = {"init_s": side.init_s}
+            return side
 
         def one_step(side):
             rec = side.step()
@@ -483,25 +493,36 @@ def run(*, steps: int = 3, warmup: int = 1, draft_kinds=DEFAULT_KINDS, threads: 
                 f"step {rec['step_s']:.1f}s len {rec['completion_len'] or 0:.1f}{extra} "
                 f"(others {rec.get('others_cores') or 0:.1f} cores)")
 
-        if interleave:
+        def summarize(side):
+            entry = result["sides"][side.name]
+            entry["steps"] = side.records
+            entry["median"] = _medians(side.records, warmup)
+            if isinstance(side, CodraftSide):
+                entry["trainable_draft_params"] = side.trainable_draft_params
+            else:
+                entry["config"] = side.config
+                entry["prompt_order_ok"] = [sorted(set(x)) for x in side.seen_idx] == \
+                    [list(range(i * prompts, (i + 1) * prompts)) for i in range(len(side.seen_idx))]
+
+        if interleave:  # all sides alive at once (about 2.2 GB each for SmolLM2 + AdamW), one step per round
+            sides += [build(n, f) for n, f in factories]
             for r in range(total):
                 k = r % len(sides)
                 for side in sides[k:] + sides[:k]:  # rotate the order every round
                     one_step(side)
-        else:
             for side in sides:
+                summarize(side)
+        else:  # one side at a time: lower peak memory, but load drift between sides is not spread out
+            for n, f in factories:
+                side = build(n, f)
+                sides.append(side)
                 for _ in range(total):
                     one_step(side)
-        for s in sides:
-            entry = result["sides"][s.name]
-            entry["steps"] = s.records
-            entry["median"] = _medians(s.records, warmup)
-            if isinstance(s, CodraftSide):
-                entry["trainable_draft_params"] = s.trainable_draft_params
-            else:
-                entry["config"] = s.config
-                entry["prompt_order_ok"] = [sorted(set(x)) for x in s.seen_idx] == \
-                    [list(range(i * prompts, (i + 1) * prompts)) for i in range(len(s.seen_idx))]
+                summarize(side)
+                side.close()
+                sides.remove(side)
+                del side
+                gc.collect()
     finally:
         for s in sides:
             with contextlib.suppress(Exception):

@@ -12,6 +12,11 @@ One forward covers the three layouts the system needs:
   * KV-cache decode: new tokens written at per-row ``cache.lengths``.
 Attention itself is a pluggable function ``attn(q, k, v, mask)`` (see codraft.attention),
 which is where context parallelism hooks in later.
+
+CPU decode fast path: a no-grad cache forward of at most 2 tokens in all (batch-1 decoding)
+multiplies by ``DecodePack`` copies of the weights instead: [q;k;v] and [gate;up] fused into
+one matrix each and, with the LM head, stored transposed (in, out). See ``DecodePack`` for
+why and what it costs; ``model.fast_decode = False`` turns it off.
 """
 from __future__ import annotations
 
@@ -86,11 +91,18 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, attn: AttnFn, mask, cache: KVCache | None, layer: int, positions, span):
+    def forward(self, x, cos, sin, attn: AttnFn, mask, cache: KVCache | None, layer: int, positions, span,
+                qkv_t: torch.Tensor | None = None):
+        """qkv_t: optional (H, (Hq+2·Hkv)·D) transposed [q;k;v] weight (DecodePack): one product instead of 3."""
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
-        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)
-        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        if qkv_t is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            q, k, v = (x @ qkv_t).split([self.n_heads * self.head_dim, self.n_kv * self.head_dim,
+                                         self.n_kv * self.head_dim], -1)
+        q = q.view(b, t, self.n_heads, self.head_dim)
+        k = k.view(b, t, self.n_kv, self.head_dim)
+        v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B,H,T,D)
@@ -108,8 +120,12 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x, gate_up_t: torch.Tensor | None = None):
+        """gate_up_t: optional (H, 2·I) transposed [gate;up] weight (DecodePack): one product instead of 2."""
+        if gate_up_t is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        g, u = (x @ gate_up_t).chunk(2, -1)
+        return self.down_proj(F.silu(g) * u)
 
 
 class DecoderLayer(nn.Module):
@@ -120,9 +136,45 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, x, *args):
-        x = x + self.self_attn(self.input_layernorm(x), *args)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, *args, qkv_t=None, gate_up_t=None):
+        x = x + self.self_attn(self.input_layernorm(x), *args, qkv_t=qkv_t)
+        return x + self.mlp(self.post_attention_layernorm(x), gate_up_t)
+
+
+class DecodePack:
+    """Decode-layout copies of a Transformer's weights, for matrix-vector products on CPU.
+
+    With one token per step, every linear layer is a matrix-vector product bound by how fast
+    its weight streams from memory. MKL's product over nn.Linear's (out, in) layout (a dot
+    product per output) reaches only ~7 GB/s on the 2-core AMD machine we measured on; over
+    the transposed (in, out) layout (an axpy per input) it reaches ~12-17 GB/s for the wide
+    matrices, and fusing [q;k;v] and [gate;up] saves 3 of 7 calls per layer. For o_proj and
+    down_proj (in >= out) the original layout is as fast, so they are not copied. With 4 or
+    more rows per product MKL is faster on the original layout, hence the 2-token limit.
+
+    Cost: a copy of the fused weights and the LM head (~73 % of SmolLM2-135M's weights,
+    ~390 MB fp32) for as long as the KV cache that holds it lives (one generate call), built in
+    ~0.1 s. ``key`` (data pointer and in-place version of every source weight) is checked on
+    every use, so weights changed in place (optimizer steps, load_state_dict) or replaced are
+    never read stale.
+    """
+
+    def __init__(self, model: "Transformer"):
+        self.key = DecodePack.key_of(model)
+        self.qkv_t, self.gate_up_t = [], []
+        for layer in model.layers:
+            a, m = layer.self_attn, layer.mlp
+            self.qkv_t.append(torch.cat([a.q_proj.weight.t(), a.k_proj.weight.t(), a.v_proj.weight.t()], 1))
+            self.gate_up_t.append(torch.cat([m.gate_proj.weight.t(), m.up_proj.weight.t()], 1))
+        self.head_t = model.head_weight.t().contiguous()  # (H,V)
+
+    @staticmethod
+    def key_of(model: "Transformer") -> tuple:
+        ws = [model.head_weight]
+        for layer in model.layers:
+            a, m = layer.self_attn, layer.mlp
+            ws += [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, m.gate_proj.weight, m.up_proj.weight]
+        return tuple((w.data_ptr(), w._version, w.dtype) for w in ws)
 
 
 class Transformer(nn.Module):
@@ -135,6 +187,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
+        self.fast_decode = True  # CPU batch-1 decode through a DecodePack (see its docstring)
         self.apply(self._init)
 
     def _init(self, m):
@@ -149,6 +202,17 @@ class Transformer(nn.Module):
         """Final norm + LM head on layer outputs."""
         return F.linear(self.norm(h), self.head_weight)
 
+    def _decode_pack(self, cache: KVCache, n_tokens: int, device: torch.device) -> DecodePack | None:
+        """The cache's DecodePack for this model when the fast path applies, (re)built if stale."""
+        if not (self.fast_decode and n_tokens <= 2 and device.type == "cpu" and not torch.is_grad_enabled()):
+            return None
+        if self.head_weight.is_inference():  # inference tensors have no version counter to check staleness
+            return None
+        pack = cache.scratch.get("decode_pack")
+        if pack is None or pack.key != DecodePack.key_of(self):
+            pack = cache.scratch["decode_pack"] = DecodePack(self)
+        return pack
+
     def forward(self, input_ids: torch.Tensor, *, taps: tuple[int, ...] | None = None,
                 cu_seqlens: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                 cache: KVCache | None = None, logit_index: torch.Tensor | None = None,
@@ -160,8 +224,9 @@ class Transformer(nn.Module):
         """
         b, t = input_ids.shape
         attn = attention or self.attention
-        span = None
+        span, pack = None, None
         if cache is not None:
+            pack = self._decode_pack(cache, b * t, input_ids.device)
             if cu_seqlens is not None:
                 raise ValueError("packed input (cu_seqlens) cannot be decoded into a KV cache")
             span = cache.reserve(t)
@@ -182,12 +247,16 @@ class Transformer(nn.Module):
         tapped = {}
         want = set(taps or ())
         for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, attn, mask, cache, i, positions, span)
+            if pack is None:
+                x = layer(x, cos, sin, attn, mask, cache, i, positions, span)
+            else:
+                x = layer(x, cos, sin, attn, mask, cache, i, positions, span,
+                          qkv_t=pack.qkv_t[i], gate_up_t=pack.gate_up_t[i])
             if i in want:
                 tapped[i] = x
         if cache is not None:
             cache.advance(t, span)
         if logit_index is not None:
             x = x[torch.arange(b, device=x.device), logit_index][:, None]
-        logits = self.logits(x)
+        logits = self.logits(x) if pack is None else self.norm(x) @ pack.head_t
         return (logits, tapped) if taps is not None else logits
