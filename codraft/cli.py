@@ -123,6 +123,12 @@ def _cmd_bench(args):
         if args.bench == "parity":
             opts["seeds"] = [int(s) for s in _csv(args.seeds)]
         fn(args.out, **opts)
+    elif args.bench == "e2e":
+        from codraft.bench.e2e import run
+        run(steps=args.steps, warmup=args.warmup, draft_kinds=tuple(_csv(args.drafts)), threads=args.threads,
+            trl=not args.no_trl, json_path=args.json, max_new_tokens=args.max_new_tokens, prompts=args.prompts,
+            group=args.group, gamma=args.gamma, speedup_every=args.speedup_every, interleave=not args.sequential,
+            trl_gradient_checkpointing=args.trl_gradient_checkpointing, overrides=args.overrides)
     elif args.bench == "spec":
         from codraft.bench.spec import run
         run(models=_csv(args.models), batches=[int(b) for b in _csv(args.batches)],
@@ -186,6 +192,22 @@ def main(argv: list[str] | None = None):
     b.add_argument("--no-hf", action="store_true", help="skip the transformers peers")
     b.add_argument("--json", metavar="FILE", help="write every figure to this JSON file")
     s.set_defaults(fn=_cmd_bench)
+
+    b = bench.add_parser("e2e", help="full GRPO step (rollout + co-training) vs TRL GRPOTrainer, SmolLM2-135M")
+    b.add_argument("--steps", type=int, default=3)
+    b.add_argument("--warmup", type=int, default=1)
+    b.add_argument("--drafts", default="none,ngram,dflash", help="comma list: none and draft kinds")
+    b.add_argument("--threads", type=int, default=2)
+    b.add_argument("--no-trl", action="store_true", help="time codraft only")
+    b.add_argument("--max-new-tokens", type=int, default=64)
+    b.add_argument("--prompts", type=int, default=2)
+    b.add_argument("--group", type=int, default=4)
+    b.add_argument("--gamma", type=int, default=4)
+    b.add_argument("--speedup-every", type=int, default=0)
+    b.add_argument("--sequential", action="store_true", help="run the sides one after another")
+    b.add_argument("--trl-gradient-checkpointing", action="store_true")
+    b.add_argument("--json", metavar="FILE")
+    b.add_argument("overrides", nargs="*", metavar="key=value", help="extra codraft config overrides")
 
     for name, default_steps, help_text in (("drift", 50, "frozen vs co-trained draft τ as the policy drifts"),
                                            ("parity", 30, "reward/accuracy/mismatch with each draft vs none, over seeds")):
