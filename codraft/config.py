@@ -49,6 +49,7 @@ class GRPOConfig:
     kl_coef: float = 0.0
     grad_clip: float = 1.0
     weight_decay: float = 0.0
+    max_nonfinite_steps: int = 3    # stop after this many skipped (NaN/inf loss or grad norm) steps in a row
 
 
 @dataclass

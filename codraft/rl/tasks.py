@@ -4,9 +4,11 @@ A task hands out `Problem`s (prompt, canonical answer, worked reference solution
 "train" and "val" splits and scores a completion with `reward(problem, completion)`:
 
 - `arith` — synthetic multi-step integer arithmetic for the tiny character-level preset.
-  Prompt `17+23*4-8=`, completion `23*4=92;17+92=109;109-8=101#101` (then EOS).
-  Usual precedence: every product/quotient term is worked first, left to right, then the
-  +/- chain left to right; the final answer follows the last `#`.
+  Prompt `17+23*4-8=`, completion `17+23*4-8=17+92-8=109-8=101#101` (then EOS): the
+  expression restated, then rewritten after each single operation (style "rewrite", the
+  default), or the operations listed, `23*4=92;17+92=109;109-8=101#101` (style "steps"). Usual precedence: every
+  product/quotient term is worked first, left to right, then the +/- chain left to right;
+  the final answer follows the last `#`.
 - `gsm_symbolic` — GSM8K-style word problems from `reasoning_gym` for real models; the
   prompt asks for a final line `#### <number>`, the SFT target is the dataset's worked
   solution (it already ends with that line).
@@ -31,6 +33,7 @@ import abc
 import dataclasses
 import hashlib
 import importlib.util
+import math
 import random
 import re
 from dataclasses import dataclass, field
@@ -155,10 +158,16 @@ class Task(abc.ABC):
 
     def reward(self, problem: Problem, completion: str | bytes) -> float:
         """1.0 correct, `format_reward` well-formed but wrong, 0.0 otherwise. Never raises."""
+        return self.score(problem, completion)[0]
+
+    def score(self, problem: Problem, completion: str | bytes) -> tuple[float, Exception | None]:
+        """(reward, error): a reward function that raises, or returns NaN/inf, scores 0 and the
+        error is handed back (the trainer counts them) instead of killing a training step."""
         try:
-            return self._reward(problem, completion)
-        except Exception:  # a reward bug must not kill a training step: score it as garbage
-            return 0.0
+            r = float(self._reward(problem, completion))
+        except Exception as e:  # noqa: BLE001 - any bug in (user) reward code
+            return 0.0, e
+        return (r, None) if math.isfinite(r) else (0.0, ValueError(f"non-finite reward {r}"))
 
     def _reward(self, problem: Problem, completion: str | bytes) -> float:
         if isinstance(completion, (bytes, bytearray)):
@@ -198,9 +207,12 @@ class ArithTask(Task):
 
     An expression is a +/- chain of terms; a term is a number or a product/quotient of two
     numbers (a quotient is always exact). Defaults (4-5 one-digit operands, at least one
-    product, every intermediate value in 0..20) give prompts of ~9 chars and completions
-    of ~25 chars. They are calibrated so the tiny preset's few-minute warm start lands
-    around 30 % held-out accuracy (RL has room); raise the knobs for harder variants.
+    product, every value shown in 0..9) give prompts of ~9 chars and completions of ~26
+    chars. They are calibrated so the tiny preset's sub-3-minute warm start lands well
+    above 30 % but well below 100 % held-out accuracy (RL has room; with values up to 20,
+    numbers of varying width, it reached only 15-25 %); raise the knobs for harder variants.
+    The "rewrite" style is much easier for a small model than "steps": the next operation
+    always sits right after the previous `=`, and the rest is a copy.
     """
 
     name: ClassVar[str] = "arith"
@@ -212,10 +224,11 @@ class ArithTask(Task):
     min_products: int = 1  # product/quotient terms every expression has (when '*' or '/' is in ops)
     p_product: float = 0.3  # chance that each further pair of operands becomes a product term
     allow_negative: bool = False  # False: resample when the running value goes below 0
-    max_value: int | None = 20  # resample when any number in the worked solution exceeds it
+    max_value: int | None = 9  # resample when any number in the worked solution exceeds it
     val_fraction: float = 0.1
     max_chars: int = 128
     format_reward: float = 0.0
+    style: str = "rewrite"  # worked solution: "rewrite" (expression after each step) or "steps"
 
     def __post_init__(self) -> None:
         self.operands = tuple(self.operands)  # type: ignore[assignment]  # YAML gives lists
@@ -231,6 +244,8 @@ class ArithTask(Task):
             raise ValueError(f"arith: mul_digits must be two digit counts >= 1, got {self.mul_digits}")
         if not self.ops or set(self.ops) - set("+-*/") or not set(self.ops) & set("+-"):
             raise ValueError(f"arith: ops must be drawn from '+-*/' and include '+' or '-', got {self.ops!r}")
+        if self.style not in ("rewrite", "steps"):
+            raise ValueError(f"arith: style must be 'rewrite' or 'steps', got {self.style!r}")
         if self.min_products < 0 or not 0.0 <= self.p_product <= 1.0:
             raise ValueError(f"arith: need min_products >= 0 and p_product in [0, 1], "
                              f"got {self.min_products}, {self.p_product}")
@@ -247,15 +262,18 @@ class ArithTask(Task):
         if kind == "n":
             v = _int_with_digits(rng, rng.randint(*self.add_digits), 1)
             return str(v), v, None, v
-        a = _int_with_digits(rng, self.mul_digits[0], 2)  # one-digit factors skip 0 and 1: no free steps
-        b = _int_with_digits(rng, self.mul_digits[1], 2)
+        for _ in range(1000):  # redraw the pair until the product fits (the caller rejects it otherwise)
+            a = _int_with_digits(rng, self.mul_digits[0], 2)  # one-digit factors skip 0 and 1: no free steps
+            b = _int_with_digits(rng, self.mul_digits[1], 2)
+            if self.max_value is None or a * b <= self.max_value:
+                break
         if kind == "*":
             return f"{a}*{b}", a * b, f"{a}*{b}={a * b}", a * b
         return f"{a * b}/{b}", a, f"{a * b}/{b}={a}", a * b  # exact by construction
 
     def _attempt(self, rng: random.Random, mults: list[str], adds: list[str]) -> Problem | None:
-        """One draw; None when it breaks a constraint. Aborting as soon as a constraint fails
-        leaves the distribution of accepted problems unchanged and saves most of the work."""
+        """One draw; None when it breaks a constraint (aborting as soon as one fails saves most
+        of the work). A +/- step that leaves the range takes the other sign if that fits."""
         cap = self.max_value
         left = rng.randint(*self.operands)
         kinds: list[str] = []
@@ -278,18 +296,26 @@ class ArithTask(Task):
                 return None
 
         steps = [step for _, _, step, _ in terms if step is not None]  # products first, in order
-        expr, acc = terms[0][0], terms[0][1]
+        expr, acc, signs = terms[0][0], terms[0][1], []
         for text, v, _, _ in terms[1:]:
             sign = rng.choice(adds)
             new = acc + v if sign == "+" else acc - v
-            if (new < 0 and not self.allow_negative) or (cap is not None and abs(new) > cap):
+            if not self._fits(new) and len(adds) == 2:  # the other sign may fit: flip rather than redraw
+                sign = "-" if sign == "+" else "+"
+                new = acc + v if sign == "+" else acc - v
+            if not self._fits(new):
                 return None
             steps.append(f"{acc}{sign}{v}={new}")
             expr += sign + text
+            signs.append(sign)
             acc = new
         answer = str(acc)
-        return Problem(prompt=expr + "=", answer=answer, solution=";".join(steps) + self.marker + answer,
+        worked = ";".join(steps) if self.style == "steps" else "=".join(_rewrites(terms, signs))
+        return Problem(prompt=expr + "=", answer=answer, solution=worked + self.marker + answer,
                        meta={"expr": expr, "n_steps": len(steps)})
+
+    def _fits(self, value: int) -> bool:
+        return (value >= 0 or self.allow_negative) and (self.max_value is None or abs(value) <= self.max_value)
 
     def make(self, rng: random.Random) -> Problem:
         """One problem (any split) from `rng`: rejection sampling under the constraints."""
@@ -305,6 +331,27 @@ class ArithTask(Task):
         rng = random.Random(f"codraft.arith/{split}/{seed}")  # str seeds hash with SHA-512: stable
         while True:
             yield self.make(rng)
+
+
+def _rewrites(terms: list[tuple[str, int, str | None, int]], signs: list[str]) -> list[str]:
+    """The expression restated, then after each single operation: products/quotients left to
+    right, then the +/- chain left to right, ending with the bare answer."""
+    texts = [t[0] for t in terms]
+    values = [t[1] for t in terms]
+    out = [_join(texts, signs)]
+    for i, (_, _, step, _) in enumerate(terms):  # each product/quotient term becomes its value
+        if step is not None:
+            texts[i] = str(values[i])
+            out.append(_join(texts, signs))
+    while len(values) > 1:  # then fold the leftmost +/- pair
+        v = values[0] + values[1] if signs[0] == "+" else values[0] - values[1]
+        values, texts, signs = [v] + values[2:], [str(v)] + texts[2:], signs[1:]
+        out.append(_join(texts, signs))
+    return out
+
+
+def _join(texts: list[str], signs: list[str]) -> str:
+    return texts[0] + "".join(s + t for s, t in zip(signs, texts[1:]))
 
 
 # ---------------------------------------------------------------- gsm_symbolic

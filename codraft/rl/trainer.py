@@ -14,20 +14,31 @@ uses the weights updated at step t with no copy.
 
 Determinism: every step reseeds from (seed, step), so a resumed run repeats an
 uninterrupted one's rollouts and updates exactly (timings aside).
+
+Faults: a reward function that raises scores that sample 0 and is counted (`reward_errors`);
+a step whose loss or grad norm is NaN/inf is skipped (no optimiser step, `skipped_update`),
+and `grpo.max_nonfinite_steps` of those in a row stop the run with a RuntimeError, no
+checkpoint being written while such a streak lasts; Ctrl-C checkpoints the last completed
+step before re-raising, so `--resume` continues from it.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 import random
+import signal
+import sys
+import threading
 import time
+import warnings
 from pathlib import Path
 
 import torch
 import yaml
 from tqdm import tqdm
 
-from codraft.config import RunConfig
+from codraft.config import ConfigError, RunConfig
 from codraft.drafts import build_draft
 from codraft.rl import checkpoint as ckpt
 from codraft.rl.cotrain import cotrain_loss, pack
@@ -46,11 +57,29 @@ def _warmup_cosine(warmup: int, total: int):
     return lambda s: min(1.0, (s + 1) / max(warmup, 1)) * (0.5 * (1 + math.cos(math.pi * min(s, total) / max(total, 1))) * 0.9 + 0.1)
 
 
+@contextlib.contextmanager
+def _hold_ctrl_c():
+    """Defer SIGINT to the end of the block, so the block (the optimiser updates) is all-or-nothing."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield  # signals reach only the main thread; None: a handler set outside Python, leave it be
+        return
+    got = []
+    old = signal.signal(signal.SIGINT, lambda *a: got.append(a))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+        if got and callable(old):
+            old(*got[0])  # the default handler raises KeyboardInterrupt here
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig, *, resume: str | None = None, progress: bool = True):
         from codraft.policy import load_policy
         from codraft.drafts.offline import init_draft
 
+        if cfg.grpo.max_nonfinite_steps < 1:
+            raise ConfigError(f"config key 'grpo.max_nonfinite_steps' must be >= 1, got {cfg.grpo.max_nonfinite_steps}")
         self.cfg, self.progress = cfg, progress
         self.run_dir = Path(resume or cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -62,6 +91,7 @@ class Trainer:
         latest = ckpt.list_checkpoints(self.run_dir)[-1] if resume and ckpt.list_checkpoints(self.run_dir) else None
         if resume and latest is None:
             raise FileNotFoundError(f"--resume {resume}: no complete step_N checkpoint in that folder")
+        init_policy = self.policy
         if latest is not None:
             self.policy = ckpt.load_policy_from(latest, dtype)
         self.policy.to(cfg.device)
@@ -72,7 +102,10 @@ class Trainer:
             gamma=d.gamma, seed=cfg.seed, progress=progress)
         self.trains_draft = d.mode == "cotrain" and self.draft is not None and hasattr(self.draft, "loss") \
             and any(p.requires_grad for p in self.draft.parameters())
-        self.reference = copy.deepcopy(self.policy).eval().requires_grad_(False) if cfg.grpo.kl_coef > 0 else None
+        self.reference = None
+        if cfg.grpo.kl_coef > 0:  # KL to the initial policy, also after a resume (not to the checkpoint's)
+            ref = init_policy if init_policy is not self.policy else copy.deepcopy(self.policy)
+            self.reference = ref.to(cfg.device).eval().requires_grad_(False)
 
         g = cfg.grpo
         self.opt = torch.optim.AdamW(self.policy.parameters(), lr=g.lr, weight_decay=g.weight_decay, betas=(0.9, 0.99))
@@ -86,6 +119,10 @@ class Trainer:
         if latest is not None:
             state = ckpt.restore(latest, draft=self.draft, optimizers=self._optimizers())
             self.start_step, self.prompts_used = state["step"], state["prompts_used"]
+        # steps_done/_done_prompts: the last step whose update is fully applied (what Ctrl-C saves);
+        # _saved: the last step on disk; nonfinite_streak: skipped updates in a row
+        self.steps_done, self._done_prompts, self._saved = self.start_step, self.prompts_used, self.start_step
+        self.nonfinite_streak, self.last_rollout = 0, None
 
         self.engine = Engine(self.policy, self.draft, d.gamma if self.draft is not None else None)
         self.plain_engine = Engine(self.policy)
@@ -131,6 +168,7 @@ class Trainer:
         # 1. rollout
         self.policy.eval()
         out, t_rollout = self._generate(self.engine, prompts, seed)
+        self.last_rollout = out
         stats = self.engine.stats
         m = {"time_rollout": t_rollout}
         if self.draft is not None:
@@ -140,7 +178,13 @@ class Trainer:
             m.update(time_rollout_plain=t_plain, rollout_speedup=t_plain / t_rollout)
 
         # 2. reward
-        rewards = torch.tensor([self.task.reward(p, self.tok.decode(o.tokens)) for p, o in zip(group, out)])
+        scored = [self.task.score(p, self.tok.decode(o.tokens)) for p, o in zip(group, out)]
+        rewards = torch.tensor([r for r, _ in scored])
+        errors = [e for _, e in scored if e is not None]
+        m["reward_errors"] = len(errors)
+        if errors:
+            warnings.warn(f"step {step}: reward function failed on {len(errors)}/{len(group)} samples, "
+                          f"scored 0 (first error: {errors[0]!r})", stacklevel=2)
         adv = group_advantages(rewards, r.group_size, leave_one_out=g.leave_one_out)
 
         # 3. train: one packed forward, L_RL + λ·L_draft, one backward, two optimisers
@@ -155,13 +199,32 @@ class Trainer:
             self.draft_opt.zero_grad(set_to_none=True)
         loss.backward()
         m["policy/grad_norm"] = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), g.grad_clip)
-        self.opt.step()
-        self.sched.step()
         if self.draft_opt is not None:
             m["draft/grad_norm"] = torch.nn.utils.clip_grad_norm_(
                 [p for p in self.draft.parameters() if p.requires_grad], cfg.draft.grad_clip)
-            self.draft_opt.step()
-            self.draft_sched.step()
+        loss = loss.detach()
+        finite = all(math.isfinite(float(x)) for x in (loss, m["policy/grad_norm"], m.get("draft/grad_norm", 0.0)))
+        self.nonfinite_streak = 0 if finite else self.nonfinite_streak + 1
+        m.update(skipped_update=int(not finite), nonfinite_streak=self.nonfinite_streak)
+        if not finite:  # one bad batch must not corrupt θ, φ or the Adam moments: drop its gradients
+            self.opt.zero_grad(set_to_none=True)
+            if self.draft_opt is not None:
+                self.draft_opt.zero_grad(set_to_none=True)
+            warnings.warn(f"step {step}: non-finite loss or grad norm (loss={float(loss):.4g}, policy grad norm="
+                          f"{float(m['policy/grad_norm']):.4g}); update skipped ({self.nonfinite_streak} in a row)",
+                          stacklevel=2)
+        # Commit point: a Ctrl-C here waits until every optimiser and scheduler has stepped, so the
+        # step's update is all-or-nothing; from here on the step counts as completed. (Schedulers
+        # step on skipped updates too: the LR stays a function of the step index.)
+        with _hold_ctrl_c():
+            if finite:
+                self.opt.step()
+                if self.draft_opt is not None:
+                    self.draft_opt.step()
+            self.sched.step()
+            if self.draft_sched is not None:
+                self.draft_sched.step()
+            self.steps_done, self._done_prompts = step + 1, self.prompts_used
         m["time_train"] = time.perf_counter() - t_train
 
         # 4. observe
@@ -177,26 +240,51 @@ class Trainer:
         m["tokens_per_s"] = sum(lens) / t_rollout
         return m
 
+    def save(self) -> Path:
+        """Checkpoint the last completed step (`steps_done`)."""
+        path = ckpt.save_checkpoint(self.run_dir, self.steps_done, policy=self.policy, draft=self.draft,
+                                    optimizers=self._optimizers(), state={"prompts_used": self._done_prompts},
+                                    config=self.cfg.to_dict(), keep_last=self.cfg.log.keep_last,
+                                    extra_files=_tokenizer_files(self.policy_dir))
+        self._saved = self.steps_done
+        return path
+
     def fit(self):
         cfg = self.cfg
-        if self.start_step == 0 and cfg.log.val_every:
-            self.logger.log(0, {"val_accuracy": self.validate()})
         bar = tqdm(range(self.start_step, cfg.steps), desc="train", disable=not self.progress, dynamic_ncols=True,
                    initial=self.start_step, total=cfg.steps)
         try:
+            if self.start_step == 0 and cfg.log.val_every:
+                self.logger.log(0, {"val_accuracy": self.validate()})
             for step in bar:
                 m = self.step(step)
                 self.logger.log(step + 1, m)
+                if self.nonfinite_streak >= cfg.grpo.max_nonfinite_steps:
+                    last = ckpt.list_checkpoints(self.run_dir)
+                    raise RuntimeError(f"step {step}: {self.nonfinite_streak} non-finite (NaN/inf) steps in a row "
+                                       f"(grpo.max_nonfinite_steps={cfg.grpo.max_nonfinite_steps}); stopping. "
+                                       f"Last good checkpoint: {last[-1] if last else 'none'}")
                 post = {"reward": f"{float(m['reward_mean']):.2f}", "step_s": f"{m['time_step']:.1f}"}
                 if "acceptance_length" in m:
                     post["tau"] = f"{m['acceptance_length']:.2f}"
                 bar.set_postfix(post)
-                if cfg.log.checkpoint_every and ((step + 1) % cfg.log.checkpoint_every == 0 or step + 1 == cfg.steps):
-                    ckpt.save_checkpoint(self.run_dir, step + 1, policy=self.policy, draft=self.draft,
-                                         optimizers=self._optimizers(),
-                                         state={"prompts_used": self.prompts_used}, config=cfg.to_dict(),
-                                         keep_last=cfg.log.keep_last, extra_files=_tokenizer_files(self.policy_dir))
-        finally:
+                # no checkpoint mid NaN streak: it could rotate the last good one out (keep_last)
+                if cfg.log.checkpoint_every and ((step + 1) % cfg.log.checkpoint_every == 0 or step + 1 == cfg.steps) \
+                        and not self.nonfinite_streak:
+                    self.save()
+        except KeyboardInterrupt:
+            # Only completed steps count. Before a step's commit point (see step()) θ, φ and the
+            # optimisers still hold step `steps_done`'s state and `_done_prompts` rewinds the data
+            # position; after it the step is complete (its metrics row may be missing). RNG needs
+            # no rewind: every step reseeds from (seed, step).
+            bar.close()
+            if self.steps_done > self._saved and not self.nonfinite_streak:
+                self.save()
+            last = ckpt.list_checkpoints(self.run_dir)
+            print(f"interrupted after step {self.steps_done}; latest checkpoint: {last[-1] if last else 'none'}"
+                  + (f" (continue with --resume {self.run_dir})" if last else ""), file=sys.stderr)
+            raise
+        finally:  # never checkpoints: after an error the in-memory state may be bad
             self.logger.close()
             plot_run(self.run_dir)
         return self.run_dir
