@@ -135,8 +135,8 @@ def train_offline(policy, tok, task, draft, *, out_dir: str | os.PathLike, steps
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
         sched.step()
-        history.append(float(loss))
-        bar.set_postfix(loss=f"{float(loss):.3f}")
+        history.append(float(loss.detach()))
+        bar.set_postfix(loss=f"{history[-1]:.3f}")
         if (step + 1) % checkpoint_every == 0 and step + 1 < steps:
             tmp = resume.with_suffix(".tmp")
             torch.save({"draft": draft.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
