@@ -179,7 +179,16 @@ def test_ctrl_c_mid_step_saves_last_completed_step_and_resumes(tmp_path, tiny_po
     assert _trained(tmp_path / "cut" / "step_3", tiny_policy_dir)
 
 
-def test_ctrl_c_during_the_update_completes_it_first(tmp_path, tiny_policy_dir, varied_reward):
+@pytest.fixture
+def default_sigint():
+    """SIGINT raises KeyboardInterrupt, as in `codraft train` run from a terminal
+    (pytest-xdist workers ignore SIGINT)."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
+def test_ctrl_c_during_the_update_completes_it_first(tmp_path, tiny_policy_dir, varied_reward, default_sigint):
     """A real SIGINT right after the policy optimiser's step: the draft optimiser and both
     schedulers still step, and the checkpoint is the completed step, equal to an uninterrupted run's."""
     train(_cfg(tiny_policy_dir, tmp_path / "full", 4), progress=False)
