@@ -383,3 +383,16 @@ def test_default_layers_and_options():
     with pytest.raises(RuntimeError, match="bind_target"):
         build(_cfg()).begin(torch.zeros(1, 3, dtype=torch.long), torch.tensor([3]),
                             {0: torch.zeros(1, 2, 32), 1: torch.zeros(1, 2, 32)}, max_len=8)
+
+
+def test_checkpoint_against_a_mismatched_target(tmp_path):
+    """A saved draft loaded for another target: each mismatch is named, never silently bound."""
+    from codraft.drafts.offline import build_for
+    target = Transformer(_cfg())
+    build_for("eagle3", target).save(tmp_path / "d")  # taps default_layers(4) == [0, 1]
+    with pytest.raises(ValueError, match=r"taps layers \[0, 1\], target has 1 layers"):
+        build_for("eagle3", Transformer(_cfg(layers=1)), weights=tmp_path / "d")
+    with pytest.raises(ValueError, match=r"embed_weight has shape \(48, 64\), expected \(48, 32\)"):
+        build_for("eagle3", Transformer(_cfg(hidden=64)), weights=tmp_path / "d")
+    with pytest.raises(ValueError, match=r"embed_weight has shape \(60, 32\), expected \(48, 32\)"):
+        build_for("eagle3", Transformer(_cfg(vocab=60)), weights=tmp_path / "d")

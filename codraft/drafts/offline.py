@@ -40,6 +40,9 @@ def build_for(kind: str, policy, *, gamma: int | None = None, weights=None, **op
     if kind == "eagle3" and weights is not None:
         from codraft.drafts.eagle3 import load
         draft = load(weights)
+        if max(draft.layers) >= policy.config.num_hidden_layers:
+            raise ValueError(f"EAGLE-3 draft {weights} taps layers {list(draft.layers)}, "
+                             f"target has {policy.config.num_hidden_layers} layers")
         draft.default_gamma = gamma or draft.default_gamma
         draft.bind_target(policy.embed_tokens.weight, policy.head_weight)
     return draft.to(policy.embed_tokens.weight.device) if isinstance(draft, torch.nn.Module) else draft
