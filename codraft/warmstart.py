@@ -4,9 +4,8 @@ The tiny preset is a ~1 M-parameter character-level Llama trained from scratch o
 `arith` solutions for a fixed number of steps (about 1.5 minutes on 2 CPU cores). The size
 is chosen for that budget: a 2.9 M model (hidden 256) costs twice as much per step and
 learns less in the same time. It stops on purpose well short of 100 % held-out accuracy,
-so RL has room to improve it. The result
-is an HF-format folder in the cache, keyed by a hash of everything that determines it, so
-`codraft train` starts from it without retraining.
+so RL has room to improve it. The result is an HF-format folder in the cache, keyed by a
+hash of everything that determines it, so `codraft train` starts from it without retraining.
 """
 from __future__ import annotations
 
@@ -36,8 +35,8 @@ def cache_root() -> Path:
 
 
 def tiny_model_config(tok: CharTokenizer) -> ModelConfig:
-    return ModelConfig(vocab_size=tok.vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=4, head_dim=64,
-                       num_attention_heads=4, num_key_value_heads=2, rope_theta=10000.0, rms_norm_eps=1e-5,
+    return ModelConfig(vocab_size=tok.vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                       num_attention_heads=4, head_dim=64, num_key_value_heads=2, rope_theta=10000.0, rms_norm_eps=1e-5,
                        tie_word_embeddings=True, max_position_embeddings=512,
                        bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
 

@@ -6,9 +6,9 @@ A task hands out `Problem`s (prompt, canonical answer, worked reference solution
 - `arith` — synthetic multi-step integer arithmetic for the tiny character-level preset.
   Prompt `17+23*4-8=`, completion `17+23*4-8=17+92-8=109-8=101#101` (then EOS): the
   expression restated, then rewritten after each single operation (style "rewrite", the
-  default), or the operations listed, `23*4=92;17+92=109;109-8=101#101` (style "steps"). Usual precedence: every
-  product/quotient term is worked first, left to right, then the +/- chain left to right;
-  the final answer follows the last `#`.
+  default), or the operations listed, `23*4=92;17+92=109;109-8=101#101` (style "steps").
+  Usual precedence: every product/quotient term is worked first, left to right, then the
+  +/- chain left to right; the final answer follows the last `#`.
 - `gsm_symbolic` — GSM8K-style word problems from `reasoning_gym` for real models; the
   prompt asks for a final line `#### <number>`, the SFT target is the dataset's worked
   solution (it already ends with that line).
@@ -299,10 +299,10 @@ class ArithTask(Task):
         expr, acc, signs = terms[0][0], terms[0][1], []
         for text, v, _, _ in terms[1:]:
             sign = rng.choice(adds)
-            new = acc + v if sign == "+" else acc - v
+            new = _apply(acc, sign, v)
             if not self._fits(new) and len(adds) == 2:  # the other sign may fit: flip rather than redraw
                 sign = "-" if sign == "+" else "+"
-                new = acc + v if sign == "+" else acc - v
+                new = _apply(acc, sign, v)
             if not self._fits(new):
                 return None
             steps.append(f"{acc}{sign}{v}={new}")
@@ -344,10 +344,14 @@ def _rewrites(terms: list[tuple[str, int, str | None, int]], signs: list[str]) -
             texts[i] = str(values[i])
             out.append(_join(texts, signs))
     while len(values) > 1:  # then fold the leftmost +/- pair
-        v = values[0] + values[1] if signs[0] == "+" else values[0] - values[1]
+        v = _apply(values[0], signs[0], values[1])
         values, texts, signs = [v] + values[2:], [str(v)] + texts[2:], signs[1:]
         out.append(_join(texts, signs))
     return out
+
+
+def _apply(a: int, sign: str, b: int) -> int:
+    return a + b if sign == "+" else a - b
 
 
 def _join(texts: list[str], signs: list[str]) -> str:
