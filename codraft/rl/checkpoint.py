@@ -29,6 +29,12 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def latest_checkpoint(run_dir: str | Path) -> Path | None:
+    """The newest complete step_N folder, or None."""
+    found = list_checkpoints(run_dir)
+    return found[-1] if found else None
+
+
 def save_checkpoint(run_dir: str | Path, step: int, *, policy, draft, optimizers: dict, state: dict,
                     config: dict, keep_last: int, extra_files: dict[str, str] | None = None) -> Path:
     final = Path(run_dir) / f"step_{step}"

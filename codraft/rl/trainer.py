@@ -88,7 +88,7 @@ class Trainer:
         dtype = getattr(torch, cfg.policy.dtype)
         self.policy, self.tok, self.policy_dir = load_policy(cfg.policy.init, dtype)
         self.task = make_task(cfg.task.name, max_chars=cfg.task.max_chars, format_reward=cfg.task.format_reward)
-        latest = ckpt.list_checkpoints(self.run_dir)[-1] if resume and ckpt.list_checkpoints(self.run_dir) else None
+        latest = ckpt.latest_checkpoint(self.run_dir) if resume else None
         if resume and latest is None:
             raise FileNotFoundError(f"--resume {resume}: no complete step_N checkpoint in that folder")
         init_policy = self.policy
@@ -260,10 +260,9 @@ class Trainer:
                 m = self.step(step)
                 self.logger.log(step + 1, m)
                 if self.nonfinite_streak >= cfg.grpo.max_nonfinite_steps:
-                    last = ckpt.list_checkpoints(self.run_dir)
                     raise RuntimeError(f"step {step}: {self.nonfinite_streak} non-finite (NaN/inf) steps in a row "
                                        f"(grpo.max_nonfinite_steps={cfg.grpo.max_nonfinite_steps}); stopping. "
-                                       f"Last good checkpoint: {last[-1] if last else 'none'}")
+                                       f"Last good checkpoint: {ckpt.latest_checkpoint(self.run_dir) or 'none'}")
                 post = {"reward": f"{float(m['reward_mean']):.2f}", "step_s": f"{m['time_step']:.1f}"}
                 if "acceptance_length" in m:
                     post["tau"] = f"{m['acceptance_length']:.2f}"
@@ -280,8 +279,8 @@ class Trainer:
             bar.close()
             if self.steps_done > self._saved and not self.nonfinite_streak:
                 self.save()
-            last = ckpt.list_checkpoints(self.run_dir)
-            print(f"interrupted after step {self.steps_done}; latest checkpoint: {last[-1] if last else 'none'}"
+            last = ckpt.latest_checkpoint(self.run_dir)
+            print(f"interrupted after step {self.steps_done}; latest checkpoint: {last or 'none'}"
                   + (f" (continue with --resume {self.run_dir})" if last else ""), file=sys.stderr)
             raise
         finally:  # never checkpoints: after an error the in-memory state may be bad
