@@ -1,15 +1,25 @@
 """Attention functions: dense references with explicit masks, and varlen/cache mask builders.
 
 Every attention function has the signature ``attn(q, k, v, mask) -> o`` with
-q (B,H,T,D), k/v (B,Hkv,S,D), mask bool (B|1, 1, T, S) where True = attend, or
-``None`` for plain causal attention with T == S. The model calls whatever function
-it is given, so context-parallel rings plug in without touching the model.
+q (B,H,T,D), k/v (B,Hkv,S,D), mask bool (B|1, 1, T, S) where True = attend, ``None`` for
+plain causal attention with T == S, or a ``PackedCausal`` descriptor for the packed layout
+(causal within each sequence of ``cu_seqlens``; ``.dense()`` materialises it). The model
+calls whatever function it is given, so context-parallel rings plug in without touching the
+model. ``varlen_attention`` (varlen.py, the model's default) runs one causal SDPA per packed
+sequence; ``sdpa`` materialises the dense mask and is its reference.
 
 Partial attentions return (O, LSE) and combine exactly with ``merge_lse`` (merge.py);
 ``branch_attention`` (branch.py) runs draft branches (EAGLE-3 TTT diagonal, DFlash/DSpark
 blocks) as a main-prefix part and a local part merged that way.
 """
-from codraft.attention.dense import sdpa, varlen_causal_mask, cache_causal_mask, positions_from_cu_seqlens
+from codraft.attention.dense import (
+    PackedCausal,
+    cache_causal_mask,
+    positions_from_cu_seqlens,
+    sdpa,
+    varlen_causal_mask,
+)
+from codraft.attention.varlen import varlen_attention
 from codraft.attention.merge import attention_with_lse, merge_lse, softmax_with_lse
 from codraft.attention.branch import (
     branch_attention,
@@ -19,7 +29,7 @@ from codraft.attention.branch import (
     dense_branch_reference,
 )
 
-__all__ = ["sdpa", "varlen_causal_mask", "cache_causal_mask", "positions_from_cu_seqlens",
+__all__ = ["sdpa", "PackedCausal", "varlen_attention", "varlen_causal_mask", "cache_causal_mask", "positions_from_cu_seqlens",
            "attention_with_lse", "merge_lse", "softmax_with_lse",
            "branch_attention", "branch_attention_with_lse", "branch_main_part", "branch_local_part",
            "dense_branch_reference"]

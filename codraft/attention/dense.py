@@ -1,12 +1,45 @@
 """Dense attention with explicit boolean masks (the reference every other path is tested against)."""
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Scaled dot-product attention with grouped-query heads. mask None means causal (T == S)."""
+@dataclass(frozen=True)
+class PackedCausal:
+    """The packed layout's mask, described instead of materialised: causal within each sequence.
+
+    One row of T tokens holds sequences delimited by ``cu_seqlens``; tokens at or after
+    cu_seqlens[-1] (padding) attend only to themselves. ``bounds`` is a host copy of cu_seqlens,
+    taken once per forward, so attention functions can slice per sequence without syncing per layer.
+    ``dense()`` is the equivalent (1,1,T,T) boolean mask.
+    """
+    cu_seqlens: torch.Tensor
+    total: int
+    bounds: tuple[int, ...]
+
+    @classmethod
+    def of(cls, cu_seqlens: torch.Tensor, total: int) -> "PackedCausal":
+        bounds = tuple(int(x) for x in cu_seqlens.tolist())  # one host sync per forward
+        if bounds[0] != 0 or any(b > a for a, b in zip(bounds[1:], bounds[:-1])) or bounds[-1] > total:
+            raise ValueError(f"cu_seqlens must start at 0, not decrease and end <= {total}; got {list(bounds)}")
+        return cls(cu_seqlens, total, bounds)
+
+    def dense(self) -> torch.Tensor:
+        return varlen_causal_mask(self.cu_seqlens, self.total)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+         mask: torch.Tensor | PackedCausal | None = None) -> torch.Tensor:
+    """Scaled dot-product attention with grouped-query heads. mask None means causal (T == S).
+
+    A ``PackedCausal`` mask is materialised as its dense T×T mask: this is the reference for
+    ``varlen_attention``, not the fast path.
+    """
+    if isinstance(mask, PackedCausal):
+        mask = mask.dense()
     if mask is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])

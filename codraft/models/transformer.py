@@ -11,7 +11,9 @@ One forward covers the three layouts the system needs:
     positions restarting per sequence, no attention across sequences;
   * KV-cache decode: new tokens written at per-row ``cache.lengths``.
 Attention itself is a pluggable function ``attn(q, k, v, mask)`` (see codraft.attention),
-which is where context parallelism hooks in later.
+which is where context parallelism hooks in later. The packed layout hands it a ``PackedCausal``
+descriptor, not a dense mask: the default ``varlen_attention`` runs one causal SDPA per sequence,
+``attention=sdpa`` materialises the T×T mask (the reference).
 
 CPU decode fast paths (no grad only): a cache forward of one token in all (batch-1 decoding)
 multiplies by ``DecodePack`` copies of the weights: [q;k;v] and [gate;up] fused into
@@ -28,11 +30,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from codraft.attention import sdpa, varlen_causal_mask, cache_causal_mask, positions_from_cu_seqlens
+from codraft.attention import PackedCausal, cache_causal_mask, positions_from_cu_seqlens, varlen_attention
 from codraft.models.config import ModelConfig
 from codraft.models.kv_cache import KVCache
 
-AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | None"], torch.Tensor]
+AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | PackedCausal | None"], torch.Tensor]
 
 
 class RMSNorm(nn.Module):
@@ -195,7 +197,7 @@ class DecodePack:
 
 
 class Transformer(nn.Module):
-    def __init__(self, config: ModelConfig, attention: AttnFn = sdpa):
+    def __init__(self, config: ModelConfig, attention: AttnFn = varlen_attention):
         super().__init__()
         self.config = config
         self.attention = attention
@@ -253,7 +255,7 @@ class Transformer(nn.Module):
             if b != 1:
                 raise ValueError(f"packed input must have batch 1, got {b}")
             positions = positions_from_cu_seqlens(cu_seqlens, t)[None]
-            mask = varlen_causal_mask(cu_seqlens, t)
+            mask = PackedCausal.of(cu_seqlens, t)
         else:
             mask = None
             if positions is None:
