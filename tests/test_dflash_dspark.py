@@ -71,7 +71,7 @@ def _batch(target: Transformer, lens=(13, 21, 9), pad: int = 3, prompt: int = 4,
     for s, e in zip(cu[:-1].tolist(), cu[1:].tolist()):
         mask[0, s + prompt:e] = True
     logits, feats = target(ids, cu_seqlens=cu, taps=tuple(range(target.config.num_hidden_layers)))
-    return DraftBatch(ids, cu, mask, {k: v.detach() for k, v in feats.items()}, logits.detach())
+    return DraftBatch.from_full_logits(ids, cu, mask, {k: v.detach() for k, v in feats.items()}, logits.detach())
 
 
 # ---- (a) block attention against a dense, explicitly masked re-implementation ------------------
@@ -260,7 +260,7 @@ def test_decode_block_equals_training_block(kind):
         assert state.ctx_len.tolist() == [9, 9] and torch.equal(state.pending, ids[:, 9])
         got = draft.decode_hidden(state, draft.config.block_size, context_len=10)
         for b in range(2):
-            row = DraftBatch(ids[b:b + 1], torch.tensor([0, 16]), torch.ones(1, 16, dtype=torch.bool),
+            row = DraftBatch.from_full_logits(ids[b:b + 1], torch.tensor([0, 16]), torch.ones(1, 16, dtype=torch.bool),
                              {l: f[b:b + 1] for l, f in feats.items()}, torch.zeros(1, 16, 61))
             want = draft.block_hidden(row, Blocks(torch.tensor([9]), torch.tensor([16]), torch.tensor([9])),
                                       draft.config.block_size)
@@ -297,7 +297,7 @@ def test_greedy_spec_with_a_trained_draft_accepts():
         lm = torch.ones_like(ids, dtype=torch.bool)
         with torch.no_grad():
             logits, feats = target(ids, cu_seqlens=cu, taps=draft.feature_layers)
-        batch = DraftBatch(ids, cu, lm, feats, logits)
+        batch = DraftBatch.from_full_logits(ids, cu, lm, feats, logits)
         opt = torch.optim.Adam(draft.parameters(), lr=3e-3)
         for step in range(40):
             loss, _ = draft.loss(batch, generator=torch.Generator().manual_seed(step))

@@ -67,7 +67,7 @@ def _packed_batch(target, draft, lens=(9, 1, 12, 6), pad=3, seed=0) -> DraftBatc
     with torch.no_grad():
         logits, feats = target(ids, taps=tuple(draft.layers), cu_seqlens=cu)
     loss_mask = torch.rand(1, t, generator=g) < 0.8
-    return DraftBatch(ids, cu, loss_mask, feats, logits)
+    return DraftBatch.from_full_logits(ids, cu, loss_mask, feats, logits)
 
 
 # ---- naive oracle -----------------------------------------------------------------------------
@@ -111,8 +111,8 @@ def _naive_loss(d, batch: DraftBatch) -> torch.Tensor:
             logp = F.log_softmax(F.linear(d.norm(hidden), d.lm_head.weight), -1)  # (n,V_d)
             for t in range(n):
                 tt = s0 + t + 1 + j  # teacher row; predicts token tt + 1
-                if t + 2 + j < n and batch.loss_mask[0, tt + 1] and d.t2d[batch.teacher_logits[0, tt].argmax()]:
-                    p = batch.teacher_logits[0, tt, used].softmax(-1)
+                if t + 2 + j < n and batch.loss_mask[0, tt + 1] and d.t2d[batch.teacher_at(torch.tensor(tt)).argmax()]:
+                    p = batch.teacher_at(torch.tensor(tt))[used].softmax(-1)
                     num[j] = num[j] - (p * logp[t]).sum()
                     cnt[j] += 1
     return sum(0.8 ** j * num[j] / max(cnt[j], 1) for j in range(steps))
@@ -144,8 +144,8 @@ def test_no_gradient_reaches_target():
     logits, feats = target(ids, taps=tuple(d.layers), cu_seqlens=cu)  # the policy forward, with grad
     assert logits.requires_grad and target.embed_tokens.weight.requires_grad
     with pytest.raises(ValueError, match="requires grad"):
-        DraftBatch(ids, cu, torch.ones(1, 20, dtype=torch.bool), feats, logits.detach())
-    batch = DraftBatch(ids, cu, torch.ones(1, 20, dtype=torch.bool), {l: f.detach() for l, f in feats.items()},
+        DraftBatch.from_full_logits(ids, cu, torch.ones(1, 20, dtype=torch.bool), feats, logits.detach())
+    batch = DraftBatch.from_full_logits(ids, cu, torch.ones(1, 20, dtype=torch.bool), {l: f.detach() for l, f in feats.items()},
                        logits.detach())
     assert not any(f.requires_grad for f in batch.features.values()) and not batch.teacher_logits.requires_grad
     loss, _ = d.loss(batch)
@@ -169,7 +169,7 @@ def _ttt_probs(target, d, seq: list[int], anchor: int, steps: int) -> torch.Tens
     ids = torch.tensor(seq)[None]
     with torch.no_grad():
         _, feats = target(ids, taps=tuple(d.layers))
-    batch = DraftBatch(ids, torch.tensor([0, len(seq)]), torch.ones_like(ids, dtype=torch.bool), feats,
+    batch = DraftBatch.from_full_logits(ids, torch.tensor([0, len(seq)]), torch.ones_like(ids, dtype=torch.bool), feats,
                        torch.zeros(1, len(seq), d.vocab_size, dtype=F64))
     old, d.ttt_steps = d.ttt_steps, steps
     try:
@@ -232,7 +232,7 @@ def trained():
     cu = torch.tensor([0, *torch.tensor([len(s) for s in seqs]).cumsum(0).tolist()])
     with torch.no_grad():
         logits, feats = target(ids, taps=tuple(d.layers), cu_seqlens=cu)
-    batch = DraftBatch(ids, cu, torch.ones_like(ids, dtype=torch.bool), feats, logits)
+    batch = DraftBatch.from_full_logits(ids, cu, torch.ones_like(ids, dtype=torch.bool), feats, logits)
     opt = torch.optim.AdamW(d.parameters(), lr=1e-2)
     history = []
     for _ in range(30):

@@ -6,10 +6,17 @@ produced for it, *detached*: the tapped layer outputs sg(H_θ(x)) and the teache
 Nothing in it carries an autograd path back to the policy, which is the stop-gradient of
 L(θ, φ) = L_RL(θ) + λ·L_draft(φ; x, sg(H_θ(x))).
 
-Alignment convention (same as the policy's): ``teacher_logits[0, t]`` is the policy's
-next-token distribution after reading token t, i.e. over token t + 1;
+Alignment convention (same as the policy's): the teacher logits of packed row t are the
+policy's next-token distribution after reading token t, i.e. over token t + 1;
 ``features[l][0, t]`` is the output of policy layer l at token t; ``loss_mask[0, t]`` marks
 tokens t that the draft should learn to predict (completion tokens; prompts are context).
+
+Teacher logits only where drafts read them. A draft supervises the prediction of token t + 1
+from row t only when ``loss_mask[0, t + 1]``, so those are the only teacher rows any draft
+reads: the rows just before completion tokens, which are also the rows the RL loss needs.
+``teacher_logits`` (R,V) holds the logits of the distinct packed rows ``teacher_rows`` (R,),
+which must include every such row (extra rows are allowed and ignored); the (T,V) tensor over
+the whole row, mostly prompt, is never built. ``teacher_at(rows)`` looks rows up.
 """
 from __future__ import annotations
 
@@ -18,13 +25,19 @@ from dataclasses import dataclass
 import torch
 
 
+def supervised_rows(loss_mask: torch.Tensor) -> torch.Tensor:
+    """(R,) packed rows t whose next token is a prediction target (loss_mask[0, t+1]); host sync."""
+    return loss_mask[0, 1:].nonzero()[:, 0]
+
+
 @dataclass
 class DraftBatch:
     input_ids: torch.Tensor                 # (1,T) long, packed
     cu_seqlens: torch.Tensor                # (n+1,) long, cu_seqlens[-1] <= T (tail is padding)
     loss_mask: torch.Tensor                 # (1,T) bool: token t is a prediction target
     features: dict[int, torch.Tensor]       # layer -> (1,T,H), detached
-    teacher_logits: torch.Tensor            # (1,T,V), detached
+    teacher_logits: torch.Tensor            # (R,V), detached: the policy's logits at teacher_rows
+    teacher_rows: torch.Tensor              # (R,) long, distinct packed rows ⊇ supervised_rows(loss_mask)
 
     def __post_init__(self):
         t = self.input_ids.shape[1]
@@ -33,11 +46,41 @@ class DraftBatch:
         for name, x in [("teacher_logits", self.teacher_logits), *((f"features[{l}]", f) for l, f in self.features.items())]:
             if x.requires_grad:
                 raise ValueError(f"DraftBatch.{name} requires grad: draft inputs must be detached (stop-gradient)")
-            if x.shape[:2] != (1, t):
-                raise ValueError(f"DraftBatch.{name} has shape {tuple(x.shape)}, expected (1, {t}, ...)")
+        for l, f in self.features.items():
+            if f.shape[:2] != (1, t):
+                raise ValueError(f"DraftBatch.features[{l}] has shape {tuple(f.shape)}, expected (1, {t}, ...)")
         if self.loss_mask.shape != (1, t):
             raise ValueError(f"DraftBatch.loss_mask has shape {tuple(self.loss_mask.shape)}, expected (1, {t})")
+        if self.teacher_rows.dim() != 1 or self.teacher_logits.dim() != 2 \
+                or self.teacher_logits.shape[0] != self.teacher_rows.shape[0]:
+            raise ValueError(f"DraftBatch.teacher_logits must be (R,V) and teacher_rows (R,); got "
+                             f"{tuple(self.teacher_logits.shape)} and {tuple(self.teacher_rows.shape)}")
+
+    @classmethod
+    def from_full_logits(cls, input_ids, cu_seqlens, loss_mask, features, logits: torch.Tensor) -> "DraftBatch":
+        """Build from logits over the whole row, (1,T,V): keeps only ``supervised_rows(loss_mask)``."""
+        rows = supervised_rows(loss_mask)
+        return cls(input_ids, cu_seqlens, loss_mask, features, logits[0, rows], rows)
 
     @property
     def device(self) -> torch.device:
         return self.input_ids.device
+
+    @property
+    def vocab_size(self) -> int:
+        return self.teacher_logits.shape[-1]
+
+    def teacher_at(self, rows: torch.Tensor) -> torch.Tensor:
+        """Teacher logits at packed rows of any shape -> (*rows.shape, V); zeros at rows not held.
+
+        Zeros are a placeholder: a draft reads rows outside ``teacher_rows`` only where its loss
+        mask drops them.
+        """
+        t, r = self.input_ids.shape[1], self.teacher_rows.shape[0]
+        if r == 0:
+            return self.teacher_logits.new_zeros(*rows.shape, self.vocab_size)
+        slot = torch.full((t,), -1, dtype=torch.long, device=rows.device)
+        slot[self.teacher_rows.to(rows.device)] = torch.arange(r, device=rows.device)
+        s = slot[rows]
+        picked = self.teacher_logits[s.clamp_min(0)]
+        return torch.where((s >= 0)[..., None], picked, torch.zeros((), dtype=picked.dtype, device=picked.device))

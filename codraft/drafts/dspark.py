@@ -14,7 +14,7 @@ Notes section 3. Backbone and data flow: block_backbone.py. Differences from DFl
 * Confidence head c_k = σ(wᵀ[h_k; e] + b), trained toward the slot's acceptance probability.
 
 Training (teacher forcing: previous tokens are the ground truth x_a, x_{a+1}, …):
-    p_t,k  = softmax(teacher_logits[a+k])             the target's distribution over x_{a+k+1}
+    p_t,k  = softmax(teacher logits of row a+k)       the target's distribution over x_{a+k+1}
     CE_k   = −log p_d,k(x_{a+k+1})
     L1_k   = ‖p_d,k − p_t,k‖₁                          (= 2·TV, as DeepSpec's "TV" term)
     c*_k   = clamp(1 − ½·L1_k, 0, 1), detached          (the acceptance prob. Σ min(p_d, p_t))
@@ -116,13 +116,12 @@ class DSparkDraft(BlockDraftBase):
         ids = batch.input_ids[0]
         labels, prev = ids[lab_pos], ids[src]  # (N,S) x_{a+k+1}, x_{a+k}
         m = (in_seq & batch.loss_mask[0, lab_pos]).float()
-        teacher = batch.teacher_logits[0]  # (T,V), detached
 
         def slot_sums(h_c, labels_c, prev_c, src_c, m_c):
             z, e = self.slot_logits(h_c, prev_c)  # (n,S,V), (n,S,r)
             logp = z.log_softmax(-1)
             ce = -logp.gather(-1, labels_c[..., None])[..., 0]  # (n,S)
-            p_t = teacher[src_c].float().softmax(-1)  # (n,S,V)
+            p_t = batch.teacher_at(src_c).float().softmax(-1)  # (n,S,V); rows outside m_c are zeros
             l1 = (logp.exp() - p_t).abs().sum(-1)  # (n,S)
             c_star = (1 - 0.5 * l1).clamp(0, 1).detach()
             conf = self.confidence_head(torch.cat([h_c, e.to(h_c.dtype)], -1))[..., 0].float()

@@ -8,8 +8,8 @@ Data flow (H = target hidden size, V = target vocab, V_d = draft vocab, taps = `
                    └──────── is the next step's hidden (steps j > 0)
 
 Alignment (notes 1.3): draft row t at TTT step j reads (hidden, emb(x_{t+1+j})) at RoPE position
-pos_t + j and is trained toward the teacher distribution over x_{t+2+j}, i.e.
-``teacher_logits[t+1+j]`` (DraftBatch convention: teacher_logits[t] is over token t + 1).
+pos_t + j and is trained toward the teacher distribution over x_{t+2+j}, i.e. the teacher
+logits of row t+1+j (DraftBatch convention: row t's teacher logits are over token t + 1).
 
 Training, ``loss(batch)``: the training-time-test unroll of ``ttt_steps`` steps. Step 0 is varlen
 causal attention over the packed row; step j > 0 attends to the step-0 keys of its sequence up
@@ -205,29 +205,35 @@ class Eagle3Draft(nn.Module, Draft):
                              f"is {self.vocab_size}")
         step_logits = self.ttt_logits(batch)
         cu, t, dev = batch.cu_seqlens.to(batch.device), batch.input_ids.shape[1], batch.device
-        idx = torch.arange(t, device=dev)
-        seq = torch.searchsorted(cu[1:], idx, right=True).clamp(max=cu.numel() - 2)
-        end = cu[1:][seq][None]  # (1,T) end of t's sequence (cu[-1] for padding: never valid)
-        teacher = batch.teacher_logits.detach()
-        top = teacher.argmax(-1)  # (1,T) teacher top-1 over the full vocab
-        in_vocab = self.t2d[top]  # (1,T)
+        n_seq = cu.numel() - 1
+        end = cu[1:][torch.searchsorted(cu[1:], torch.arange(t, device=dev), right=True).clamp(max=n_seq - 1)]
+        # (T,) end of t's sequence (cu[-1] for padding: never valid)
+        # Only teacher rows r with loss_mask[r+1] are read: step j at row t = r - s (s = 1 + j) reads
+        # teacher row r and predicts x_{r+1}, valid when r+1 lies in t's sequence.
+        rows = batch.teacher_rows.to(dev)  # (R,)
+        teacher = batch.teacher_logits.detach()  # (R,V)
+        supervised = (rows + 1 < t) & batch.loss_mask[0, (rows + 1).clamp(max=t - 1)].bool()  # (R,)
+        top = teacher.argmax(-1)  # (R,) teacher top-1 over the full vocab
+        in_vocab = self.t2d[top]  # (R,)
         sub = teacher if self.draft_vocab_size == self.vocab_size else teacher.index_select(-1, self.used_ids())
         dt = torch.promote_types(step_logits[0].dtype, torch.float32)  # loss dtype: >= fp32
-        p = sub.to(dt).softmax(-1)  # (1,T,V_d) teacher renormalised over the draft vocab
+        p = sub.to(dt).softmax(-1)  # (R,V_d) teacher renormalised over the draft vocab
         used = self.used_ids()
         total = torch.zeros((), dtype=dt, device=dev)
         metrics: dict[str, torch.Tensor] = {}
         for j, logits in enumerate(step_logits):
-            s = 1 + j  # row t reads x_{t+s}, teacher_logits[t+s], predicts x_{t+s+1}
-            acc_mask = (idx + s + 1 < end) & _shift(batch.loss_mask.bool(), s + 1)  # (1,T)
-            pos_mask = acc_mask & _shift(in_vocab, s)
-            ce = -(_shift(p, s) * logits.to(dt).log_softmax(-1)).sum(-1)  # (1,T)
+            s = 1 + j
+            row = rows - s  # (R,) the draft row trained toward teacher row r
+            acc_mask = supervised & (row >= 0) & (rows + 1 < end[row.clamp_min(0)])  # (R,)
+            pos_mask = acc_mask & in_vocab
+            lg = logits[0, row.clamp_min(0)]  # (R,V_d)
+            ce = -(p * lg.to(dt).log_softmax(-1)).sum(-1)  # (R,)
             n_pos = pos_mask.sum()
             l_j = (ce * pos_mask).sum()
             if reduction == "mean":
                 l_j = l_j / n_pos.clamp_min(1)
             total = total + self.loss_decay ** j * l_j
-            hit = (used[logits.argmax(-1)] == _shift(top, s)) & acc_mask
+            hit = (used[lg.argmax(-1)] == top) & acc_mask
             metrics[f"step{j}/loss"] = l_j.detach()
             metrics[f"step{j}/acc"] = hit.sum() / acc_mask.sum().clamp_min(1)
             metrics[f"step{j}/positions"] = n_pos

@@ -46,10 +46,14 @@ class ModelDraft(nn.Module, Draft):
         Position t predicts token t+1; it is supervised where token t+1 is a loss target
         (a completion token, always preceded by its own prompt, so never across sequences).
         """
-        logits = self.net(batch.input_ids, cu_seqlens=batch.cu_seqlens)[:, :-1].float()  # (1,T-1,V)
-        mask = batch.loss_mask[:, 1:]
-        teacher = batch.teacher_logits[:, :-1].float().softmax(-1)
-        ce = -(teacher * logits.log_softmax(-1)).sum(-1)  # (1,T-1)
+        rows = batch.teacher_rows  # the net's head runs on these rows only
+        t = batch.input_ids.shape[1]
+        nxt = rows + 1
+        mask = (nxt < t) & batch.loss_mask[0, nxt.clamp(max=t - 1)]  # (R,) extra teacher rows are dropped
+        h = self.net(batch.input_ids, cu_seqlens=batch.cu_seqlens, head=False)  # (1,T,H)
+        logits = self.net.logits(h[0, rows]).float()  # (R,V)
+        teacher = batch.teacher_logits.float().softmax(-1)
+        ce = -(teacher * logits.log_softmax(-1)).sum(-1)  # (R,)
         n = mask.sum().clamp_min(1)
         loss = (ce * mask).sum() / n
         acc = ((logits.argmax(-1) == teacher.argmax(-1)) & mask).sum() / n

@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from codraft.drafts import build_draft
-from codraft.drafts.batch import DraftBatch
+from codraft.drafts.batch import DraftBatch, supervised_rows
 
 # architectures in a saved draft's config.json -> the module that loads it
 _LOADERS = {"LlamaForCausalLMEagle3": "eagle3", "DFlashDraftModel": "dflash", "DSparkDraftModel": "dspark",
@@ -96,8 +96,10 @@ def target_batch(policy, sequences, feature_layers) -> DraftBatch:
     dev = policy.embed_tokens.weight.device
     input_ids = torch.tensor(ids, device=dev)[None]
     cu = torch.tensor([0] + lens, device=dev).cumsum(0)
-    logits, feats = policy(input_ids, cu_seqlens=cu, taps=tuple(feature_layers))
-    return DraftBatch(input_ids, cu, torch.tensor(mask, device=dev)[None], feats, logits)
+    hidden, feats = policy(input_ids, cu_seqlens=cu, taps=tuple(feature_layers), head=False)
+    loss_mask = torch.tensor(mask, device=dev)[None]
+    rows = supervised_rows(loss_mask)  # the only teacher rows a draft reads: the head runs on these alone
+    return DraftBatch(input_ids, cu, loss_mask, feats, policy.logits(hidden[0, rows]), rows)
 
 
 # ---------------------------------------------------------------- training

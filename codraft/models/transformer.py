@@ -235,11 +235,13 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, *, taps: tuple[int, ...] | None = None,
                 cu_seqlens: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                 cache: KVCache | None = None, logit_index: torch.Tensor | None = None,
-                attention: AttnFn | None = None):
+                attention: AttnFn | None = None, head: bool = True):
         """input_ids (B,T) -> logits (B,T,V), or (logits, {i: output of layer i}) when ``taps`` is given.
 
         cu_seqlens: packed layout (B must be 1); cache: decode into a KVCache (advances its lengths);
         logit_index (B,): only compute logits at that position per row -> (B,1,V).
+        head=False: return the last layer's output (B,T,H) in place of the logits, so a caller that
+        needs only some rows runs the final norm + LM head on those alone (``model.logits(h[rows])``).
         """
         b, t = input_ids.shape
         attn = attention or self.attention
@@ -277,5 +279,7 @@ class Transformer(nn.Module):
             cache.advance(t, span)
         if logit_index is not None:
             x = x[torch.arange(b, device=x.device), logit_index][:, None]
+        if not head:
+            return (x, tapped) if taps is not None else x
         logits = self.logits(x) if pack is None else self.norm(x) @ pack.head_t
         return (logits, tapped) if taps is not None else logits

@@ -8,7 +8,9 @@ only ever sees detached tensors, its loss cannot move θ (tested: policy gradien
 
 Token alignment: the packed row holds tokens x_0..x_{T-1}; the policy's logprob of x_t is
 read from the logits at t-1, scaled by the rollout temperature (the convention the rollout
-engine used for its logprobs, so the two are comparable).
+engine used for its logprobs, so the two are comparable). The LM head runs only on those rows
+(the policy forward returns hidden states); the draft gets the same rows as its teacher logits,
+which are the only teacher rows any draft reads (see DraftBatch).
 """
 from __future__ import annotations
 
@@ -56,30 +58,39 @@ def cotrain_loss(policy, draft, batch: Packed, advantages: torch.Tensor, *, temp
                  train_draft: bool = True) -> tuple[torch.Tensor, dict]:
     """Total loss and metrics for one packed batch (the caller runs backward and the optimisers)."""
     taps = tuple(draft.feature_layers) if (draft is not None and train_draft) else None
-    out = policy(batch.input_ids, cu_seqlens=batch.cu_seqlens, taps=taps)
-    logits, feats = out if taps is not None else (out, {})
-    # logprob of token t comes from the logits at t-1: gather those rows per completion token
+    out = policy(batch.input_ids, cu_seqlens=batch.cu_seqlens, taps=taps, head=False)
+    hidden, feats = out if taps is not None else (out, {})
+    # logprob of token t comes from the logits at t-1. Only those rows (one per completion token,
+    # ~30 % of the packed row) go through the LM head; they are also the draft's teacher rows.
     t = max(temperature, 1e-6)
-    rows = (batch.index - 1).clamp_min(0)                     # (N,L)
-    lg = logits[0, rows]                                       # (N,L,V)
-    logp = token_logprobs(lg / t, batch.input_ids[0, batch.index])  # (N,L)
+    targets = batch.index[batch.index_mask]                    # (R,) packed positions of completion tokens
+    rows = (targets - 1).clamp_min(0)                          # (R,)
+    logits = policy.logits(hidden[0, rows])                    # (R,V)
+    ids = batch.input_ids[0, targets]
+    logp = _unflatten(token_logprobs(logits / t, ids), batch.index_mask)  # (N,L), 0 where padded
     ref_logp = None
     if reference is not None:
         with torch.no_grad():
-            ref_logits = reference(batch.input_ids, cu_seqlens=batch.cu_seqlens)
-            ref_logp = token_logprobs(ref_logits[0, rows] / t, batch.input_ids[0, batch.index])
+            ref_hidden = reference(batch.input_ids, cu_seqlens=batch.cu_seqlens, head=False)
+            ref_logp = _unflatten(token_logprobs(reference.logits(ref_hidden[0, rows]) / t, ids), batch.index_mask)
     rl_loss, m = grpo_loss(logp, logp.detach(), advantages, batch.index_mask, eps_low=eps_low, eps_high=eps_high,
                            norm=norm, ref_logprobs=ref_logp, kl_coef=kl_coef,
                            rollout_logprobs=batch.rollout_logprobs)
     metrics = {f"policy/{k}": v for k, v in m.items()}
     with torch.no_grad():
-        metrics["policy/entropy"] = entropy_from_logits(lg.detach() / t, batch.index_mask)
+        metrics["policy/entropy"] = entropy_from_logits(logits.detach()[None] / t, torch.ones_like(rows)[None])
     loss = rl_loss
     if taps is not None:
         db = DraftBatch(input_ids=batch.input_ids, cu_seqlens=batch.cu_seqlens, loss_mask=batch.completion,
-                        features={l: f.detach() for l, f in feats.items()}, teacher_logits=logits.detach())
+                        features={l: f.detach() for l, f in feats.items()},
+                        teacher_logits=logits.detach(), teacher_rows=rows)
         draft_loss, dm = draft.loss(db)
         metrics.update({f"draft/{k}": v for k, v in dm.items()})
         metrics["draft/loss"] = draft_loss.detach()
         loss = loss + lam * draft_loss
     return loss, metrics
+
+
+def _unflatten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(R,) values of the True entries of mask (N,L), row-major -> (N,L) with zeros elsewhere."""
+    return values.new_zeros(mask.shape).masked_scatter(mask, values)
