@@ -103,3 +103,79 @@ def test_draft_batch_teacher_rows():
                                     torch.stack([torch.zeros(5), logits[0, 4]])]))
     with pytest.raises(ValueError, match="teacher_logits must be"):
         DraftBatch(ids, torch.tensor([0, 8]), lm, {}, logits, rows)
+
+
+# ---- shared prompt per GRPO group ------------------------------------------------------------
+
+
+def _group_batch(share, vocab, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, vocab, (n,), generator=g).tolist() for n in (6, 9)]
+    lens = [[5, 1, 9], [7, 3, 2]]  # completions of very different lengths, one of a single token
+    seqs_p, seqs_c, lps = [], [], []
+    for p, ls in zip(prompts, lens):
+        for n in ls:
+            seqs_p.append(p)
+            seqs_c.append(torch.randint(1, vocab, (n,), generator=g).tolist())
+            lps.append((-torch.rand(n, generator=g)).tolist())
+    return pack(seqs_p, seqs_c, lps, share_prompts=share)
+
+
+def test_shared_prompt_layout():
+    b = _group_batch(True, 20)
+    sh = b.shared
+    assert sh is not None and sh.input_ids.shape[1] == 6 + 9 + 5 + 1 + 9 + 7 + 3 + 2
+    assert torch.equal(sh.input_ids[0, sh.gather], b.input_ids[0])  # same tokens, each prompt stored once
+    assert sh.layout.prefix == (-1, 0, 0, 0, -1, 4, 4, 4)
+    # positions continue after the shared prompt, as in the unshared row
+    from codraft.attention import positions_from_cu_seqlens
+    assert torch.equal(sh.layout.positions()[sh.gather], positions_from_cu_seqlens(b.cu_seqlens, b.input_ids.shape[1]))
+    assert pack([[1, 2], [3]], [[4], [5]], [[0.0], [0.0]]).shared is None  # no repeated prompt
+
+
+def test_prefix_attention_equals_dense_mask():
+    from codraft.attention import PackedCausal, sdpa, varlen_attention
+    torch.manual_seed(0)
+    cu = torch.tensor([0, 4, 7, 7, 12, 15, 16])
+    layout = PackedCausal.of(cu, 19, (-1, 0, 0, 0, -1, 4))  # an empty segment and a padding tail
+    q = torch.randn(1, 6, 19, 8, dtype=torch.float64, requires_grad=True)
+    k = torch.randn(1, 2, 19, 8, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(1, 2, 19, 8, dtype=torch.float64, requires_grad=True)
+    do = torch.randn(1, 6, 19, 8, dtype=torch.float64)
+    o1, o2 = varlen_attention(q, k, v, layout), sdpa(q, k, v, layout)
+    torch.testing.assert_close(o1, o2, rtol=1e-12, atol=1e-12)
+    for a, b in zip(torch.autograd.grad(o1, (q, k, v), do), torch.autograd.grad(o2, (q, k, v), do)):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    m = layout.dense()[0, 0]
+    assert m[7, 0] and m[7, 3] and not m[7, 4] and m[8, 7] and not m[7, 8]  # segment 3 sees segment 0 whole
+    with pytest.raises(ValueError, match="prefix"):
+        PackedCausal.of(cu, 19, (-1, 0, 1, 0, -1, 4))  # a prefix that has a prefix
+
+
+@pytest.mark.parametrize("kind", [None, "eagle3", "dflash", "dspark", "model"])
+def test_shared_prompt_train_step_equals_unshared(kind):
+    policy, _ = _policy(seed=3)
+    policy.double()
+    torch.manual_seed(1)
+    draft = None if kind is None else build_for(kind, policy, gamma=3).double()
+    reference = _policy(seed=4)[0].double().eval() if kind is None else None
+    vocab = policy.config.vocab_size
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.25, 0.0], dtype=torch.float64)
+    kw = dict(KW, lam=0.7, kl_coef=0.05 if reference is not None else 0.0, reference=reference)
+    shared = _run(cotrain_loss, policy, draft, _group_batch(True, vocab), adv, **kw)
+    unshared = _run(cotrain_loss, policy, draft, _group_batch(False, vocab), adv, **kw)
+    # fp64 model, but RMSNorm normalises in fp32: attention rounding that differs between the
+    # layouts surfaces at fp32 level (~1e-7 relative). A wrong mask, position or gradient sum is O(1).
+    tol = dict(rtol=1e-6, atol=1e-9)
+    torch.testing.assert_close(shared[0], unshared[0], **tol)
+    assert shared[1].keys() == unshared[1].keys()
+    for k in unshared[1]:
+        torch.testing.assert_close(torch.as_tensor(shared[1][k]).double(), torch.as_tensor(unshared[1][k]).double(),
+                                   **tol, msg=k)
+    for k, g in unshared[2].items():
+        if g is None:
+            assert shared[2][k] is None, k
+        else:
+            assert (shared[2][k] - g).abs().max() <= 1e-6 * g.abs().max() + 1e-12, k
+    if draft is not None:
+        assert float(shared[1]["draft/loss"]) > 0

@@ -9,26 +9,57 @@ import torch.nn.functional as F
 
 @dataclass(frozen=True)
 class PackedCausal:
-    """The packed layout's mask, described instead of materialised: causal within each sequence.
+    """The packed layout's mask, described instead of materialised: causal within each segment.
 
-    One row of T tokens holds sequences delimited by ``cu_seqlens``; tokens at or after
+    One row of T tokens holds segments delimited by ``cu_seqlens``; tokens at or after
     cu_seqlens[-1] (padding) attend only to themselves. ``bounds`` is a host copy of cu_seqlens,
-    taken once per forward, so attention functions can slice per sequence without syncing per layer.
+    taken once per forward, so attention functions can slice per segment without syncing per layer.
+
+    ``prefix`` (optional, one entry per segment) lets segment i also see every token of an
+    earlier segment ``prefix[i]`` (-1: none), as if that segment preceded it: a GRPO group's
+    completions each see their shared prompt, packed once. RoPE positions of segment i then
+    continue after its prefix (``positions()``). A prefix segment has no prefix itself.
+
     ``dense()`` is the equivalent (1,1,T,T) boolean mask.
     """
     cu_seqlens: torch.Tensor
     total: int
     bounds: tuple[int, ...]
+    prefix: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, cu_seqlens: torch.Tensor, total: int) -> "PackedCausal":
+    def of(cls, cu_seqlens: torch.Tensor, total: int, prefix: tuple[int, ...] = ()) -> "PackedCausal":
         bounds = tuple(int(x) for x in cu_seqlens.tolist())  # one host sync per forward
         if bounds[0] != 0 or any(b > a for a, b in zip(bounds[1:], bounds[:-1])) or bounds[-1] > total:
             raise ValueError(f"cu_seqlens must start at 0, not decrease and end <= {total}; got {list(bounds)}")
-        return cls(cu_seqlens, total, bounds)
+        prefix = tuple(int(p) for p in prefix)
+        if prefix and (len(prefix) != len(bounds) - 1
+                       or any(not -1 <= p < i or (p >= 0 and prefix[p] != -1) for i, p in enumerate(prefix))):
+            raise ValueError(f"prefix needs one entry per segment, each -1 or an earlier segment without a "
+                             f"prefix; got {list(prefix)} for {len(bounds) - 1} segments")
+        return cls(cu_seqlens, total, bounds, prefix)
+
+    def prefix_of(self, segment: int) -> int:
+        return self.prefix[segment] if self.prefix else -1
+
+    def positions(self) -> torch.Tensor:
+        """(T,) RoPE positions: restart at every segment, continuing after the segment's prefix."""
+        pos = positions_from_cu_seqlens(self.cu_seqlens, self.total)
+        if not any(p >= 0 for p in self.prefix):
+            return pos
+        shift = [self.bounds[p + 1] - self.bounds[p] if p >= 0 else 0 for p in self.prefix] + [0]  # padding: 0
+        seg = torch.searchsorted(self.cu_seqlens[1:], torch.arange(self.total, device=pos.device), right=True)
+        return pos + torch.tensor(shift, device=pos.device)[seg]
 
     def dense(self) -> torch.Tensor:
-        return varlen_causal_mask(self.cu_seqlens, self.total)
+        mask = varlen_causal_mask(self.cu_seqlens, self.total)
+        if not any(p >= 0 for p in self.prefix):
+            return mask
+        idx = torch.arange(self.total, device=self.cu_seqlens.device)
+        seg = torch.searchsorted(self.cu_seqlens[1:], idx, right=True)  # (T,) segment id, padding -> S
+        pre = torch.tensor(list(self.prefix) + [-1], device=idx.device)[seg]  # (T,) prefix segment of each query
+        sees_prefix = (seg[None, :] == pre[:, None]) & (pre[:, None] >= 0)
+        return mask | sees_prefix[None, None]
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -7,6 +7,9 @@ here each sequence's q/k/v are sliced by ``PackedCausal.bounds`` and run through
 ``is_causal=True``. Padding tail tokens attend only to themselves, as in the dense mask, so their
 output is their own value (softmax of a single score is exactly 1).
 
+A segment with a prefix (``PackedCausal.prefix``: a completion that sees its GRPO group's prompt,
+packed once) runs one SDPA over keys [prefix ; own segment] with a small explicit mask.
+
 Results equal the dense path up to float rounding (tested, outputs and gradients). Any other
 mask (None, a dense tensor for KV-cache decode) goes to ``sdpa`` unchanged.
 """
@@ -29,10 +32,23 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          f"k {tuple(k.shape)}, total {mask.total}")
     gqa = q.shape[1] != k.shape[1]
     parts = []
-    for start, end in zip(mask.bounds[:-1], mask.bounds[1:]):
-        if end > start:  # empty sequences own no rows
+    for i, (start, end) in enumerate(zip(mask.bounds[:-1], mask.bounds[1:])):
+        if end == start:  # empty segments own no rows
+            continue
+        p = mask.prefix_of(i)
+        if p < 0:
             parts.append(F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end],
                                                         is_causal=True, enable_gqa=gqa))
+            continue
+        # keys [prefix ; own]: every query sees the whole prefix, then its own segment causally.
+        # Autograd through the cat sums the prefix's dK/dV over every segment that shares it.
+        ps, pe = mask.bounds[p], mask.bounds[p + 1]
+        n = end - start
+        allowed = torch.ones(n, pe - ps + n, dtype=torch.bool, device=q.device)
+        allowed[:, pe - ps:] = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        kk = torch.cat([k[:, :, ps:pe], k[:, :, start:end]], dim=2)
+        vv = torch.cat([v[:, :, ps:pe], v[:, :, start:end]], dim=2)
+        parts.append(F.scaled_dot_product_attention(q[:, :, start:end], kk, vv, attn_mask=allowed, enable_gqa=gqa))
     tail = mask.bounds[-1]
     if tail < t:  # padding: each token sees only itself, so its output is its value (head h reads KV head h // g)
         parts.append(v[:, :, tail:].repeat_interleave(q.shape[1] // k.shape[1], dim=1).to(q.dtype))

@@ -30,7 +30,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from codraft.attention import PackedCausal, cache_causal_mask, positions_from_cu_seqlens, varlen_attention
+from codraft.attention import PackedCausal, cache_causal_mask, varlen_attention
 from codraft.models.config import ModelConfig
 from codraft.models.kv_cache import KVCache
 
@@ -235,10 +235,12 @@ class Transformer(nn.Module):
     def forward(self, input_ids: torch.Tensor, *, taps: tuple[int, ...] | None = None,
                 cu_seqlens: torch.Tensor | None = None, positions: torch.Tensor | None = None,
                 cache: KVCache | None = None, logit_index: torch.Tensor | None = None,
-                attention: AttnFn | None = None, head: bool = True):
+                attention: AttnFn | None = None, head: bool = True, layout: PackedCausal | None = None):
         """input_ids (B,T) -> logits (B,T,V), or (logits, {i: output of layer i}) when ``taps`` is given.
 
-        cu_seqlens: packed layout (B must be 1); cache: decode into a KVCache (advances its lengths);
+        cu_seqlens: packed layout (B must be 1); layout: the same given as a ``PackedCausal``, which may
+        also share prefixes between segments (positions then come from ``layout.positions()``);
+        cache: decode into a KVCache (advances its lengths);
         logit_index (B,): only compute logits at that position per row -> (B,1,V).
         head=False: return the last layer's output (B,T,H) in place of the logits, so a caller that
         needs only some rows runs the final norm + LM head on those alone (``model.logits(h[rows])``).
@@ -248,16 +250,21 @@ class Transformer(nn.Module):
         span, pack = None, None
         if cache is not None:
             pack = self._decode_pack(cache, b * t, input_ids.device)
-            if cu_seqlens is not None:
+            if cu_seqlens is not None or layout is not None:
                 raise ValueError("packed input (cu_seqlens) cannot be decoded into a KV cache")
             span = cache.reserve(t)
             positions = cache.lengths[:, None] + torch.arange(t, device=input_ids.device)
             mask = cache_causal_mask(cache.lengths, t, span)
-        elif cu_seqlens is not None:
+        elif cu_seqlens is not None or layout is not None:
             if b != 1:
                 raise ValueError(f"packed input must have batch 1, got {b}")
-            positions = positions_from_cu_seqlens(cu_seqlens, t)[None]
-            mask = PackedCausal.of(cu_seqlens, t)
+            if layout is None:
+                layout = PackedCausal.of(cu_seqlens, t)
+            elif cu_seqlens is not None or layout.total != t:
+                raise ValueError(f"give cu_seqlens or a layout for {t} tokens, not both "
+                                 f"(layout.total={layout.total})")
+            positions = layout.positions()[None]
+            mask = layout
         else:
             mask = None
             if positions is None:
