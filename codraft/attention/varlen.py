@@ -3,7 +3,7 @@
 A packed training row of T tokens holding N sequences needs only the N causal blocks on the
 diagonal of the T×T score matrix; with 8 sequences of ~150 tokens that is ~1/8 of the square.
 The dense masked SDPA (``sdpa`` with ``PackedCausal.dense()``) cannot skip the masked blocks, so
-here each sequence's q/k/v are sliced by ``PackedCausal.bounds`` and run through SDPA with
+here q/k/v are split into sequences by ``PackedCausal.bounds`` and run through SDPA with
 ``is_causal=True``. Padding tail tokens attend only to themselves, as in the dense mask, so their
 output is their own value (softmax of a single score is exactly 1).
 
@@ -31,25 +31,26 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         raise ValueError(f"packed attention needs T == S == mask.total, got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, total {mask.total}")
     gqa = q.shape[1] != k.shape[1]
+    # Split once: the backward of one split is one cat, while N separate slices would each
+    # backpropagate through a zero-filled (B,H,T,D) gradient (quadratic in the number of sequences).
+    tail = mask.bounds[-1]
+    sizes = [e - s for s, e in zip(mask.bounds[:-1], mask.bounds[1:])] + [t - tail]
+    qs, ks, vs = q.split(sizes, 2), k.split(sizes, 2), v.split(sizes, 2)
     parts = []
-    for i, (start, end) in enumerate(zip(mask.bounds[:-1], mask.bounds[1:])):
-        if end == start:  # empty segments own no rows
+    for i, n in enumerate(sizes[:-1]):
+        if n == 0:  # empty segments own no rows
             continue
         p = mask.prefix_of(i)
         if p < 0:
-            parts.append(F.scaled_dot_product_attention(q[:, :, start:end], k[:, :, start:end], v[:, :, start:end],
-                                                        is_causal=True, enable_gqa=gqa))
+            parts.append(F.scaled_dot_product_attention(qs[i], ks[i], vs[i], is_causal=True, enable_gqa=gqa))
             continue
         # keys [prefix ; own]: every query sees the whole prefix, then its own segment causally.
         # Autograd through the cat sums the prefix's dK/dV over every segment that shares it.
-        ps, pe = mask.bounds[p], mask.bounds[p + 1]
-        n = end - start
-        allowed = torch.ones(n, pe - ps + n, dtype=torch.bool, device=q.device)
-        allowed[:, pe - ps:] = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
-        kk = torch.cat([k[:, :, ps:pe], k[:, :, start:end]], dim=2)
-        vv = torch.cat([v[:, :, ps:pe], v[:, :, start:end]], dim=2)
-        parts.append(F.scaled_dot_product_attention(q[:, :, start:end], kk, vv, attn_mask=allowed, enable_gqa=gqa))
-    tail = mask.bounds[-1]
+        m = sizes[p]
+        allowed = torch.ones(n, m + n, dtype=torch.bool, device=q.device)
+        allowed[:, m:] = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
+        kk, vv = torch.cat([ks[p], ks[i]], dim=2), torch.cat([vs[p], vs[i]], dim=2)
+        parts.append(F.scaled_dot_product_attention(qs[i], kk, vv, attn_mask=allowed, enable_gqa=gqa))
     if tail < t:  # padding: each token sees only itself, so its output is its value (head h reads KV head h // g)
-        parts.append(v[:, :, tail:].repeat_interleave(q.shape[1] // k.shape[1], dim=1).to(q.dtype))
+        parts.append(vs[-1].repeat_interleave(q.shape[1] // k.shape[1], dim=1).to(q.dtype))
     return torch.cat(parts, dim=2)
