@@ -275,3 +275,37 @@ def test_bad_inputs():
     with pytest.raises(ValueError, match="max_len=8"):
         Engine(model, max_len=8).generate([[1] * 5], 4)
     assert len(Engine(model, ok, gamma=2).generate([[1] * 20], 12)[0].tokens) <= 12  # exactly max_len fits
+
+
+# --------------------------------------------------------------------------- repeated prompts
+GROUPED = [PROMPTS[1], PROMPTS[0], PROMPTS[1], PROMPTS[1], PROMPTS[0]]  # GRPO groups, interleaved
+
+
+@pytest.mark.parametrize("kind", [None, "model", "dflash"])
+def test_repeated_prompts_prefill_once(target, kind):
+    """A repeated prompt is prefilled once and copied: the cache, the first logits and the draft's
+    features of every copy equal a fresh single-prompt run, and the copies still sample independently."""
+    torch.manual_seed(2)
+    draft = None if kind is None else (build_draft("dflash", target.config, target=target) if kind == "dflash"
+                                       else _drafts(target)[kind])
+    engine = Engine(target, draft, gamma=None if draft is None else 3)
+    run = engine.start(GROUPED, 40, temperature=1.0, seed=11, eos_id=[])
+    assert run.cache.k.shape[1] == len(GROUPED)
+    for _ in range(4):
+        run.step()
+    for b, prompt in enumerate(GROUPED):  # the cache of every row equals a fresh prefill of its context
+        context = prompt + run.out_tokens[b, :run.n_out[b]].tolist()
+        n = len(context) - 1
+        fresh = KVCache.for_model(target, 1, 64)
+        with torch.no_grad():
+            target(torch.tensor([context[:-1]]), cache=fresh)
+        torch.testing.assert_close(run.cache.k[:, b, :, :n], fresh.k[:, 0, :, :n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(run.cache.v[:, b, :, :n], fresh.v[:, 0, :, :n], rtol=1e-5, atol=1e-5)
+    out = engine.generate(GROUPED, 12, temperature=1.0, seed=5, eos_id=[])
+    for prompt, r in zip(GROUPED, out):  # first-token logprob included
+        ref = _oracle_logprobs(_full_logits(target, prompt, r.tokens), r.tokens, 1.0, 0, 1.0)
+        assert max(abs(a - b) for a, b in zip(r.logprobs, ref)) <= 1e-5
+    assert len({tuple(out[i].tokens) for i in (0, 2, 3)}) > 1  # copies are independent samples
+    greedy = engine.generate(GROUPED, 12, temperature=0, eos_id=[])
+    for prompt, r in zip(GROUPED, greedy):  # equal to plain greedy on the prompt alone
+        assert r.tokens == Engine(target).generate([prompt], 12, temperature=0, eos_id=[])[0].tokens

@@ -2,7 +2,9 @@
 
 One ``generate`` call:
   1. prefill: the right-padded prompts in one forward into a pre-allocated ``KVCache``
-     (per-row lengths); the first new token is sampled from each row's last prompt logit;
+     (per-row lengths); the first new token is sampled from each row's last prompt logit.
+     A prompt repeated in the batch (a GRPO group) is prefilled once and its cache rows,
+     last logit and tapped features are copied to every row that repeats it;
   2. rounds, until every row has stopped:
        plain:  feed the pending token (B,1), sample one token;
        spec:   the draft proposes x_1..x_γ (+ q rows); ONE target forward over
@@ -121,8 +123,11 @@ class Rollout:
         b, t = len(prompts), max(map(len, prompts))
         ids = torch.tensor([p + [0] * (t - len(p)) for p in prompts], device=dev)  # (B,T) right-padded
         lens = torch.tensor([len(p) for p in prompts], device=dev)  # (B,)
+        first = {}  # prompt -> its first row: repeated prompts are prefilled once
+        src = torch.tensor([first.setdefault(tuple(p), i) for i, p in enumerate(prompts)], device=dev)  # (B,)
+        uniq = torch.tensor(sorted(first.values()), device=dev)  # (U,) rows that are prefilled
         self.eos = torch.tensor(eos, dtype=torch.long, device=dev)
-        self.cache = KVCache.for_model(self.model, b, t + max_new + self.gamma + 1)
+        self.cache = KVCache.for_model(self.model, len(uniq), t + max_new + self.gamma + 1)
         self.rows = torch.arange(b, device=dev)  # original index of each active row
         self.out_tokens = torch.zeros(b, max_new + self.gamma + 1, dtype=torch.long, device=dev)
         self.out_logp = torch.zeros(b, max_new + self.gamma + 1, device=dev)
@@ -130,7 +135,11 @@ class Rollout:
         self._accepted = torch.zeros(self.gamma, dtype=torch.long, device=dev)  # per draft position
         self.finished = False
 
-        logits, feats = self.model(ids, cache=self.cache, logit_index=lens - 1, taps=self.taps)  # (B,1,V)
+        logits, feats = self.model(ids[uniq], cache=self.cache, logit_index=lens[uniq] - 1, taps=self.taps)  # (U,1,V)
+        if len(uniq) < b:  # copy each prefilled row to the rows that repeat its prompt
+            slot = torch.searchsorted(uniq, src)  # (B,) position of each row's source in uniq
+            self.cache.select(slot)
+            logits, feats = logits[slot], {l: f[slot] for l, f in feats.items()}
         self.cache.set_lengths(lens, span=t)
         self.last, logp = sampler.sample_logits(logits[:, 0])  # (B,) the pending token
         self._lap("prefill_s")
