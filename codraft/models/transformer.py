@@ -87,11 +87,15 @@ SMALL_ROWS = 128
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, w)`` (no bias); on CPU without grad and 2..SMALL_ROWS rows, computed as (w @ xᵀ)ᵀ."""
+    """``F.linear(x, w)`` (no bias); on CPU without grad and 2..SMALL_ROWS rows, computed as (w @ xᵀ)ᵀ.
+
+    Always one 2-D product: F.linear on a non-contiguous 3-D input (e.g. a slice of a block's
+    slots) runs a bmm against a broadcast copy of ``w``, 4x slower for an LM head."""
     m = x.numel() // x.shape[-1]
+    x2 = x.reshape(m, x.shape[-1])
     if 2 <= m <= SMALL_ROWS and x.device.type == "cpu" and not torch.is_grad_enabled():
-        return (w @ x.reshape(m, -1).T).T.contiguous().view(*x.shape[:-1], w.shape[0])
-    return F.linear(x, w)
+        return (w @ x2.T).T.contiguous().view(*x.shape[:-1], w.shape[0])
+    return F.linear(x2, w).view(*x.shape[:-1], w.shape[0])
 
 
 class Attention(nn.Module):
