@@ -36,6 +36,7 @@ class RolloutConfig:
     max_new_tokens: int = 64
     temperature: float = 1.0
     top_p: float = 1.0
+    speculate: str = "always"       # always | auto: decode plainly while the last measured speedup is < 1
 
 
 @dataclass
@@ -92,6 +93,7 @@ class RunConfig:
 CHOICES = {
     "task.name": ("arith", "gsm_symbolic"),
     "grpo.norm": ("token", "sequence"),
+    "rollout.speculate": ("always", "auto"),
     "draft.mode": ("none", "frozen", "cotrain"),
     "draft.kind": ("eagle3", "dflash", "dspark", "model", "ngram"),
     "policy.dtype": ("float32", "bfloat16"),

@@ -77,12 +77,12 @@ def tiny_policy_dir(tmp_path):
     return tmp_path / "policy"
 
 
-def _cfg(policy_dir, run_dir, steps, kind="dflash", mode="cotrain"):
+def _cfg(policy_dir, run_dir, steps, kind="dflash", mode="cotrain", extra=()):
     return load_config(None, [f"policy.init={policy_dir}", f"steps={steps}", f"run_dir={run_dir}",
                               "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=10",
                               "log.val_size=4", "log.val_every=2", "log.speedup_every=2", "log.checkpoint_every=2",
                               "log.keep_last=3", f"draft.kind={kind}", f"draft.mode={mode}", "draft.init=random",
-                              "draft.gamma=3", "grpo.lr=1e-3", "grpo.kl_coef=0.01"])
+                              "draft.gamma=3", "grpo.lr=1e-3", "grpo.kl_coef=0.01", *extra])
 
 
 _TIMING = ("time", "tokens_per_s", "rollout_speedup")

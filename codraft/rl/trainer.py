@@ -2,7 +2,10 @@
 
 Per step:
   1. rollout    the engine (policy θ_t + draft φ_t, lossless speculative decoding) samples
-                `group_size` completions for each of `prompts_per_step` training prompts;
+                `group_size` completions for each of `prompts_per_step` training prompts
+                (`rollout.speculate=auto`: plain decoding while the last measured rollout
+                speedup is < 1, e.g. while a fresh draft is still poor; the draft co-trains
+                either way, since it learns from the rollout tokens, not from its proposals);
   2. reward     the task scores each completion; GRPO advantages per group;
   3. train      one packed policy forward -> L_RL(θ) + λ·L_draft(φ; x, sg(H_θ(x))),
                 one backward, policy and draft optimisers step (draft.mode=cotrain);
@@ -80,6 +83,9 @@ class Trainer:
 
         if cfg.grpo.max_nonfinite_steps < 1:
             raise ConfigError(f"config key 'grpo.max_nonfinite_steps' must be >= 1, got {cfg.grpo.max_nonfinite_steps}")
+        if cfg.rollout.speculate == "auto" and cfg.log.speedup_every < 1:
+            raise ConfigError("rollout.speculate=auto decides from the measured rollout speedup: "
+                              f"it needs log.speedup_every >= 1, got {cfg.log.speedup_every}")
         self.cfg, self.progress = cfg, progress
         self.run_dir = Path(resume or cfg.run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -116,9 +122,12 @@ class Trainer:
                                                betas=(0.9, 0.95))
             self.draft_sched = torch.optim.lr_scheduler.LambdaLR(self.draft_opt, lambda s: 1.0)
         self.start_step, self.prompts_used, self._stream = 0, 0, None
+        # rollout.speculate=auto: speculate unless the last measured rollout speedup was < 1
+        self.spec_pays = True
         if latest is not None:
             state = ckpt.restore(latest, draft=self.draft, optimizers=self._optimizers())
             self.start_step, self.prompts_used = state["step"], state["prompts_used"]
+            self.spec_pays = state.get("spec_pays", True)
         # steps_done/_done_prompts: the last step whose update is fully applied (what Ctrl-C saves);
         # _saved: the last step on disk; nonfinite_streak: skipped updates in a row
         self.steps_done, self._done_prompts, self._saved = self.start_step, self.prompts_used, self.start_step
@@ -165,17 +174,24 @@ class Trainer:
         group = [p for p in problems for _ in range(r.group_size)]
         prompts = [self.tok.prompt_ids(p.prompt) for p in group]
 
-        # 1. rollout
+        # 1. rollout (speculative unless speculate=auto found it slower than plain decoding; a
+        #    measurement step always speculates, so the decision is re-checked every k steps)
         self.policy.eval()
-        out, t_rollout = self._generate(self.engine, prompts, seed)
+        measure = cfg.log.speedup_every and step % cfg.log.speedup_every == 0
+        speculate = self.draft is not None and (r.speculate == "always" or measure or self.spec_pays)
+        engine = self.engine if speculate else self.plain_engine
+        out, t_rollout = self._generate(engine, prompts, seed)
         self.last_rollout = out
-        stats = self.engine.stats
         m = {"time_rollout": t_rollout}
         if self.draft is not None:
+            m["speculative"] = int(speculate)
+        if speculate:
+            stats = engine.stats
             m.update(acceptance_length=stats.acceptance_length, acceptance_per_position=stats.acceptance_per_position)
-        if cfg.log.speedup_every and step % cfg.log.speedup_every == 0:
+        if measure:
             _, t_plain = self._generate(self.plain_engine, prompts, seed)
             m.update(time_rollout_plain=t_plain, rollout_speedup=t_plain / t_rollout)
+            self.spec_pays = t_plain >= t_rollout
 
         # 2. reward
         scored = [self.task.score(p, self.tok.decode(o.tokens)) for p, o in zip(group, out)]
@@ -243,7 +259,8 @@ class Trainer:
     def save(self) -> Path:
         """Checkpoint the last completed step (`steps_done`)."""
         path = ckpt.save_checkpoint(self.run_dir, self.steps_done, policy=self.policy, draft=self.draft,
-                                    optimizers=self._optimizers(), state={"prompts_used": self._done_prompts},
+                                    optimizers=self._optimizers(),
+                                    state={"prompts_used": self._done_prompts, "spec_pays": self.spec_pays},
                                     config=self.cfg.to_dict(), keep_last=self.cfg.log.keep_last,
                                     extra_files=_tokenizer_files(self.policy_dir))
         self._saved = self.steps_done
