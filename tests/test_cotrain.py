@@ -8,6 +8,7 @@ from codraft.config import ConfigError, load_config
 from codraft.drafts.offline import build_for
 from codraft.models import Transformer
 from codraft.rl.cotrain import cotrain_loss, pack
+from codraft.rl.trainer import Trainer
 from codraft.rollout import Engine
 from codraft.tokenizer import CharTokenizer
 from codraft.warmstart import CHAR_TOKENIZER_FILE, tiny_model_config
@@ -94,7 +95,7 @@ def _comparable(rows):
 
 def test_resume_repeats_uninterrupted_run(tmp_path, tiny_policy_dir, monkeypatch):
     from codraft.rl.logger import read_metrics
-    from codraft.rl.trainer import Trainer, train
+    from codraft.rl.trainer import train
     train(_cfg(tiny_policy_dir, tmp_path / "full", 4), progress=False)
 
     real_step = Trainer.step
@@ -154,3 +155,16 @@ def test_cli_train_writes_run_folder(tmp_path, tiny_policy_dir, capsys):
     assert (tmp_path / "run" / "config.yaml").is_file()
     with pytest.raises(SystemExit, match="unknown config key"):
         main(["train", "stepz=1"])
+
+
+def test_num_anchors_bounds_the_draft_loss(tmp_path, tiny_policy_dir):
+    """draft.num_anchors caps the DFlash blocks per sequence (the draft loss's cost); kinds without
+    anchors reject it."""
+    t = Trainer(_cfg(tiny_policy_dir, tmp_path / "a", 1, extra=["draft.num_anchors=2"]), progress=False)
+    m = t.step(0)
+    n_seq = t.cfg.rollout.prompts_per_step * t.cfg.rollout.group_size
+    assert t.draft.config.num_anchors == 2 and 0 < float(m["draft/num_blocks"]) <= 2 * n_seq
+    with pytest.raises(ConfigError, match="num_anchors"):
+        Trainer(_cfg(tiny_policy_dir, tmp_path / "b", 1, kind="eagle3", extra=["draft.num_anchors=2"]), progress=False)
+    with pytest.raises(ConfigError, match="num_anchors"):
+        Trainer(_cfg(tiny_policy_dir, tmp_path / "c", 1, extra=["draft.num_anchors=-1"]), progress=False)
