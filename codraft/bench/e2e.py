@@ -143,7 +143,8 @@ class CodraftSide:
               f"rollout.prompts_per_step={prompts}", f"rollout.group_size={group}",
               f"rollout.max_new_tokens={max_new_tokens}", "rollout.temperature=1.0", "rollout.top_p=1.0",
               "grpo.kl_coef=0", f"grpo.lr={lr}", "log.val_every=0", f"log.speedup_every={speedup_every}",
-              "log.checkpoint_every=0", f"draft.gamma={gamma}"]
+              "log.checkpoint_every=0", f"draft.gamma={gamma}",
+              "rollout.speculate=always", "draft.num_anchors=0"]  # the preset's auto/16: pass as overrides
         ov += ["draft.mode=none"] if kind == "none" else ["draft.mode=cotrain", f"draft.kind={kind}",
                                                            "draft.init=random"]
         self.cfg = load_config(PRESET, ov + list(overrides))
@@ -161,15 +162,6 @@ class CodraftSide:
         draft = self.trainer.draft
         if draft is not None and hasattr(draft, "loss") and self.trainer.trains_draft:
             object.__setattr__(draft, "loss", self._draft_fwd.wrap(draft.loss))
-        # record the rollout's completion lengths (the longest one sets the number of decode rounds)
-        self._last_lens: list[int] = []
-        engine_generate = self.trainer.engine.generate
-
-        def generate(*args, **kwargs):
-            out = engine_generate(*args, **kwargs)
-            self._last_lens = [len(o.tokens) for o in out]
-            return out
-        self.trainer.engine.generate = generate
         self.trainable_draft_params = sum(p.numel() for p in draft.parameters() if p.requires_grad) \
             if isinstance(draft, torch.nn.Module) else 0
 
@@ -196,14 +188,14 @@ class CodraftSide:
         with self._patched_loss():
             m = self.trainer.step(self.steps_done)
         load = meter.read()
-        stats = self.trainer.engine.stats
+        stats, lens = self.trainer.last_stats, [len(o.tokens) for o in self.trainer.last_rollout]
         rec = {"step": self.steps_done, "rollout_s": m["time_rollout"], "train_s": m["time_train"],
                "step_s": m["time_step"], "train_forward_s": self._fwd.total, "draft_forward_s": self._draft_fwd.total,
                "optimizer_s": self._opt.total,
                "train_backward_s": m["time_train"] - self._fwd.total - self._opt.total,
                "other_s": m["time_step"] - m["time_rollout"] - m["time_train"],
                "completion_len": _f(m["completion_len"]), "reward_mean": _f(m["reward_mean"]),
-               "completion_max": max(self._last_lens) if self._last_lens else None,
+               "completion_max": max(lens) if lens else None,
                "decode_rounds": stats.rounds,
                "tokens_per_s": _f(m["tokens_per_s"]),
                "acceptance_length": _f(m.get("acceptance_length")),

@@ -137,7 +137,7 @@ class Trainer:
         # steps_done/_done_prompts: the last step whose update is fully applied (what Ctrl-C saves);
         # _saved: the last step on disk; nonfinite_streak: skipped updates in a row
         self.steps_done, self._done_prompts, self._saved = self.start_step, self.prompts_used, self.start_step
-        self.nonfinite_streak, self.last_rollout = 0, None
+        self.nonfinite_streak, self.last_rollout, self.last_stats = 0, None, None
 
         self.engine = Engine(self.policy, self.draft, d.gamma if self.draft is not None else None)
         self.plain_engine = Engine(self.policy)
@@ -185,15 +185,15 @@ class Trainer:
         self.policy.eval()
         measure = cfg.log.speedup_every and step % cfg.log.speedup_every == 0
         speculate = self.draft is not None and (r.speculate == "always" or measure or self.spec_pays)
-        engine = self.engine if speculate else self.plain_engine
+        engine = self.plain_engine if self.draft is not None and not speculate else self.engine
         out, t_rollout = self._generate(engine, prompts, seed)
-        self.last_rollout = out
+        self.last_rollout, self.last_stats = out, engine.stats
         m = {"time_rollout": t_rollout}
         if self.draft is not None:
             m["speculative"] = int(speculate)
         if speculate:
-            stats = engine.stats
-            m.update(acceptance_length=stats.acceptance_length, acceptance_per_position=stats.acceptance_per_position)
+            m.update(acceptance_length=engine.stats.acceptance_length,
+                     acceptance_per_position=engine.stats.acceptance_per_position)
         if measure:
             _, t_plain = self._generate(self.plain_engine, prompts, seed)
             m.update(time_rollout_plain=t_plain, rollout_speedup=t_plain / t_rollout)
