@@ -18,9 +18,6 @@ class KVCache:
         self.lengths = torch.zeros(batch, dtype=torch.long, device=device)
         self.max_len = max_len
         self.span = 0  # host-side upper bound of max(lengths): how far attention must read
-        # per-generation data of the model that decodes into this cache, dropped with it
-        # (the CPU decode fast path keeps its transposed weight copies here: models.transformer.DecodePack)
-        self.scratch: dict = {}
 
     @classmethod
     def for_model(cls, model, batch: int, max_len: int) -> "KVCache":

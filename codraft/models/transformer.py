@@ -15,11 +15,9 @@ which is where context parallelism hooks in later. The packed layout hands it a 
 descriptor, not a dense mask: the default ``varlen_attention`` runs one causal SDPA per sequence,
 ``attention=sdpa`` materialises the T×T mask (the reference).
 
-CPU decode fast paths (no grad only): a cache forward of one token in all (batch-1 decoding)
-multiplies by ``DecodePack`` copies of the weights: [q;k;v] and [gate;up] fused into
-one matrix each and, with the LM head, stored transposed (in, out). See ``DecodePack`` for
-why and what it costs; ``model.fast_decode = False`` turns it off. Products over 2..128 rows
-(batched decode, speculative verify) go through ``linear``, which picks a faster MKL call.
+CPU decode fast path (no grad only): products over 1..16 rows (decoding, speculative verify)
+go through ``codraft.models.gemv``'s C kernel, which streams the weights about twice as fast as
+MKL's; ``linear`` picks it, or a faster MKL call for up to 128 rows.
 """
 from __future__ import annotations
 
@@ -31,6 +29,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from codraft.attention import PackedCausal, cache_causal_mask, varlen_attention
+from codraft.models import gemv
 from codraft.models.config import ModelConfig
 from codraft.models.kv_cache import KVCache
 
@@ -80,19 +79,22 @@ def apply_rope(x, cos, sin):
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-# Few-row products on CPU: MKL's x @ wᵀ (what F.linear runs) is slow for 2..~100 rows; the same
-# product computed as (w @ xᵀ)ᵀ runs 1.2-3x faster there (and uses both threads), measured on
-# the 2-core AMD machine for SmolLM2's shapes. Bigger batches keep F.linear.
+# Few-row products on CPU: up to gemv.KERNEL_ROWS rows, the C kernel (see codraft.models.gemv);
+# beyond that MKL's x @ wᵀ (what F.linear runs) is still slow up to ~100 rows, where the same
+# product computed as (w @ xᵀ)ᵀ runs 1.2-3x faster (measured on the 2-core AMD machine for
+# SmolLM2's shapes). Bigger batches keep F.linear.
 SMALL_ROWS = 128
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, w)`` (no bias); on CPU without grad and 2..SMALL_ROWS rows, computed as (w @ xᵀ)ᵀ.
+    """``F.linear(x, w)`` (no bias); on CPU without grad and few rows, through a faster product.
 
     Always one 2-D product: F.linear on a non-contiguous 3-D input (e.g. a slice of a block's
     slots) runs a bmm against a broadcast copy of ``w``, 4x slower for an LM head."""
     m = x.numel() // x.shape[-1]
     x2 = x.reshape(m, x.shape[-1])
+    if gemv.applies(x2, w):
+        return gemv.gemv(x2, w).view(*x.shape[:-1], w.shape[0])
     if 2 <= m <= SMALL_ROWS and x.device.type == "cpu" and not torch.is_grad_enabled():
         return (w @ x2.T).T.contiguous().view(*x.shape[:-1], w.shape[0])
     return F.linear(x2, w).view(*x.shape[:-1], w.shape[0])
@@ -112,15 +114,9 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, attn: AttnFn, mask, cache: KVCache | None, layer: int, positions, span,
-                qkv_t: torch.Tensor | None = None):
-        """qkv_t: optional (H, (Hq+2·Hkv)·D) transposed [q;k;v] weight (DecodePack): one product instead of 3."""
+    def forward(self, x, cos, sin, attn: AttnFn, mask, cache: KVCache | None, layer: int, positions, span):
         b, t, _ = x.shape
-        if qkv_t is None:
-            q, k, v = linear(x, self.q_proj.weight), linear(x, self.k_proj.weight), linear(x, self.v_proj.weight)
-        else:
-            q, k, v = (x @ qkv_t).split([self.n_heads * self.head_dim, self.n_kv * self.head_dim,
-                                         self.n_kv * self.head_dim], -1)
+        q, k, v = linear(x, self.q_proj.weight), linear(x, self.k_proj.weight), linear(x, self.v_proj.weight)
         q = q.view(b, t, self.n_heads, self.head_dim)
         k = k.view(b, t, self.n_kv, self.head_dim)
         v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
@@ -141,13 +137,9 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
         self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
 
-    def forward(self, x, gate_up_t: torch.Tensor | None = None):
-        """gate_up_t: optional (H, 2·I) transposed [gate;up] weight (DecodePack): one product instead of 2."""
-        if gate_up_t is None:
-            return linear(F.silu(linear(x, self.gate_proj.weight)) * linear(x, self.up_proj.weight),
-                          self.down_proj.weight)
-        g, u = (x @ gate_up_t).chunk(2, -1)
-        return linear(F.silu(g) * u, self.down_proj.weight)
+    def forward(self, x):
+        return linear(F.silu(linear(x, self.gate_proj.weight)) * linear(x, self.up_proj.weight),
+                      self.down_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -158,46 +150,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, x, *args, qkv_t=None, gate_up_t=None):
-        x = x + self.self_attn(self.input_layernorm(x), *args, qkv_t=qkv_t)
-        return x + self.mlp(self.post_attention_layernorm(x), gate_up_t)
-
-
-class DecodePack:
-    """Decode-layout copies of a Transformer's weights, for matrix-vector products on CPU.
-
-    With one token per step, every linear layer is a matrix-vector product bound by how fast
-    its weight streams from memory. MKL's product over nn.Linear's (out, in) layout (a dot
-    product per output) reaches only ~7 GB/s on the 2-core AMD machine we measured on; over
-    the transposed (in, out) layout (an axpy per input) it reaches ~12-17 GB/s for the wide
-    matrices, and fusing [q;k;v] and [gate;up] saves 3 of 7 calls per layer. For o_proj and
-    down_proj (in >= out) the original layout is as fast, so they are not copied. From 2 rows
-    on, ``linear``'s (w @ xᵀ)ᵀ over the original layout is as fast or faster (and uses both
-    threads), hence the 1-token limit.
-
-    Cost: a copy of the fused weights and the LM head (~73 % of SmolLM2-135M's weights,
-    ~390 MB fp32) for as long as the KV cache that holds it lives (one generate call), built in
-    ~0.1 s. ``key`` (data pointer and in-place version of every source weight) is checked on
-    every use, so weights changed in place (optimizer steps, load_state_dict) or replaced are
-    never read stale.
-    """
-
-    def __init__(self, model: "Transformer"):
-        self.key = DecodePack.key_of(model)
-        self.qkv_t, self.gate_up_t = [], []
-        for layer in model.layers:
-            a, m = layer.self_attn, layer.mlp
-            self.qkv_t.append(torch.cat([a.q_proj.weight.t(), a.k_proj.weight.t(), a.v_proj.weight.t()], 1))
-            self.gate_up_t.append(torch.cat([m.gate_proj.weight.t(), m.up_proj.weight.t()], 1))
-        self.head_t = model.head_weight.t().contiguous()  # (H,V)
-
-    @staticmethod
-    def key_of(model: "Transformer") -> tuple:
-        ws = [model.head_weight]
-        for layer in model.layers:
-            a, m = layer.self_attn, layer.mlp
-            ws += [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, m.gate_proj.weight, m.up_proj.weight]
-        return tuple((w.data_ptr(), w._version, w.dtype) for w in ws)
+    def forward(self, x, *args):
+        x = x + self.self_attn(self.input_layernorm(x), *args)
+        return x + self.mlp(self.post_attention_layernorm(x))
 
 
 class Transformer(nn.Module):
@@ -210,7 +165,6 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)
-        self.fast_decode = True  # CPU batch-1 decode through a DecodePack (see its docstring)
         self.apply(self._init)
 
     def _init(self, m):
@@ -224,17 +178,6 @@ class Transformer(nn.Module):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on layer outputs."""
         return linear(self.norm(h), self.head_weight)
-
-    def _decode_pack(self, cache: KVCache, n_tokens: int, device: torch.device) -> DecodePack | None:
-        """The cache's DecodePack for this model when the fast path applies, (re)built if stale."""
-        if not (self.fast_decode and n_tokens == 1 and device.type == "cpu" and not torch.is_grad_enabled()):
-            return None
-        if self.head_weight.is_inference():  # inference tensors have no version counter to check staleness
-            return None
-        pack = cache.scratch.get("decode_pack")
-        if pack is None or pack.key != DecodePack.key_of(self):
-            pack = cache.scratch["decode_pack"] = DecodePack(self)
-        return pack
 
     def forward(self, input_ids: torch.Tensor, *, taps: tuple[int, ...] | None = None,
                 cu_seqlens: torch.Tensor | None = None, positions: torch.Tensor | None = None,
@@ -251,9 +194,8 @@ class Transformer(nn.Module):
         """
         b, t = input_ids.shape
         attn = attention or self.attention
-        span, pack = None, None
+        span = None
         if cache is not None:
-            pack = self._decode_pack(cache, b * t, input_ids.device)
             if cu_seqlens is not None or layout is not None:
                 raise ValueError("packed input (cu_seqlens) cannot be decoded into a KV cache")
             span = cache.reserve(t)
@@ -279,11 +221,7 @@ class Transformer(nn.Module):
         tapped = {}
         want = set(taps or ())
         for i, layer in enumerate(self.layers):
-            if pack is None:
-                x = layer(x, cos, sin, attn, mask, cache, i, positions, span)
-            else:
-                x = layer(x, cos, sin, attn, mask, cache, i, positions, span,
-                          qkv_t=pack.qkv_t[i], gate_up_t=pack.gate_up_t[i])
+            x = layer(x, cos, sin, attn, mask, cache, i, positions, span)
             if i in want:
                 tapped[i] = x
         if cache is not None:
@@ -292,5 +230,5 @@ class Transformer(nn.Module):
             x = x[torch.arange(b, device=x.device), logit_index][:, None]
         if not head:
             return (x, tapped) if taps is not None else x
-        logits = self.logits(x) if pack is None else self.norm(x) @ pack.head_t
+        logits = self.logits(x)
         return (logits, tapped) if taps is not None else logits

@@ -1,0 +1,88 @@
+"""The CPU few-row product kernel (codraft.models.gemv) against fp64 torch products."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from codraft.models import gemv
+from codraft.models.transformer import linear
+
+
+@pytest.fixture
+def fresh_kernel():
+    gemv.kernel.cache_clear()
+    yield
+    gemv.kernel.cache_clear()
+
+
+def test_kernel_builds_here():
+    # the dev/CI machine has a C compiler: the fast path must be live, not silently off
+    assert gemv.kernel() is not None
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16])
+@pytest.mark.parametrize("i,o", [(1, 1), (8, 5), (15, 3), (16, 64), (17, 7), (576, 33), (1000, 9)])
+def test_matches_fp64_product(m, i, o):
+    g = torch.Generator().manual_seed(m * 1000 + i + o)
+    x, w = torch.randn(m, i, generator=g), torch.randn(o, i, generator=g)
+    ref = x.double() @ w.double().T
+    y = gemv.gemv(x, w)
+    assert y.shape == (m, o) and y.dtype == torch.float32
+    torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * i ** 0.5)
+
+
+def test_thread_count_does_not_change_the_result():
+    g = torch.Generator().manual_seed(0)
+    x, w = torch.randn(5, 576, generator=g), torch.randn(1536, 576, generator=g)
+    n = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = gemv.gemv(x, w)
+        torch.set_num_threads(2)
+        two = gemv.gemv(x, w)
+    finally:
+        torch.set_num_threads(n)
+    assert torch.equal(one, two)  # each output is one thread's dot product
+
+
+def test_linear_routes_and_agrees():
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(40, 24, generator=g, requires_grad=True)
+    x = torch.randn(3, 6, 24, generator=g)[:, ::2]  # non-contiguous (3,3,24): 9 rows
+    ref = F.linear(x.double(), w.detach().double())
+    with torch.no_grad():
+        assert gemv.applies(x.reshape(9, 24), w)
+        torch.testing.assert_close(linear(x, w).double(), ref, rtol=1e-5, atol=1e-5)
+        big = torch.randn(gemv.KERNEL_ROWS + 1, 24, generator=g)
+        assert not gemv.applies(big, w)
+        assert not gemv.applies(x.reshape(9, 24).double(), w.double())
+    # with autograd live the product must stay differentiable: torch's path
+    assert not gemv.applies(x.reshape(9, 24), w)
+    y = linear(x, w)
+    y.sum().backward()
+    torch.testing.assert_close(w.grad, x.reshape(9, 24).sum(0).expand(40, 24), rtol=1e-5, atol=1e-5)
+
+
+def test_build_is_cached_and_fails_loudly(tmp_path, monkeypatch):
+    first = gemv.build(tmp_path)
+    assert first.is_file() and gemv.build(tmp_path) == first
+    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temp files left behind
+    monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
+    with pytest.raises(RuntimeError, match="false failed on gemv.c"):
+        gemv.build(tmp_path / "other")
+    assert list((tmp_path / "other").iterdir()) == []
+
+
+def test_no_compiler_warns_and_falls_back(tmp_path, monkeypatch, fresh_kernel):
+    monkeypatch.setenv("CODRAFT_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "no-such-compiler-xyz")
+    with pytest.warns(UserWarning, match="GEMV kernel unavailable"):
+        assert gemv.kernel() is None
+    x, w = torch.randn(2, 8), torch.randn(3, 8)
+    with torch.no_grad():
+        assert not gemv.applies(x, w)
+        torch.testing.assert_close(linear(x, w), F.linear(x, w))
+
+
+def test_opt_out(monkeypatch, fresh_kernel):
+    monkeypatch.setenv("CODRAFT_GEMV", "0")
+    assert gemv.kernel() is None
