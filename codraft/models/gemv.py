@@ -81,17 +81,18 @@ def kernel():
 
 def applies(x2: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether ``gemv`` takes this product: CPU fp32, no autograd, 1..KERNEL_ROWS rows, kernel built."""
-    return (x2.shape[0] <= KERNEL_ROWS and x2.device.type == "cpu" and x2.dtype == w.dtype == torch.float32
+    return (x2.shape[0] <= KERNEL_ROWS and x2.is_cpu and x2.dtype is torch.float32 and w.dtype is torch.float32
             and not (torch.is_grad_enabled() and (x2.requires_grad or w.requires_grad))
             and w.is_contiguous() and kernel() is not None)
 
 
 def gemv(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x2 (M,I) @ wᵀ (O,I) -> (M,O) through the kernel; the caller checked ``applies``."""
-    x2 = x2.contiguous()
     m, i = x2.shape
+    o = w.shape[0]
     if w.shape[1] != i:
         raise ValueError(f"shape mismatch: x {tuple(x2.shape)} @ w {tuple(w.shape)}ᵀ")
-    y = torch.empty(m, w.shape[0], dtype=x2.dtype)
-    kernel()(x2.data_ptr(), w.data_ptr(), y.data_ptr(), m, i, w.shape[0])
+    x2 = x2.contiguous()
+    y = torch.empty(m, o)
+    kernel()(x2.data_ptr(), w.data_ptr(), y.data_ptr(), m, i, o)
     return y

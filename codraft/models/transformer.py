@@ -43,10 +43,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
@@ -200,7 +197,9 @@ class Transformer(nn.Module):
                 raise ValueError("packed input (cu_seqlens) cannot be decoded into a KV cache")
             span = cache.reserve(t)
             positions = cache.lengths[:, None] + torch.arange(t, device=input_ids.device)
-            mask = cache_causal_mask(cache.lengths, t, span)
+            # additive: SDPA would convert a boolean mask again in every layer
+            mask = torch.zeros((), dtype=self.embed_tokens.weight.dtype, device=input_ids.device).masked_fill(
+                ~cache_causal_mask(cache.lengths, t, span), float("-inf"))
         elif cu_seqlens is not None or layout is not None:
             if b != 1:
                 raise ValueError(f"packed input must have batch 1, got {b}")
