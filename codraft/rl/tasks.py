@@ -211,8 +211,9 @@ class ArithTask(Task):
     chars. They are calibrated so the tiny preset's sub-3-minute warm start lands well
     above 30 % but well below 100 % held-out accuracy (RL has room; with values up to 20,
     numbers of varying width, it reached only 15-25 %); raise the knobs for harder variants.
-    The "rewrite" style is much easier for a small model than "steps": the next operation
-    always sits right after the previous `=`, and the rest is a copy.
+    With these defaults "steps" is the easier style for the tiny model: the same 400-step warm
+    start reaches 89 % held-out (greedy; 82.5 % sampled at T = 1) against 62.5 % for "rewrite",
+    whose long copies leave more room for slips. The preset keeps "rewrite" for that room.
     """
 
     name: ClassVar[str] = "arith"
