@@ -129,6 +129,10 @@ def _cmd_bench(args):
             trl=not args.no_trl, json_path=args.json, max_new_tokens=args.max_new_tokens, prompts=args.prompts,
             group=args.group, gamma=args.gamma, speedup_every=args.speedup_every, interleave=not args.sequential,
             trl_gradient_checkpointing=args.trl_gradient_checkpointing, overrides=args.overrides)
+    elif args.bench == "gemv":
+        from codraft.bench.gemv import run
+        run(model_name=args.model, rows=[int(r) for r in _csv(args.rows)], threads=args.threads,
+            repeats=args.repeats, json_path=args.json)
     elif args.bench == "spec":
         from codraft.bench.spec import run
         run(models=_csv(args.models), batches=[int(b) for b in _csv(args.batches)],
@@ -192,6 +196,13 @@ def main(argv: list[str] | None = None):
     b.add_argument("--no-hf", action="store_true", help="skip the transformers peers")
     b.add_argument("--json", metavar="FILE", help="write every figure to this JSON file")
     s.set_defaults(fn=_cmd_bench)
+
+    b = bench.add_parser("gemv", help="weight streaming speed of few-row products: torch vs the C kernel")
+    b.add_argument("--model", default="smollm2", help="tiny, smollm2 or an HF-format folder")
+    b.add_argument("--rows", default="1,2,4,8,16,32")
+    b.add_argument("--threads", type=int, default=2)
+    b.add_argument("--repeats", type=int, default=5)
+    b.add_argument("--json", metavar="FILE")
 
     b = bench.add_parser("e2e", help="full GRPO step (rollout + co-training) vs TRL GRPOTrainer, SmolLM2-135M")
     b.add_argument("--steps", type=int, default=3)

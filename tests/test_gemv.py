@@ -86,3 +86,21 @@ def test_no_compiler_warns_and_falls_back(tmp_path, monkeypatch, fresh_kernel):
 def test_opt_out(monkeypatch, fresh_kernel):
     monkeypatch.setenv("CODRAFT_GEMV", "0")
     assert gemv.kernel() is None
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_bench_covers_every_decode_product(tied):
+    from codraft.bench.bandwidth import weight_bytes
+    from codraft.bench.gemv import decode_weights, measure
+    from codraft.models import ModelConfig, Transformer
+    cfg = ModelConfig(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=3,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=tied)
+    model = Transformer(cfg)
+    ws = decode_weights(model)
+    norms = sum(p.numel() * 4 for p in model.parameters() if p.dim() == 1)
+    buffers = sum(b.numel() * 4 for b in model.buffers())  # rope frequencies
+    embed = 0 if tied else model.embed_tokens.weight.numel() * 4  # a lookup, not a product
+    assert sum(w.numel() * 4 for w in ws) + norms + buffers + embed == weight_bytes(model)
+    (r,) = measure(ws, rows=[3], repeats=1)
+    assert r["rows"] == 3 and r["bytes"] == sum(w.numel() * 4 for w in ws)
+    assert all(r[f"{k}_ms"] > 0 for k in ("sum", "torch", "kernel"))

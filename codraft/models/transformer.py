@@ -88,13 +88,16 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
     Always one 2-D product: F.linear on a non-contiguous 3-D input (e.g. a slice of a block's
     slots) runs a bmm against a broadcast copy of ``w``, 4x slower for an LM head."""
-    m = x.numel() // x.shape[-1]
-    x2 = x.reshape(m, x.shape[-1])
-    if gemv.applies(x2, w):
-        return gemv.gemv(x2, w).view(*x.shape[:-1], w.shape[0])
-    if 2 <= m <= SMALL_ROWS and x.device.type == "cpu" and not torch.is_grad_enabled():
-        return (w @ x2.T).T.contiguous().view(*x.shape[:-1], w.shape[0])
-    return F.linear(x2, w).view(*x.shape[:-1], w.shape[0])
+    x2 = x.reshape(-1, x.shape[-1])
+    y = gemv.gemv(x2, w) if gemv.applies(x2, w) else torch_product(x2, w)
+    return y.view(*x.shape[:-1], w.shape[0])
+
+
+def torch_product(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x2 (M,I) @ wᵀ with torch's own products: (w @ xᵀ)ᵀ for 2..SMALL_ROWS rows on CPU without grad."""
+    if 2 <= x2.shape[0] <= SMALL_ROWS and x2.device.type == "cpu" and not torch.is_grad_enabled():
+        return (w @ x2.T).T.contiguous()
+    return F.linear(x2, w)
 
 
 class Attention(nn.Module):
