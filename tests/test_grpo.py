@@ -276,3 +276,11 @@ def test_masked_mean():
     assert close(masked_mean(x, mask), (1 + 2 + 4 + 6) / 4)
     assert masked_mean(x, mask, dim=-1).tolist() == pytest.approx([1.5, 5.0])
     assert masked_mean(x, torch.zeros_like(mask)) == 0
+
+
+def test_plot_trailing_mean():
+    from codraft.rl.plots import trailing_mean
+    ys = [1.0, 3.0, 5.0, 7.0, 9.0]
+    assert trailing_mean(ys, window=3) == pytest.approx([1.0, 2.0, 3.0, 5.0, 7.0])
+    assert trailing_mean(ys, window=1) == ys
+    assert trailing_mean([], window=4) == []

@@ -14,6 +14,28 @@ PANELS = [
 ]
 
 
+SMOOTH = 10  # steps in the trailing mean drawn over long series (one step's reward is noisy)
+
+
+def trailing_mean(ys: list[float], window: int = SMOOTH) -> list[float]:
+    """Mean of each value and up to ``window - 1`` values before it."""
+    out, total = [], 0.0
+    for i, y in enumerate(ys):
+        total += y - (ys[i - window] if i >= window else 0.0)
+        out.append(total / min(i + 1, window))
+    return out
+
+
+def _draw(ax, pts: list[tuple], label: str):
+    """A series; from 3·SMOOTH points on, faint, under its trailing mean."""
+    xs, ys = zip(*pts)
+    if len(pts) < 3 * SMOOTH:
+        ax.plot(xs, ys, marker=".", label=label)
+        return
+    (raw,) = ax.plot(xs, ys, alpha=0.3, linewidth=0.8)
+    ax.plot(xs, trailing_mean(list(ys)), color=raw.get_color(), label=f"{label} (mean of {SMOOTH} steps)")
+
+
 def plot_run(run_dir: str | Path) -> list[Path]:
     import matplotlib
     matplotlib.use("Agg")
@@ -27,7 +49,7 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         for key in keys:
             pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
             if pts:
-                ax.plot(*zip(*pts), marker="." if len(pts) < 30 else None, label=key)
+                _draw(ax, pts, key)
                 drawn = True
         if not drawn:
             plt.close(fig)
@@ -35,8 +57,7 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
-        if len(keys) > 1:
-            ax.legend(fontsize=8)
+        ax.legend(fontsize=8)
         fig.tight_layout()
         out = Path(run_dir) / f"{name}.png"
         fig.savefig(out, dpi=100)
@@ -63,7 +84,7 @@ def plot_compare(run_dirs: list[str | Path], out_dir: str | Path, labels: list[s
         for rows, label in zip(runs, labels):
             pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
             if pts:
-                ax.plot(*zip(*pts), label=label)
+                _draw(ax, pts, label)
                 drawn = True
         if not drawn:
             plt.close(fig)
