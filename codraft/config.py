@@ -60,7 +60,7 @@ class DraftConfig:
     init: str = "offline"           # "offline" (cached short offline training), "random", or a checkpoint folder
     gamma: int = 7
     lam: float = 1.0                # λ in L = L_RL + λ·L_draft
-    num_anchors: int = 0            # dflash/dspark: blocks per sequence in the draft loss (0 = the draft's own)
+    num_anchors: int = 0            # dflash/dspark: blocks per sequence in the draft loss (0 = the draft's own); others ignore it
     lr: float = 3e-4
     grad_clip: float = 1.0
 

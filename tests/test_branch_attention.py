@@ -23,7 +23,7 @@ from codraft.attention import (
     dense_branch_reference,
     merge_lse,
 )
-from codraft.attention.branch import branch_main_mask, dense_branch_mask
+from codraft.attention.branch import branch_main_mask, branch_main_part, dense_branch_mask
 
 F64 = torch.float64
 NEG_INF = float("-inf")
@@ -332,3 +332,30 @@ def test_bad_shapes_raise():
         branch_attention(q, k, k, km, km, torch.tensor([1, 2]), local="block", include_anchor=False)
     with pytest.raises(ValueError, match="N=2, T=5"):
         branch_attention(q[:, :, :, :2], k, k, km, km, local="diagonal", include_anchor=True)
+
+
+@pytest.mark.parametrize("b", [1, 2])
+@pytest.mark.parametrize("include_anchor", [True, False])
+def test_per_sequence_main_part_matches_dense(b, include_anchor):
+    """DFlash-style blocks with (N,) anchors shared by the batch take the per-sequence path:
+    unsorted anchors, two in one sequence, one at a sequence start, two in the padding tail."""
+    gen = torch.Generator().manual_seed(11 + b + 2 * include_anchor)
+    cu, t = torch.tensor([0, 4, 4, 9, 13]), 16  # an empty sequence, 3 padding rows
+    anchors = torch.tensor([10, 2, 14, 4, 0, 6, 15, 12])
+    n, g = anchors.numel(), 3
+    x = (_rand(b, 4, n, g, 8, gen=gen), _rand(b, 2, n, g, 8, gen=gen), _rand(b, 2, n, g, 8, gen=gen),
+         _rand(b, 2, t, 8, gen=gen), _rand(b, 2, t, 8, gen=gen))
+    kw = dict(local="block", include_anchor=include_anchor, cu_seqlens=cu)
+    o, lse, grads = _grads(lambda *a: branch_attention_with_lse(*a, anchors, **kw), x, torch.Generator().manual_seed(3))
+    ro, rlse, rgrads = _grads(lambda *a: dense_branch_reference(*a, anchors, **kw), x, torch.Generator().manual_seed(3))
+    assert_close(o, ro)
+    assert_close(lse, rlse)
+    for a, r in zip(grads, rgrads):
+        assert torch.isfinite(a).all()
+        assert_close(a, r)
+    if b == 2:  # the main part alone against the dense masked form, which (B,N) anchors take
+        q, _, _, km, vm = (t.detach() for t in x)
+        om, lm = branch_main_part(q, km, vm, anchors, include_anchor=include_anchor, cu_seqlens=cu)
+        dm, dl = branch_main_part(q, km, vm, anchors.expand(b, n), include_anchor=include_anchor, cu_seqlens=cu)
+        assert_close(om, dm)
+        assert_close(lm, dl)

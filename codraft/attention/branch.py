@@ -27,8 +27,10 @@ Packing: main keys are packed sequences split by ``cu_seqlens`` (shared by the b
 only sees its anchor's sequence, and keys at or after cu_seqlens[-1] (padding) are never seen.
 Anchors are packed indices into the main sequence, (N,) or (B,N), in [0, T).
 
-Cost: the main part is one masked attention of all N·Gq branch queries against the T main keys
-(scores (B,H,N,Gq,T), mask built from the anchors, no loop over queries); the local part is a
+Cost: with packed sequences and anchors shared by the batch (the drafts' training case), the main
+part runs one masked attention per sequence: its branches against its own keys. Otherwise it is
+one masked attention of all N·Gq branch queries against the T main keys (scores
+(B,H,N,Gq,T), mask built from the anchors, no loop over queries). The local part is a
 batched Gq×Gk attention inside each branch (for the diagonal, a few elementwise q·k products per
 row). ``dense_branch_reference`` builds the full mask over [main keys ; branch keys] and runs
 plain softmax attention; it is the test oracle.
@@ -90,11 +92,54 @@ def branch_main_part(
     dt = compute_dtype(q.dtype)
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     a = _anchors(anchors, n, q.device)
+    if cu_seqlens is not None and a.shape[0] == 1 and cu_seqlens.numel() > 2:
+        return _main_part_per_sequence(q, k_main, v_main, a[0], include_anchor, cu_seqlens, scale)
     mask = branch_main_mask(a, t, include_anchor=include_anchor, cu_seqlens=cu_seqlens)  # (B|1,N,T)
     qg = group_queries(q.to(dt), hkv)  # (B,Hkv,g,N,Gq,D)
     scores = torch.einsum("bkgnid,bktd->bkgnit", qg, k_main.to(dt)) * scale  # (B,Hkv,g,N,Gq,T)
     p, lse = softmax_with_lse(scores, mask[:, None, None, :, None, :])
     o = torch.einsum("bkgnit,bktd->bkgnid", p, v_main.to(dt))  # (B,Hkv,g,N,Gq,D)
+    return o.reshape(b, h, n, gq, d), lse.reshape(b, h, n, gq)
+
+
+def _main_part_per_sequence(q, k_main, v_main, anchors, include_anchor, cu_seqlens, scale):
+    """``branch_main_part`` for anchors shared by the batch, one packed sequence at a time.
+
+    A branch only sees its anchor's sequence, so the dense form spends almost all of its
+    (N·Gq × T) scores on other sequences' keys: with 32 sequences, ~97 %. Here the branches are
+    grouped by sequence and each group attends to its own keys only. Branches anchored in the
+    padding tail see nothing: O = 0, LSE = −inf, as in the dense form.
+    """
+    b, h, n, gq, d = q.shape
+    hkv = k_main.shape[1]
+    dt = compute_dtype(q.dtype)
+    cu = cu_seqlens.to(device=q.device, dtype=torch.long)
+    seq = torch.searchsorted(cu[1:], anchors, right=True)  # (N,) sequence per branch; padding → len(cu) - 1
+    order = torch.argsort(seq, stable=True)
+    counts = torch.bincount(seq, minlength=cu.numel()).tolist()
+    bounds = cu.tolist()
+    qg = group_queries(q.to(dt), hkv)  # (B,Hkv,g,N,Gq,D)
+    outs, lses, start = [], [], 0
+    for i, c in enumerate(counts):
+        if c == 0:
+            continue
+        rows = order[start:start + c]
+        start += c
+        if i == len(bounds) - 1:  # padding anchors
+            outs.append(qg.new_zeros(b, hkv, h // hkv, c, gq, d))
+            lses.append(qg.new_full((b, hkv, h // hkv, c, gq), float("-inf")))
+            continue
+        lo, hi = bounds[i], bounds[i + 1]
+        s = torch.arange(lo, hi, device=q.device)
+        a = anchors[rows, None]
+        mask = s <= a if include_anchor else s < a  # (c, L)
+        scores = torch.einsum("bkgnid,bktd->bkgnit", qg[:, :, :, rows], k_main[:, :, lo:hi].to(dt)) * scale
+        p, lse = softmax_with_lse(scores, mask[None, None, None, :, None, :])
+        outs.append(torch.einsum("bkgnit,bktd->bkgnid", p, v_main[:, :, lo:hi].to(dt)))
+        lses.append(lse)
+    back = torch.argsort(order)  # grouped position of each original branch
+    o = torch.cat(outs, dim=3)[:, :, :, back]
+    lse = torch.cat(lses, dim=3)[:, :, :, back]
     return o.reshape(b, h, n, gq, d), lse.reshape(b, h, n, gq)
 
 

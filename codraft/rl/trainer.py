@@ -90,10 +90,8 @@ class Trainer:
 
         if cfg.grpo.max_nonfinite_steps < 1:
             raise ConfigError(f"config key 'grpo.max_nonfinite_steps' must be >= 1, got {cfg.grpo.max_nonfinite_steps}")
-        if cfg.draft.num_anchors < 0 or (cfg.draft.num_anchors and cfg.draft.mode != "none"
-                                         and cfg.draft.kind not in ("dflash", "dspark")):
-            raise ConfigError(f"config key 'draft.num_anchors' (got {cfg.draft.num_anchors}) must be >= 0 and applies "
-                              f"to the block drafts (dflash, dspark) only, not draft.kind={cfg.draft.kind!r}")
+        if cfg.draft.num_anchors < 0:  # the other kinds ignore it, so a preset can set it for its block draft
+            raise ConfigError(f"config key 'draft.num_anchors' must be >= 0, got {cfg.draft.num_anchors}")
         if cfg.rollout.speculate == "auto" and cfg.log.speedup_every < 1:
             raise ConfigError("rollout.speculate=auto decides from the measured rollout speedup: "
                               f"it needs log.speedup_every >= 1, got {cfg.log.speedup_every}")
@@ -117,7 +115,7 @@ class Trainer:
         self.draft = None if d.mode == "none" else init_draft(
             d.kind, d.init, policy=self.policy, tok=self.tok, task=self.task, policy_dir=self.policy_dir,
             gamma=d.gamma, seed=cfg.seed, progress=progress)
-        if d.num_anchors and self.draft is not None:  # the draft loss's cost scales with it
+        if d.num_anchors and d.kind in ("dflash", "dspark") and self.draft is not None:  # the loss's cost scales with it
             self.draft.config.num_anchors = d.num_anchors
         self.trains_draft = d.mode == "cotrain" and self.draft is not None and hasattr(self.draft, "loss") \
             and any(p.requires_grad for p in self.draft.parameters())
