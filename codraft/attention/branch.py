@@ -71,7 +71,7 @@ def branch_main_mask(
     if cu_seqlens is None:
         return allowed
     cu = cu_seqlens.to(device=a.device, dtype=a.dtype)
-    seq = torch.searchsorted(cu[1:], a, right=True)  # (B|1,N) sequence of each anchor; padding → last
+    seq = torch.searchsorted(cu[1:], a.contiguous(), right=True)  # (B|1,N) sequence of each anchor; padding → last
     start = cu[seq]  # padding anchors get start = cu[-1]: nothing below is kept
     return allowed & (s >= start[..., None]) & (s < cu[-1])
 
