@@ -3,8 +3,8 @@
 Decoding multiplies each weight matrix by 1..γ+1 rows per sequence, so its speed is how fast
 the weights stream from memory. MKL's fp32 GEMV streams them at ~9 GB/s on the 2-core AMD
 machine we measured on, whatever the layout; ``gemv.c`` reads every weight row once, dots it
-with up to 4 input rows from L1, and streams at ~18 GB/s (what a plain ``sum`` over the same
-weights reaches) for 1 row, ~10 GB/s for 8. It wins up to ``KERNEL_ROWS`` rows.
+with up to 4 input rows from L1, and streams at 16-18 GB/s for 1 row (a plain ``sum`` over the
+same weights: 19-20) and ~12 GB/s for 8. It wins up to ``KERNEL_ROWS`` rows (``codraft bench gemv``).
 
 Built with the system C compiler (``$CC``, default ``cc``; ~1 s) into
 ``$CODRAFT_CACHE/kernels``, one file per source, flags and CPU (it uses ``-march=native``).
