@@ -2,13 +2,15 @@
 
 For each row count, the same run times, interleaved, every 2-D weight a decode step multiplies
 (all layers' projections and the LM head, in order): a ``sum`` over each weight (what reading
-it costs, the floor), torch's products (``torch_product``: what ``linear`` runs without the kernel) and the C kernel
-(``codraft.models.gemv``). Figures are GB/s of weights read (best of ``repeats``).
+it costs, the floor), torch's products (``torch_product``: what ``linear`` runs without the
+kernel) and the C kernel (``codraft.models.gemv``). Figures are GB/s of weights read (best of
+``repeats``).
 """
 from __future__ import annotations
 
 import json
 from time import perf_counter
+
 import torch
 
 from codraft.bench import format_table

@@ -37,16 +37,17 @@ static inline __attribute__((always_inline)) void dots(const float *w, const flo
 void gemv_rows(const float *x, const float *w, float *y, int64_t m, int64_t in, int64_t out) {
 #pragma omp parallel for schedule(static)
     for (int64_t o = 0; o < out; o++) {
+        const float *row = w + o * in;
         for (int64_t r = 0; r < m; r += 4) {
             const float *xs[4];
             float d[4];
             int nk = m - r < 4 ? (int)(m - r) : 4;
             for (int k = 0; k < nk; k++) xs[k] = x + (r + k) * in;
-            switch (nk) {
-                case 1: dots(w + o * in, xs, in, d, 1); break;
-                case 2: dots(w + o * in, xs, in, d, 2); break;
-                case 3: dots(w + o * in, xs, in, d, 3); break;
-                default: dots(w + o * in, xs, in, d, 4);
+            switch (nk) {  // a constant nk per call lets the compiler unroll the rows
+                case 1: dots(row, xs, in, d, 1); break;
+                case 2: dots(row, xs, in, d, 2); break;
+                case 3: dots(row, xs, in, d, 3); break;
+                default: dots(row, xs, in, d, 4);
             }
             for (int k = 0; k < nk; k++) y[(r + k) * out + o] = d[k];
         }

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-KERNEL_ROWS = 16  # measured: 1.2x F.linear at 16 rows for SmolLM2's shapes, slower from 32
+KERNEL_ROWS = 16  # `codraft bench gemv`, SmolLM2: 1.09x torch's product at 16 rows, 0.88x at 32
 SOURCE = Path(__file__).with_name("gemv.c")
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 
