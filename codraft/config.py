@@ -62,6 +62,7 @@ class DraftConfig:
     lam: float = 1.0                # λ in L = L_RL + λ·L_draft
     num_anchors: int = 0            # dflash/dspark: blocks per sequence in the draft loss (0 = the draft's own); others ignore it
     lr: float = 3e-4
+    warmup_steps: int = 10          # a fresh Adam's first steps are sign-sized: they would knock an offline-trained draft back
     grad_clip: float = 1.0
 
 
@@ -70,6 +71,7 @@ class LogConfig:
     val_every: int = 5
     val_size: int = 64
     speedup_every: int = 5
+    frozen_probe_every: int = 0     # cotrain: every k steps, τ of a frozen copy of the initial draft on the same prompts
     checkpoint_every: int = 10
     keep_last: int = 2
 

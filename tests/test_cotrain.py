@@ -96,7 +96,8 @@ def _comparable(rows):
 def test_resume_repeats_uninterrupted_run(tmp_path, tiny_policy_dir, monkeypatch):
     from codraft.rl.logger import read_metrics
     from codraft.rl.trainer import train
-    train(_cfg(tiny_policy_dir, tmp_path / "full", 4), progress=False)
+    probe = ["log.frozen_probe_every=1"]  # the frozen copy must be the initial draft after a resume too
+    train(_cfg(tiny_policy_dir, tmp_path / "full", 4, extra=probe), progress=False)
 
     real_step = Trainer.step
 
@@ -107,17 +108,37 @@ def test_resume_repeats_uninterrupted_run(tmp_path, tiny_policy_dir, monkeypatch
 
     monkeypatch.setattr(Trainer, "step", crash_at_2)
     with pytest.raises(KeyboardInterrupt):
-        train(_cfg(tiny_policy_dir, tmp_path / "cut", 4), progress=False)
+        train(_cfg(tiny_policy_dir, tmp_path / "cut", 4, extra=probe), progress=False)
     monkeypatch.setattr(Trainer, "step", real_step)
     assert (tmp_path / "cut" / "step_2" / "policy" / "config.json").is_file()
-    train(_cfg(tiny_policy_dir, tmp_path / "cut", 4), resume=str(tmp_path / "cut"), progress=False)
+    train(_cfg(tiny_policy_dir, tmp_path / "cut", 4, extra=probe), resume=str(tmp_path / "cut"), progress=False)
     full, cut = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "cut")
+    assert all("frozen_acceptance_length" in r for r in full if "time_step" in r)
     assert [r["step"] for r in cut] == [0, 1, 2, 3, 4]
     assert _comparable(full) == _comparable(cut)
     from codraft.rl.checkpoint import list_checkpoints
     assert [p.name for p in list_checkpoints(tmp_path / "full")] == ["step_2", "step_4"]
     for png in ("reward.png", "acceptance.png", "step_time.png"):
         assert (tmp_path / "full" / png).stat().st_size > 0
+
+
+def test_frozen_copy_probe_measures_the_initial_draft(tmp_path, tiny_policy_dir):
+    """log.frozen_probe_every: a frozen copy of the initial draft runs on the step's own prompts and
+    seed. At step 0 both drafts are the same weights, so both rollouts and their τ are identical;
+    then the co-trained draft moves and the copy does not."""
+    t = Trainer(_cfg(tiny_policy_dir, tmp_path / "run", 2, extra=["log.frozen_probe_every=1", "log.speedup_every=0"]),
+                progress=False)
+    copy = t.frozen_engine.draft
+    initial = {k: v.clone() for k, v in t.draft.state_dict().items()}
+    m0 = t.step(0)
+    assert m0["frozen_acceptance_length"] == m0["acceptance_length"]
+    assert t.frozen_engine.stats.acceptance_per_position == m0["acceptance_per_position"]
+    m1 = t.step(1)
+    assert "frozen_acceptance_length" in m1
+    assert all(torch.equal(initial[k], v) for k, v in copy.state_dict().items())
+    assert not all(torch.equal(initial[k], v) for k, v in t.draft.state_dict().items())
+    with pytest.raises(ConfigError, match="frozen_probe_every"):
+        Trainer(_cfg(tiny_policy_dir, tmp_path / "b", 1, extra=["log.frozen_probe_every=-1"]), progress=False)
 
 
 def test_frozen_draft_does_not_change(tmp_path, tiny_policy_dir):
@@ -168,3 +189,17 @@ def test_num_anchors_bounds_the_draft_loss(tmp_path, tiny_policy_dir):
     assert not hasattr(e.draft.config, "num_anchors")  # EAGLE-3 trains on every row; the knob is not its
     with pytest.raises(ConfigError, match="num_anchors"):
         Trainer(_cfg(tiny_policy_dir, tmp_path / "c", 1, extra=["draft.num_anchors=-1"]), progress=False)
+
+
+def test_draft_lr_warms_up(tmp_path, tiny_policy_dir):
+    """The draft's lr ramps linearly over draft.warmup_steps (a fresh Adam's first updates are
+    sign-sized and would knock back an offline-trained draft); a negative warm-up is an error."""
+    t = Trainer(_cfg(tiny_policy_dir, tmp_path / "a", 3, extra=["draft.lr=4e-4", "draft.warmup_steps=4"]),
+                progress=False)
+    lrs = []
+    for step in range(3):
+        lrs.append(t.draft_opt.param_groups[0]["lr"])
+        t.step(step)
+    assert lrs == pytest.approx([1e-4, 2e-4, 3e-4])
+    with pytest.raises(ConfigError, match="draft.warmup_steps"):
+        Trainer(_cfg(tiny_policy_dir, tmp_path / "b", 1, extra=["draft.warmup_steps=-1"]), progress=False)

@@ -1,22 +1,26 @@
-"""The CPU few-row product kernel (codraft.models.gemv) against fp64 torch products."""
+"""The CPU few-row product kernel (codraft.models.gemv) against fp64 torch products, and how the C
+kernels (it and codraft.models.decode_ops) are built, cached, and switched off."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from codraft.models import gemv
+from codraft.models import cbuild, decode_ops, gemv
 from codraft.models.transformer import linear
 
 
 @pytest.fixture
 def fresh_kernel():
-    gemv.kernel.cache_clear()
+    caches = (cbuild.library, gemv.kernel, decode_ops.kernels)
+    for c in caches:
+        c.cache_clear()
     yield
-    gemv.kernel.cache_clear()
+    for c in caches:
+        c.cache_clear()
 
 
 def test_kernel_builds_here():
-    # the dev/CI machine has a C compiler: the fast path must be live, not silently off
-    assert gemv.kernel() is not None
+    # the dev/CI machine has a C compiler: the fast paths must be live, not silently off
+    assert gemv.kernel() is not None and decode_ops.kernels() is not None
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16])
@@ -63,29 +67,29 @@ def test_linear_routes_and_agrees():
 
 
 def test_build_is_cached_and_fails_loudly(tmp_path, monkeypatch):
-    first = gemv.build(tmp_path)
-    assert first.is_file() and gemv.build(tmp_path) == first
+    first = cbuild.build(cache_dir=tmp_path)
+    assert first.is_file() and cbuild.build(cache_dir=tmp_path) == first
     assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temp files left behind
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
-    with pytest.raises(RuntimeError, match="false failed on gemv.c"):
-        gemv.build(tmp_path / "other")
+    with pytest.raises(RuntimeError, match="false failed on gemv.c, decode_ops.c"):
+        cbuild.build(cache_dir=tmp_path / "other")
     assert list((tmp_path / "other").iterdir()) == []
 
 
 def test_no_compiler_warns_and_falls_back(tmp_path, monkeypatch, fresh_kernel):
     monkeypatch.setenv("CODRAFT_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-compiler-xyz")
-    with pytest.warns(UserWarning, match="GEMV kernel unavailable"):
-        assert gemv.kernel() is None
+    with pytest.warns(UserWarning, match="C kernels unavailable"):
+        assert gemv.kernel() is None and decode_ops.kernels() is None
     x, w = torch.randn(2, 8), torch.randn(3, 8)
     with torch.no_grad():
-        assert not gemv.applies(x, w)
+        assert not gemv.applies(x, w) and not decode_ops.applies(x, w)
         torch.testing.assert_close(linear(x, w), F.linear(x, w))
 
 
 def test_opt_out(monkeypatch, fresh_kernel):
-    monkeypatch.setenv("CODRAFT_GEMV", "0")
-    assert gemv.kernel() is None
+    monkeypatch.setenv("CODRAFT_KERNELS", "0")
+    assert gemv.kernel() is None and decode_ops.kernels() is None
 
 
 @pytest.mark.parametrize("tied", [True, False])

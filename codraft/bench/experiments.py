@@ -39,20 +39,31 @@ def drift(out: str | Path, *, kinds=("dflash", "dspark", "eagle3"), steps: int =
     rows, dirs = {}, []
     for kind in kinds:
         for mode in ("frozen", "cotrain"):
+            # the co-trained run also runs a frozen copy of the initial draft on its own prompts every
+            # step: both drafts against the same policy, which the two runs' policies are not (their
+            # rollouts differ, so their updates do)
             d = _run(out, f"drift-{kind}-{mode}", [f"steps={steps}", f"seed={seed}", f"draft.kind={kind}",
                                                      f"draft.mode={mode}", "log.speedup_every=0",
-                                                     "log.checkpoint_every=0", *extra], progress)
+                                                     "log.checkpoint_every=0", "log.frozen_probe_every=1", *extra],
+                     progress)
             rows[f"{kind}/{mode}"] = summarize(d)
             dirs.append(d)
     plot_compare(dirs, out / "drift-plots")
-    lines = ["| kind | mode | τ first 5 steps | τ last 5 steps | reward first → last |", "|---|---|---|---|---|"]
+    lines = ["| kind | run | τ first 5 steps | τ last 5 steps | reward first → last |", "|---|---|---|---|---|"]
     for key, s in rows.items():
         kind, mode = key.split("/")
         lines.append(f"| {kind} | {mode} | {_fmt(s['tau_first'], 2)} | {_fmt(s['tau_last'], 2)} | "
                      f"{_fmt(s['reward_first'], 2)} → {_fmt(s['reward_last'], 2)} |")
+        if s["frozen_tau_last"] is not None:
+            lines.append(f"| {kind} | {mode}: frozen copy, same policy | {_fmt(s['frozen_tau_first'], 2)} | "
+                         f"{_fmt(s['frozen_tau_last'], 2)} | |")
     ratios = {k: rows[f"{k}/cotrain"]["tau_last"] / rows[f"{k}/frozen"]["tau_last"] for k in kinds
               if rows[f"{k}/frozen"]["tau_last"]}
-    lines += ["", "co-trained / frozen τ at the end: " + ", ".join(f"{k} {v:.2f}×" for k, v in ratios.items())]
+    same = {k: rows[f"{k}/cotrain"]["tau_last"] / rows[f"{k}/cotrain"]["frozen_tau_last"] for k in kinds
+            if rows[f"{k}/cotrain"]["frozen_tau_last"]}
+    lines += ["", "co-trained / frozen τ at the end, separate runs: " + ", ".join(f"{k} {v:.2f}×" for k, v in ratios.items()),
+              "co-trained / frozen copy τ at the end, same run (same policy): "
+              + ", ".join(f"{k} {v:.2f}×" for k, v in same.items())]
     return _write(out, "drift", rows, lines)
 
 

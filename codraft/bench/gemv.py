@@ -30,7 +30,7 @@ def decode_weights(model) -> list[torch.Tensor]:
 
 def measure(weights: list[torch.Tensor], rows: list[int], repeats: int = 5) -> list[dict]:
     if gemv.kernel() is None:
-        raise RuntimeError("the GEMV kernel is not available (no C compiler, or CODRAFT_GEMV=0)")
+        raise RuntimeError("the GEMV kernel is not available (no C compiler, or CODRAFT_KERNELS=0)")
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     sides = {"sum": lambda x, w: w.sum(), "torch": torch_product, "kernel": gemv.gemv}
     out = []

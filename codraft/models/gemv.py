@@ -6,74 +6,30 @@ machine we measured on, whatever the layout; ``gemv.c`` reads every weight row o
 with up to 4 input rows from L1, and streams at 16-18 GB/s for 1 row (a plain ``sum`` over the
 same weights: 19-20) and ~12 GB/s for 8. It wins up to ``KERNEL_ROWS`` rows (``codraft bench gemv``).
 
-Built with the system C compiler (``$CC``, default ``cc``; ~1 s) into
-``$CODRAFT_CACHE/kernels``, one file per source, flags and CPU (it uses ``-march=native``).
-It runs on OpenMP, i.e. torch's own thread pool (the same ``libgomp.so.1``), so
-``torch.set_num_threads`` applies. No compiler, or ``CODRAFT_GEMV=0``: a warning (none for the
-opt-out) and ``linear`` keeps using torch's products. Outputs match ``F.linear`` up to fp32
+Built on first use by ``codraft.models.cbuild``; it runs on OpenMP, i.e. torch's own thread
+pool, so ``torch.set_num_threads`` applies. No compiler, or ``CODRAFT_KERNELS=0``: a warning
+(none for the opt-out) and ``linear`` keeps using torch's products. Outputs match ``F.linear`` up to fp32
 summation order.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import subprocess
-import tempfile
-import warnings
-from pathlib import Path
 
 import torch
 
+from codraft.models import cbuild
+
 KERNEL_ROWS = 16  # `codraft bench gemv`, SmolLM2: 1.09x torch's product at 16 rows, 0.88x at 32
-SOURCE = Path(__file__).with_name("gemv.c")
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-
-
-def _cpu_id() -> str:
-    """What -march=native depends on: the CPU model and its feature flags."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-        return "\n".join(sorted({l for l in lines if l.startswith(("model name", "flags", "Features"))}))
-    except OSError:
-        return platform.processor() or platform.machine()
-
-
-def build(cache_dir: Path | None = None) -> Path:
-    """Compile gemv.c (if not cached) and return the shared library's path; raises on failure."""
-    from codraft.models.smollm2 import cache_root
-    cc = os.environ.get("CC", "cc")
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), cc, *FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
-    folder = Path(cache_dir) if cache_dir is not None else cache_root() / "kernels"
-    lib = folder / f"gemv-{key}.so"
-    if lib.is_file():
-        return lib
-    folder.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".gemv-", suffix=".so", dir=folder)
-    os.close(fd)
-    try:
-        done = subprocess.run([cc, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True, timeout=120)
-        if done.returncode != 0:
-            raise RuntimeError(f"{cc} failed on {SOURCE.name}: {done.stderr.strip()[-500:]}")
-        os.replace(tmp, lib)  # atomic: concurrent builders (pytest -n) each rename a complete file
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return lib
 
 
 @functools.cache
 def kernel():
-    """The C function, or None (disabled, or it could not be built: warned once)."""
-    if os.environ.get("CODRAFT_GEMV", "1") == "0":
+    """The C function, or None (``CODRAFT_KERNELS=0``, or it could not be built: warned once)."""
+    lib = cbuild.library()
+    if lib is None:
         return None
-    try:
-        fn = ctypes.CDLL(str(build())).gemv_rows
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        warnings.warn(f"codraft: CPU GEMV kernel unavailable, few-row products use torch's (slower): {e}")
-        return None
+    fn = lib.gemv_rows
     fn.restype = None
     fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
     return fn

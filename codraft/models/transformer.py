@@ -17,7 +17,9 @@ descriptor, not a dense mask: the default ``varlen_attention`` runs one causal S
 
 CPU decode fast path (no grad only): products over 1..16 rows (decoding, speculative verify)
 go through ``codraft.models.gemv``'s C kernel, which streams the weights 1.4-1.6x as fast as
-MKL's; ``linear`` picks it, or a faster MKL call for up to 128 rows.
+MKL's; ``linear`` picks it, or a faster MKL call for up to 128 rows. RMSNorm and, for the
+default attention into a KV cache, RoPE + cache write + attention run as one C call each
+(``codraft.models.decode_ops``): torch's dispatch of those small ops cost as much as the weights.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from codraft.attention import PackedCausal, cache_causal_mask, varlen_attention
-from codraft.models import gemv
+from codraft.models import decode_ops, gemv
 from codraft.models.config import ModelConfig
 from codraft.models.kv_cache import KVCache
 
@@ -43,6 +45,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
+        if decode_ops.applies(x, self.weight):
+            return decode_ops.rms_norm(x, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
@@ -119,9 +123,13 @@ class Attention(nn.Module):
         q, k, v = linear(x, self.q_proj.weight), linear(x, self.k_proj.weight), linear(x, self.v_proj.weight)
         q = q.view(b, t, self.n_heads, self.head_dim)
         k = k.view(b, t, self.n_kv, self.head_dim)
-        v = v.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        v = v.view(b, t, self.n_kv, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if cache is not None and attn is varlen_attention and decode_ops.applies(q, k, v, cache.k):
+            o = decode_ops.cache_attention(q, k, v, cos, sin, cache.k[layer], cache.v[layer], cache.lengths)
+            return linear(o.view(b, t, -1), self.o_proj.weight)
+        v = v.transpose(1, 2)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B,H,T,D)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B,Hkv,T,D)
         if cache is not None:
@@ -150,8 +158,11 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, x, *args):
-        x = x + self.self_attn(self.input_layernorm(x), *args)
+    def forward(self, x, cos, sin, attn: AttnFn, mask, cache: KVCache | None, layer: int, positions, span):
+        if (cache is not None and attn is varlen_attention and self.self_attn.q_norm is None
+                and x.shape[0] * x.shape[1] <= gemv.KERNEL_ROWS and decode_ops.applies(x, cache.k, self.mlp.down_proj.weight)):
+            return decode_ops.decoder_layer(self, x, cos, sin, cache.k[layer], cache.v[layer], cache.lengths)
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, mask, cache, layer, positions, span)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 

@@ -8,7 +8,7 @@ from codraft.rl.logger import read_metrics
 PANELS = [
     ("reward", ["reward_mean"], "reward"),
     ("val_accuracy", ["val_accuracy"], "held-out accuracy"),
-    ("acceptance", ["acceptance_length"], "acceptance length τ"),
+    ("acceptance", ["acceptance_length", "frozen_acceptance_length"], "acceptance length τ"),
     ("mismatch", ["mismatch_kl", "token_mult_prob_error"], "train–inference mismatch"),
     ("step_time", ["time_rollout", "time_train", "time_step"], "seconds per step"),
 ]
@@ -82,10 +82,12 @@ def plot_compare(run_dirs: list[str | Path], out_dir: str | Path, labels: list[s
         fig, ax = plt.subplots(figsize=(5.5, 3.4))
         drawn = False
         for rows, label in zip(runs, labels):
-            pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
-            if pts:
-                _draw(ax, pts, label)
-                drawn = True
+            # each run's headline key; also the frozen copy's τ where a run probed it (same policy)
+            for k, lab in ((key, label), ("frozen_" + key, f"{label}, frozen copy")):
+                pts = [(r["step"], r[k]) for r in rows if isinstance(r.get(k), (int, float))]
+                if pts:
+                    _draw(ax, pts, lab)
+                    drawn = True
         if not drawn:
             plt.close(fig)
             continue
@@ -114,6 +116,8 @@ def summarize(run_dir: str | Path, last: int = 5) -> dict:
     return {"steps": len(rows), "reward_first": mean("reward_mean", rows[:last]), "reward_last": mean("reward_mean", tail),
             "val_first": val[0] if val else None, "val_last": val[-1] if val else None,
             "tau_first": mean("acceptance_length", rows[:last]), "tau_last": mean("acceptance_length", tail),
+            "frozen_tau_first": mean("frozen_acceptance_length", rows[:last]),
+            "frozen_tau_last": mean("frozen_acceptance_length", tail),
             "rollout_speedup": mean("rollout_speedup", rows), "time_rollout": mean("time_rollout", rows),
             "time_train": mean("time_train", rows), "time_step": mean("time_step", rows),
             "mismatch_kl": mean("mismatch_kl", rows), "rollout_share": (mean("time_rollout", rows) or 0) / (mean("time_step", rows) or 1)}

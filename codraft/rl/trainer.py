@@ -11,6 +11,7 @@ Per step:
                 one backward, policy and draft optimisers step (draft.mode=cotrain);
   4. observe    metrics.jsonl / TensorBoard, every k steps held-out accuracy and the
                 measured rollout speedup (a plain-decoding rollout of the same prompts),
+                optionally τ of a frozen copy of the initial draft on the same prompts (drift),
                 checkpoints; plots at the end.
 The engine holds references to the live policy and draft modules, so step t+1's rollout
 uses the weights updated at step t with no copy.
@@ -90,8 +91,11 @@ class Trainer:
 
         if cfg.grpo.max_nonfinite_steps < 1:
             raise ConfigError(f"config key 'grpo.max_nonfinite_steps' must be >= 1, got {cfg.grpo.max_nonfinite_steps}")
-        if cfg.draft.num_anchors < 0:  # the other kinds ignore it, so a preset can set it for its block draft
-            raise ConfigError(f"config key 'draft.num_anchors' must be >= 0, got {cfg.draft.num_anchors}")
+        for key, value in (("draft.num_anchors", cfg.draft.num_anchors),  # other kinds ignore it: presets may set it
+                           ("draft.warmup_steps", cfg.draft.warmup_steps), ("grpo.warmup_steps", cfg.grpo.warmup_steps),
+                           ("log.frozen_probe_every", cfg.log.frozen_probe_every)):
+            if value < 0:
+                raise ConfigError(f"config key {key!r} must be >= 0, got {value}")
         if cfg.rollout.speculate == "auto" and cfg.log.speedup_every < 1:
             raise ConfigError("rollout.speculate=auto decides from the measured rollout speedup: "
                               f"it needs log.speedup_every >= 1, got {cfg.log.speedup_every}")
@@ -119,6 +123,11 @@ class Trainer:
             self.draft.config.num_anchors = d.num_anchors
         self.trains_draft = d.mode == "cotrain" and self.draft is not None and hasattr(self.draft, "loss") \
             and any(p.requires_grad for p in self.draft.parameters())
+        # log.frozen_probe_every: the initial draft, kept frozen and run on the same prompts as the
+        # co-trained one, so staleness is measured against the very same policy (copied before a resume
+        # restores the trained draft)
+        self.frozen_engine = Engine(self.policy, copy.deepcopy(self.draft).requires_grad_(False), d.gamma) \
+            if cfg.log.frozen_probe_every and self.trains_draft else None
         self.reference = None
         if cfg.grpo.kl_coef > 0:  # KL to the initial policy, also after a resume (not to the checkpoint's)
             ref = init_policy if init_policy is not self.policy else copy.deepcopy(self.policy)
@@ -129,9 +138,9 @@ class Trainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _warmup_cosine(g.warmup_steps, cfg.steps))
         self.draft_opt = self.draft_sched = None
         if self.trains_draft:
-            self.draft_opt = _adamw([p for p in self.draft.parameters() if p.requires_grad], lr=d.lr,
-                                               betas=(0.9, 0.95))
-            self.draft_sched = torch.optim.lr_scheduler.LambdaLR(self.draft_opt, lambda s: 1.0)
+            self.draft_opt = _adamw([p for p in self.draft.parameters() if p.requires_grad], lr=d.lr, betas=(0.9, 0.95))
+            self.draft_sched = torch.optim.lr_scheduler.LambdaLR(self.draft_opt,
+                                                                 lambda s: min(1.0, (s + 1) / max(d.warmup_steps, 1)))
         self.start_step, self.prompts_used, self._stream = 0, 0, None
         # rollout.speculate=auto: speculate unless the last measured rollout speedup was < 1
         self.spec_pays = True
@@ -203,6 +212,10 @@ class Trainer:
             _, t_plain = self._generate(self.plain_engine, prompts, seed)
             m.update(time_rollout_plain=t_plain, rollout_speedup=t_plain / t_rollout)
             self.spec_pays = t_plain >= t_rollout
+        t_probe = 0.0
+        if self.frozen_engine is not None and speculate and step % cfg.log.frozen_probe_every == 0:
+            _, t_probe = self._generate(self.frozen_engine, prompts, seed)
+            m["frozen_acceptance_length"] = self.frozen_engine.stats.acceptance_length
 
         # 2. reward
         scored = [self.task.score(p, self.tok.decode(o.tokens)) for p, o in zip(group, out)]
@@ -261,7 +274,7 @@ class Trainer:
                  completion_len=sum(lens) / len(lens), lr=self.sched.get_last_lr()[0],
                  mismatch_kl=lm.get("policy/rollout_kl"), token_mult_prob_error=lm.get("policy/token_mult_prob_error"))
         # step time = rollout + reward + train; the measurement extras below are not part of it
-        m["time_step"] = time.perf_counter() - t_step - m.get("time_rollout_plain", 0.0)
+        m["time_step"] = time.perf_counter() - t_step - m.get("time_rollout_plain", 0.0) - t_probe
         if cfg.log.val_every and (step + 1) % cfg.log.val_every == 0:
             m["val_accuracy"] = self.validate()
         m["tokens_per_s"] = sum(lens) / t_rollout

@@ -1,0 +1,71 @@
+"""Compile the package's C kernels into one shared library on first use, cached.
+
+``gemv.c`` (few-row products) and ``decode_ops.c`` (the rest of a decode step, which calls
+the products) are built with the system C compiler (``$CC``, default ``cc``; ~1 s) into
+``$CODRAFT_CACHE/kernels``, one file per sources, flags and CPU (it uses ``-march=native``),
+renamed into place atomically so concurrent builders (``pytest -n``) are safe. OpenMP comes
+from the compiler's libgomp, the same ``libgomp.so.1`` torch runs on, so
+``torch.set_num_threads`` applies to the kernels too.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import subprocess
+import tempfile
+import warnings
+from pathlib import Path
+
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemv.c", "decode_ops.c"))
+
+
+def _cpu_id() -> str:
+    """What -march=native depends on: the CPU model and its feature flags."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return "\n".join(sorted({l for l in lines if l.startswith(("model name", "flags", "Features"))}))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def build(sources: tuple[Path, ...] = SOURCES, cache_dir: Path | None = None) -> Path:
+    """Compile ``sources`` (if not cached) into one library and return its path; raises on failure."""
+    from codraft.models.smollm2 import cache_root
+    cc = os.environ.get("CC", "cc")
+    texts = [s.read_text() for s in sources]
+    key = hashlib.sha256("\0".join([*texts, cc, *FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
+    folder = Path(cache_dir) if cache_dir is not None else cache_root() / "kernels"
+    lib = folder / f"kernels-{key}.so"
+    if lib.is_file():
+        return lib
+    folder.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".kernels-", suffix=".so", dir=folder)
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, sources)], capture_output=True, text=True,
+                              timeout=120)
+        if done.returncode != 0:
+            names = ", ".join(s.name for s in sources)
+            raise RuntimeError(f"{cc} failed on {names}: {done.stderr.strip()[-500:]}")
+        os.replace(tmp, lib)  # atomic: concurrent builders each rename a complete file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return lib
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The built library, or None when ``CODRAFT_KERNELS=0`` or it cannot be built (warned once:
+    decoding then runs on torch's ops, about 2x slower on CPU)."""
+    if os.environ.get("CODRAFT_KERNELS", "1") == "0":
+        return None
+    try:
+        return ctypes.CDLL(str(build()))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        warnings.warn(f"codraft: C kernels unavailable, CPU decoding uses torch's ops (slower): {e}")
+        return None

@@ -1,0 +1,115 @@
+// The small per-layer operations of a KV-cache decode step, fused: at batch 1 each of torch's
+// ~45 small ops per layer costs 4-50 us of dispatch, as much in total as streaming the weights.
+// fp32, row-major, contiguous. Built by codraft/models/decode_ops.py.
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef float v8 __attribute__((vector_size(32)));
+
+// <a, b> over n values, 8 lanes at a time (a plain loop would not vectorise: strict fp order)
+static float dot(const float *a, const float *b, int64_t n) {
+    v8 acc = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        v8 x, y;
+        memcpy(&x, a + i, sizeof x);
+        memcpy(&y, b + i, sizeof y);
+        acc += x * y;
+    }
+    float s = 0.0f;
+    for (int k = 0; k < 8; k++) s += acc[k];
+    for (; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+// y[r] = w * x[r] / sqrt(mean(x[r]^2) + eps) for each of m rows of d values
+void rms_norm_rows(const float *x, const float *w, float *y, int64_t m, int64_t d, float eps) {
+    for (int64_t r = 0; r < m; r++) {
+        const float *xr = x + r * d;
+        float inv = 1.0f / sqrtf(dot(xr, xr, d) / (float)d + eps);
+        for (int64_t i = 0; i < d; i++) y[r * d + i] = w[i] * (xr[i] * inv);
+    }
+}
+
+// rotate-half RoPE of one head vector: out = x * cos + [-x2, x1] * sin
+static void rope(const float *x, const float *cos, const float *sin, float *out, int64_t dh) {
+    int64_t h = dh / 2;
+    for (int64_t i = 0; i < h; i++) {
+        out[i] = x[i] * cos[i] - x[i + h] * sin[i];
+        out[i + h] = x[i + h] * cos[i + h] + x[i] * sin[i + h];
+    }
+}
+
+// T new tokens per row b at positions lengths[b] + t: rope q and k, write k and v into this
+// layer's cache (B, Hkv, L, D), and attend each query head over keys 0..its own position
+// (grouped-query: head h reads KV head h / (H / Hkv)).
+//   q (B*T, H*D), k and v (B*T, Hkv*D), cos and sin (B*T, D), out (B*T, H*D)
+void decode_attention(const float *q, const float *k, const float *v, const float *cos, const float *sin,
+                      float *kc, float *vc, const int64_t *lengths, float *out,
+                      int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t L, float scale) {
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t bt = 0; bt < B * T; bt++)
+        for (int64_t g = 0; g < Hkv; g++) {
+            int64_t b = bt / T, pos = lengths[b] + bt % T;
+            float *kd = kc + ((b * Hkv + g) * L + pos) * D, *vd = vc + ((b * Hkv + g) * L + pos) * D;
+            rope(k + (bt * Hkv + g) * D, cos + bt * D, sin + bt * D, kd, D);
+            for (int64_t i = 0; i < D; i++) vd[i] = v[(bt * Hkv + g) * D + i];
+        }
+    int64_t group = H / Hkv;
+#pragma omp parallel
+    {
+        float *qr = malloc(D * sizeof(float)), *s = malloc((L > 0 ? L : 1) * sizeof(float));
+#pragma omp for collapse(2) schedule(static)
+        for (int64_t bt = 0; bt < B * T; bt++)
+            for (int64_t h = 0; h < H; h++) {
+                int64_t b = bt / T, n = lengths[b] + bt % T + 1;  // keys this query sees
+                const float *kb = kc + (b * Hkv + h / group) * L * D, *vb = vc + (b * Hkv + h / group) * L * D;
+                rope(q + (bt * H + h) * D, cos + bt * D, sin + bt * D, qr, D);
+                float mx = -INFINITY, sum = 0.0f;
+                for (int64_t j = 0; j < n; j++) {
+                    s[j] = dot(qr, kb + j * D, D) * scale;
+                    if (s[j] > mx) mx = s[j];
+                }
+                for (int64_t j = 0; j < n; j++) sum += (s[j] = expf(s[j] - mx));
+                float *o = out + (bt * H + h) * D;
+                for (int64_t i = 0; i < D; i++) o[i] = 0.0f;
+                for (int64_t j = 0; j < n; j++) {
+                    float p = s[j] / sum;
+                    for (int64_t i = 0; i < D; i++) o[i] += p * vb[j * D + i];
+                }
+            }
+        free(qr);
+        free(s);
+    }
+}
+
+void gemv_rows(const float *x, const float *w, float *y, int64_t m, int64_t in, int64_t out);  // gemv.c
+
+// One decoder layer for m = B*T new tokens (m small: the products go through gemv_rows):
+//   h = x + o_proj(attention(rope(q, k), cache))   with q, k, v = projections of rms_norm(x)
+//   y = h + down(silu(gate(n)) * up(n))            with n = rms_norm(h)
+// w: the layer's input norm, q, k, v, o, post-attention norm, gate, up, down weights (HF shapes).
+// k and v are written into this layer's cache as in decode_attention.
+void decode_layer(const float *x, float *y, const float *const *w, const float *cos, const float *sin,
+                  float *kc, float *vc, const int64_t *lengths, int64_t B, int64_t T, int64_t D, int64_t H,
+                  int64_t Hkv, int64_t hd, int64_t I, int64_t L, float eps) {
+    int64_t m = B * T, nq = H * hd, nkv = Hkv * hd;
+    float *n = malloc((m * (D + nq + 2 * nkv + nq + 2 * I)) * sizeof(float));
+    float *q = n + m * D, *k = q + m * nq, *v = k + m * nkv, *att = v + m * nkv, *g = att + m * nq, *u = g + m * I;
+    rms_norm_rows(x, w[0], n, m, D, eps);
+    gemv_rows(n, w[1], q, m, D, nq);
+    gemv_rows(n, w[2], k, m, D, nkv);
+    gemv_rows(n, w[3], v, m, D, nkv);
+    decode_attention(q, k, v, cos, sin, kc, vc, lengths, att, B, T, H, Hkv, hd, L, 1.0f / sqrtf((float)hd));
+    gemv_rows(att, w[4], y, m, nq, D);
+    for (int64_t i = 0; i < m * D; i++) y[i] += x[i];
+    rms_norm_rows(y, w[5], n, m, D, eps);
+    gemv_rows(n, w[6], g, m, D, I);
+    gemv_rows(n, w[7], u, m, D, I);
+    for (int64_t i = 0; i < m * I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    gemv_rows(g, w[8], n, m, I, D);
+    for (int64_t i = 0; i < m * D; i++) y[i] += n[i];
+    free(n);
+}

@@ -1,0 +1,91 @@
+"""A KV-cache decode step on CPU in C (``decode_ops.c``): RMSNorm; RoPE + cache write +
+grouped-query attention; and a whole decoder layer in one call.
+
+At batch 1 the weights stream in ~30 ms per SmolLM2 step (``codraft.models.gemv``). The ~45
+small torch ops and Python calls per layer around them (norms, rope, cache scatter, one-query
+SDPA, views, module calls) cost 4-50 us each, which added up to another 15-20 ms. With few
+rows (gemv's ``KERNEL_ROWS``) a layer is one C call; with more (a batched verify) the norms and
+the attention still are. Used on CPU, fp32, without autograd; built with the GEMV kernel
+(``codraft.models.cbuild``; ``CODRAFT_KERNELS=0`` opts out). Results match the torch ops up to
+fp32 summation order.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from codraft.models import cbuild
+
+_P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+@functools.cache
+def kernels():
+    """The C library with its argument types, or None (opted out, or no compiler: warned once)."""
+    lib = cbuild.library()
+    if lib is None:
+        return None
+    lib.rms_norm_rows.restype = lib.decode_attention.restype = lib.decode_layer.restype = None
+    lib.rms_norm_rows.argtypes = [_P, _P, _P, _I, _I, _F]
+    lib.decode_attention.argtypes = [_P] * 9 + [_I] * 6 + [_F]
+    lib.decode_layer.argtypes = [_P] * 8 + [_I] * 8 + [_F]
+    return lib
+
+
+def applies(*tensors: torch.Tensor) -> bool:
+    """CPU fp32 tensors that need no autograd, and the kernels are built."""
+    return (all(t.is_cpu and t.dtype is torch.float32 for t in tensors)
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+            and kernels() is not None)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """``w * F.rms_norm(x, (d,), eps=eps)`` over the last dimension."""
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    kernels().rms_norm_rows(x.data_ptr(), w.contiguous().data_ptr(), y.data_ptr(), x.numel() // x.shape[-1],
+                            x.shape[-1], eps)
+    return y
+
+
+def cache_attention(q, k, v, cos, sin, k_cache, v_cache, lengths) -> torch.Tensor:
+    """q (B,T,H,D), k/v (B,T,Hkv,D) of T new tokens per row at positions ``lengths[b] + t``; cos/sin
+    (B,1,T,D). Ropes q and k, writes k and v into this layer's cache (B,Hkv,L,D) and attends each
+    query over its row's keys up to its own position -> (B,T,H,D). Does not touch ``lengths``."""
+    b, t, h, d = q.shape
+    hkv, L = k_cache.shape[1], k_cache.shape[2]
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("cache_attention writes into the cache in place: it must be contiguous")
+    if int(lengths.max()) + t > L:
+        raise ValueError(f"KV cache overflow: {int(lengths.max())} + {t} new tokens > {L} slots")
+    q, k, v, cos, sin = (x.contiguous() for x in (q, k, v, cos, sin))
+    lengths = lengths.to(torch.int64).contiguous()
+    out = torch.empty_like(q)
+    kernels().decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), cos.data_ptr(), sin.data_ptr(),
+                               k_cache.data_ptr(), v_cache.data_ptr(), lengths.data_ptr(), out.data_ptr(),
+                               b, t, h, hkv, d, L, d ** -0.5)
+    return out
+
+
+def decoder_layer(layer, x, cos, sin, k_cache, v_cache, lengths) -> torch.Tensor:
+    """``layer`` (a ``DecoderLayer`` without q/k norms) on x (B,T,D) of T new tokens per row: the
+    same as its torch forward into a KV cache, in one C call. Needs B*T <= gemv.KERNEL_ROWS."""
+    a, mlp = layer.self_attn, layer.mlp
+    b, t, d = x.shape
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("decoder_layer writes into the cache in place: it must be contiguous")
+    if int(lengths.max()) + t > k_cache.shape[2]:
+        raise ValueError(f"KV cache overflow: {int(lengths.max())} + {t} new tokens > {k_cache.shape[2]} slots")
+    weights = [layer.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight,
+               layer.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
+    weights = [w.contiguous() for w in weights]  # (held: the C call reads them)
+    ptrs = (ctypes.c_void_p * 9)(*(w.data_ptr() for w in weights))
+    x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+    lengths = lengths.to(torch.int64).contiguous()
+    y = torch.empty_like(x)
+    kernels().decode_layer(x.data_ptr(), y.data_ptr(), ptrs, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
+                           v_cache.data_ptr(), lengths.data_ptr(), b, t, d, a.n_heads, a.n_kv, a.head_dim,
+                           mlp.gate_proj.weight.shape[0], k_cache.shape[2], layer.input_layernorm.eps)
+    return y
