@@ -52,12 +52,19 @@ def test_cache_attention_matches_torch(t, d):
     assert torch.equal(vc, ref_vc.float())  # values are copied, not computed
 
 
-def test_cache_attention_refuses_overflow():
+def test_bad_shapes_and_overflow_are_refused_before_any_write():
     kc = vc = torch.zeros(1, 1, 4, 8)
     q = k = v = torch.zeros(1, 2, 1, 8)
     cos = sin = torch.zeros(1, 1, 2, 8)
     with pytest.raises(ValueError, match="KV cache overflow: 3 \\+ 2 new tokens > 4 slots"):
         decode_ops.cache_attention(q, k, v, cos, sin, kc, vc, torch.tensor([3]))
+    with pytest.raises(ValueError, match="do not fit"):  # a cache for 2 rows, 1 given
+        decode_ops.cache_attention(q, k, v, cos, sin, torch.zeros(2, 1, 4, 8), torch.zeros(2, 1, 4, 8),
+                                   torch.tensor([0]))
+    with pytest.raises(ValueError, match="do not fit"):  # k with another head size than q
+        decode_ops.cache_attention(q, torch.zeros(1, 2, 1, 4), v, cos, sin, kc, vc, torch.tensor([0]))
+    with pytest.raises(ValueError, match="does not match"):
+        decode_ops.rms_norm(torch.zeros(2, 8), torch.ones(7), 1e-5)
     assert not kc.any()
 
 

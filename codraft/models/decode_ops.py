@@ -43,11 +43,24 @@ def applies(*tensors: torch.Tensor) -> bool:
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     """``w * F.rms_norm(x, (d,), eps=eps)`` over the last dimension."""
-    x = x.contiguous()
+    if w.shape != x.shape[-1:]:
+        raise ValueError(f"rms_norm: weight {tuple(w.shape)} does not match x {tuple(x.shape)}")
+    x, w = x.contiguous(), w.contiguous()
     y = torch.empty_like(x)
-    kernels().rms_norm_rows(x.data_ptr(), w.contiguous().data_ptr(), y.data_ptr(), x.numel() // x.shape[-1],
-                            x.shape[-1], eps)
+    kernels().rms_norm_rows(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], eps)
     return y
+
+
+def _check_cache(k_cache, v_cache, lengths, b: int, t: int, hkv: int, d: int):
+    """The C code writes into the cache in place and trusts every shape: check them first."""
+    if k_cache.shape != v_cache.shape or tuple(k_cache.shape[:2]) != (b, hkv) or k_cache.shape[3] != d \
+            or lengths.shape != (b,):
+        raise ValueError(f"cache {tuple(k_cache.shape)}/{tuple(v_cache.shape)}, lengths {tuple(lengths.shape)} "
+                         f"do not fit {b} rows x {hkv} KV heads x head size {d}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("the KV cache is written in place: it must be contiguous")
+    if int(lengths.max()) + t > k_cache.shape[2]:
+        raise ValueError(f"KV cache overflow: {int(lengths.max())} + {t} new tokens > {k_cache.shape[2]} slots")
 
 
 def cache_attention(q, k, v, cos, sin, k_cache, v_cache, lengths) -> torch.Tensor:
@@ -55,11 +68,12 @@ def cache_attention(q, k, v, cos, sin, k_cache, v_cache, lengths) -> torch.Tenso
     (B,1,T,D). Ropes q and k, writes k and v into this layer's cache (B,Hkv,L,D) and attends each
     query over its row's keys up to its own position -> (B,T,H,D). Does not touch ``lengths``."""
     b, t, h, d = q.shape
-    hkv, L = k_cache.shape[1], k_cache.shape[2]
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("cache_attention writes into the cache in place: it must be contiguous")
-    if int(lengths.max()) + t > L:
-        raise ValueError(f"KV cache overflow: {int(lengths.max())} + {t} new tokens > {L} slots")
+    hkv, L = k.shape[2], k_cache.shape[2]
+    if k.shape != v.shape or k.shape[:2] != (b, t) or k.shape[3] != d or h % hkv or cos.shape != (b, 1, t, d) \
+            or sin.shape != cos.shape:
+        raise ValueError(f"cache_attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}, "
+                         f"cos/sin {tuple(cos.shape)} do not fit (B,T,H,D), (B,T,Hkv,D), (B,1,T,D)")
+    _check_cache(k_cache, v_cache, lengths, b, t, hkv, d)
     q, k, v, cos, sin = (x.contiguous() for x in (q, k, v, cos, sin))
     lengths = lengths.to(torch.int64).contiguous()
     out = torch.empty_like(q)
@@ -74,10 +88,9 @@ def decoder_layer(layer, x, cos, sin, k_cache, v_cache, lengths) -> torch.Tensor
     same as its torch forward into a KV cache, in one C call. Needs B*T <= gemv.KERNEL_ROWS."""
     a, mlp = layer.self_attn, layer.mlp
     b, t, d = x.shape
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("decoder_layer writes into the cache in place: it must be contiguous")
-    if int(lengths.max()) + t > k_cache.shape[2]:
-        raise ValueError(f"KV cache overflow: {int(lengths.max())} + {t} new tokens > {k_cache.shape[2]} slots")
+    if d != a.q_proj.weight.shape[1] or cos.shape != (b, 1, t, a.head_dim) or sin.shape != cos.shape:
+        raise ValueError(f"decoder_layer: x {tuple(x.shape)}, cos/sin {tuple(cos.shape)} do not fit the layer")
+    _check_cache(k_cache, v_cache, lengths, b, t, a.n_kv, a.head_dim)
     weights = [layer.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight,
                layer.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
     weights = [w.contiguous() for w in weights]  # (held: the C call reads them)
