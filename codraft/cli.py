@@ -120,8 +120,7 @@ def _cmd_bench(args):
         opts = {"steps": args.steps, "extra": args.overrides}
         if kinds:
             opts["kinds"] = kinds
-        if args.bench == "parity":
-            opts["seeds"] = [int(s) for s in _csv(args.seeds)]
+        opts["seeds"] = [int(s) for s in _csv(args.seeds or ("0,1,2" if args.bench == "parity" else "0"))]
         fn(args.out, **opts)
     elif args.bench == "e2e":
         from codraft.bench.e2e import run
@@ -226,7 +225,7 @@ def main(argv: list[str] | None = None):
         b.add_argument("--out", default=f"runs/{name}", help="folder for the run folders and the summary")
         b.add_argument("--steps", type=int, default=default_steps)
         b.add_argument("--kinds", help="comma list of draft kinds")
-        b.add_argument("--seeds", default="0,1,2", help="(parity) comma list of seeds")
+        b.add_argument("--seeds", help="comma list of seeds (default: parity 0,1,2, drift 0)")
         b.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every run")
 
     s = sub.add_parser("train-draft", help="offline draft training on samples from the target (resumable)")

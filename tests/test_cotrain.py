@@ -203,3 +203,19 @@ def test_draft_lr_warms_up(tmp_path, tiny_policy_dir):
     assert lrs == pytest.approx([1e-4, 2e-4, 3e-4])
     with pytest.raises(ConfigError, match="draft.warmup_steps"):
         Trainer(_cfg(tiny_policy_dir, tmp_path / "b", 1, extra=["draft.warmup_steps=-1"]), progress=False)
+
+
+def test_drift_experiment_per_seed(tmp_path, tiny_policy_dir):
+    """`codraft bench drift`: per kind and seed a frozen-draft run and a co-trained run that also
+    probes a frozen copy; the summary has a row per run and a ratio per seed."""
+    from codraft.bench.experiments import drift
+    extra = [f"policy.init={tiny_policy_dir}", "rollout.prompts_per_step=2", "rollout.group_size=2",
+             "rollout.max_new_tokens=8", "log.val_size=4", "draft.init=random", "draft.gamma=3"]
+    rows = drift(tmp_path, kinds=("dflash",), steps=2, seeds=(0, 1), extra=extra, progress=False)
+    assert sorted(rows) == ["dflash/0/cotrain", "dflash/0/frozen", "dflash/1/cotrain", "dflash/1/frozen"]
+    assert rows["dflash/0/cotrain"]["frozen_tau_first"] is not None and rows["dflash/0/frozen"]["frozen_tau_first"] is None
+    assert rows["dflash/0/cotrain"]["reward_first"] != rows["dflash/1/cotrain"]["reward_first"] or \
+        rows["dflash/0/cotrain"]["tau_first"] != rows["dflash/1/cotrain"]["tau_first"]  # the seeds differ
+    summary = (tmp_path / "drift.md").read_text()
+    assert summary.count("| dflash |") == 6 and "same run (same policy): dflash" in summary
+    assert (tmp_path / "drift-plots" / "compare_acceptance.png").is_file()

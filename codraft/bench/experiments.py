@@ -33,37 +33,40 @@ def _fmt(v, nd=3):
     return "-" if v is None else f"{v:.{nd}f}" if isinstance(v, float) else str(v)
 
 
-def drift(out: str | Path, *, kinds=("dflash", "dspark", "eagle3"), steps: int = 50, seed: int = 0,
+def drift(out: str | Path, *, kinds=("dflash", "dspark", "eagle3"), steps: int = 50, seeds=(0,),
           extra: list[str] = (), progress: bool = True) -> dict:
     out = Path(out)
     rows, dirs = {}, []
     for kind in kinds:
-        for mode in ("frozen", "cotrain"):
-            # the co-trained run also runs a frozen copy of the initial draft on its own prompts every
-            # step: both drafts against the same policy, which the two runs' policies are not (their
-            # rollouts differ, so their updates do)
-            d = _run(out, f"drift-{kind}-{mode}", [f"steps={steps}", f"seed={seed}", f"draft.kind={kind}",
-                                                     f"draft.mode={mode}", "log.speedup_every=0",
-                                                     "log.checkpoint_every=0", "log.frozen_probe_every=1", *extra],
-                     progress)
-            rows[f"{kind}/{mode}"] = summarize(d)
-            dirs.append(d)
+        for seed in seeds:
+            for mode in ("frozen", "cotrain"):
+                # the co-trained run also runs a frozen copy of the initial draft on its own prompts every
+                # step: both drafts against the same policy, which the two runs' policies are not (their
+                # rollouts differ, so their updates do)
+                d = _run(out, f"drift-{kind}-{mode}-seed{seed}",
+                         [f"steps={steps}", f"seed={seed}", f"draft.kind={kind}", f"draft.mode={mode}",
+                          "log.speedup_every=0", "log.checkpoint_every=0", "log.frozen_probe_every=1", *extra],
+                         progress)
+                rows[f"{kind}/{seed}/{mode}"] = summarize(d)
+                dirs.append(d)
     plot_compare(dirs, out / "drift-plots")
-    lines = ["| kind | run | τ first 5 steps | τ last 5 steps | reward first → last |", "|---|---|---|---|---|"]
+    lines = ["| kind | seed | run | τ first 5 steps | τ last 5 steps | reward first → last |",
+             "|---|---|---|---|---|---|"]
     for key, s in rows.items():
-        kind, mode = key.split("/")
-        lines.append(f"| {kind} | {mode} | {_fmt(s['tau_first'], 2)} | {_fmt(s['tau_last'], 2)} | "
+        kind, seed, mode = key.split("/")
+        lines.append(f"| {kind} | {seed} | {mode} | {_fmt(s['tau_first'], 2)} | {_fmt(s['tau_last'], 2)} | "
                      f"{_fmt(s['reward_first'], 2)} → {_fmt(s['reward_last'], 2)} |")
         if s["frozen_tau_last"] is not None:
-            lines.append(f"| {kind} | {mode}: frozen copy, same policy | {_fmt(s['frozen_tau_first'], 2)} | "
+            lines.append(f"| {kind} | {seed} | {mode}: frozen copy, same policy | {_fmt(s['frozen_tau_first'], 2)} | "
                          f"{_fmt(s['frozen_tau_last'], 2)} | |")
-    ratios = {k: rows[f"{k}/cotrain"]["tau_last"] / rows[f"{k}/frozen"]["tau_last"] for k in kinds
-              if rows[f"{k}/frozen"]["tau_last"]}
-    same = {k: rows[f"{k}/cotrain"]["tau_last"] / rows[f"{k}/cotrain"]["frozen_tau_last"] for k in kinds
-            if rows[f"{k}/cotrain"]["frozen_tau_last"]}
-    lines += ["", "co-trained / frozen τ at the end, separate runs: " + ", ".join(f"{k} {v:.2f}×" for k, v in ratios.items()),
-              "co-trained / frozen copy τ at the end, same run (same policy): "
-              + ", ".join(f"{k} {v:.2f}×" for k, v in same.items())]
+
+    def ratios(frozen_key, frozen_mode):
+        per = {k: [rows[f"{k}/{s}/cotrain"]["tau_last"] / rows[f"{k}/{s}/{frozen_mode}"][frozen_key] for s in seeds
+                   if rows[f"{k}/{s}/{frozen_mode}"][frozen_key]] for k in kinds}
+        return ", ".join(f"{k} {sum(v) / len(v):.2f}× (" + " ".join(f"{x:.2f}" for x in v) + ")" for k, v in per.items() if v)
+
+    lines += ["", "co-trained / frozen τ at the end, mean (per seed), separate runs: " + ratios("tau_last", "frozen"),
+              "co-trained / frozen copy τ at the end, same run (same policy): " + ratios("frozen_tau_last", "cotrain")]
     return _write(out, "drift", rows, lines)
 
 
