@@ -159,8 +159,10 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(c)
 
     def forward(self, x, cos, sin, attn: AttnFn, mask, cache: KVCache | None, layer: int, positions, span):
+        # a few-row CPU decode step: the whole layer in one C call (codraft.models.decode_ops)
         if (cache is not None and attn is varlen_attention and self.self_attn.q_norm is None
-                and x.shape[0] * x.shape[1] <= gemv.KERNEL_ROWS and decode_ops.applies(x, cache.k, self.mlp.down_proj.weight)):
+                and x.shape[0] * x.shape[1] <= gemv.KERNEL_ROWS
+                and decode_ops.applies(x, cache.k, self.mlp.down_proj.weight)):
             return decode_ops.decoder_layer(self, x, cos, sin, cache.k[layer], cache.v[layer], cache.lengths)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, mask, cache, layer, positions, span)
         return x + self.mlp(self.post_attention_layernorm(x))
