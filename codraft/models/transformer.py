@@ -17,8 +17,9 @@ descriptor, not a dense mask: the default ``varlen_attention`` runs one causal S
 
 CPU decode fast path (no grad only): products over 1..16 rows (decoding, speculative verify)
 go through ``codraft.models.gemv``'s C kernel, which streams the weights 1.4-1.6x as fast as
-MKL's; ``linear`` picks it, or a faster MKL call for up to 128 rows. RMSNorm and, for the
-default attention into a KV cache, RoPE + cache write + attention run as one C call each
+MKL's; ``linear`` picks it, or a faster MKL call for up to 128 rows. Into a KV cache with the
+default attention, a step of up to 16 rows runs each decoder layer as one C call; with more
+rows RMSNorm and RoPE + cache write + attention still run as one C call each
 (``codraft.models.decode_ops``): torch's dispatch of those small ops cost as much as the weights.
 """
 from __future__ import annotations
