@@ -24,14 +24,11 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from codraft.atomic import atomic_dir
+from codraft.cache import cache_root
 from codraft.models import ModelConfig, Transformer, load_pretrained, save_pretrained
 from codraft.tokenizer import CharTokenizer
 
 CHAR_TOKENIZER_FILE = "char_tokenizer.json"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("CODRAFT_CACHE", Path.home() / ".cache" / "codraft"))
 
 
 def tiny_model_config(tok: CharTokenizer) -> ModelConfig:

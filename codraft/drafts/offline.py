@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from codraft.cache import cache_root
 from codraft.drafts import build_draft
 from codraft.drafts.batch import DraftBatch, supervised_rows
 
@@ -169,7 +170,6 @@ def init_draft(kind: str, init: str, *, policy, tok, task, policy_dir: Path, gam
     if init == "random":
         return build_for(kind, policy, gamma=gamma)
     if init == "offline":
-        from codraft.warmstart import cache_root
         folder = cache_root() / "drafts" / f"{kind}-g{gamma}-s{offline_steps}-seed{seed}-{_policy_key(Path(policy_dir))}"
         if not (folder / "report.json").is_file():
             torch.manual_seed(seed)

@@ -19,6 +19,8 @@ import tempfile
 import warnings
 from pathlib import Path
 
+from codraft.cache import cache_root
+
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemv.c", "decode_ops.c"))
 
@@ -34,7 +36,6 @@ def _cpu_id() -> str:
 
 def build(sources: tuple[Path, ...] = SOURCES, cache_dir: Path | None = None) -> Path:
     """Compile ``sources`` (if not cached) into one library and return its path; raises on failure."""
-    from codraft.models.smollm2 import cache_root
     cc = os.environ.get("CC", "cc")
     texts = [s.read_text() for s in sources]
     key = hashlib.sha256("\0".join([*texts, cc, *FLAGS, _cpu_id()]).encode()).hexdigest()[:16]

