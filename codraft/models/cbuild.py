@@ -19,6 +19,8 @@ import tempfile
 import warnings
 from pathlib import Path
 
+import torch
+
 from codraft.cache import cache_root
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
@@ -70,3 +72,9 @@ def library() -> ctypes.CDLL | None:
     except (OSError, RuntimeError, subprocess.SubprocessError) as e:
         warnings.warn(f"codraft: C kernels unavailable, CPU decoding uses torch's ops (slower): {e}")
         return None
+
+
+def fits(*tensors: torch.Tensor) -> bool:
+    """What every kernel takes: CPU fp32 tensors that need no autograd."""
+    return (all(t.is_cpu and t.dtype is torch.float32 for t in tensors)
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))

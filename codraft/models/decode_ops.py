@@ -36,9 +36,7 @@ def kernels():
 
 def applies(*tensors: torch.Tensor) -> bool:
     """CPU fp32 tensors that need no autograd, and the kernels are built."""
-    return (all(t.is_cpu and t.dtype is torch.float32 for t in tensors)
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
-            and kernels() is not None)
+    return cbuild.fits(*tensors) and kernels() is not None
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

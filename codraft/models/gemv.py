@@ -37,9 +37,7 @@ def kernel():
 
 def applies(x2: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether ``gemv`` takes this product: CPU fp32, no autograd, 1..KERNEL_ROWS rows, kernel built."""
-    return (x2.shape[0] <= KERNEL_ROWS and x2.is_cpu and x2.dtype is torch.float32 and w.dtype is torch.float32
-            and not (torch.is_grad_enabled() and (x2.requires_grad or w.requires_grad))
-            and w.is_contiguous() and kernel() is not None)
+    return x2.shape[0] <= KERNEL_ROWS and w.is_contiguous() and cbuild.fits(x2, w) and kernel() is not None
 
 
 def gemv(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

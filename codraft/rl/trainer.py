@@ -64,8 +64,14 @@ def _adamw(params, **kw) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, fused=all(p.device.type in ("cpu", "cuda") for p in params) or None, **kw)
 
 
+def _warmup(warmup: int):
+    """LR factor: linear from 1/warmup to 1 over the first ``warmup`` steps."""
+    return lambda s: min(1.0, (s + 1) / max(warmup, 1))
+
+
 def _warmup_cosine(warmup: int, total: int):
-    return lambda s: min(1.0, (s + 1) / max(warmup, 1)) * (0.5 * (1 + math.cos(math.pi * min(s, total) / max(total, 1))) * 0.9 + 0.1)
+    up = _warmup(warmup)
+    return lambda s: up(s) * (0.5 * (1 + math.cos(math.pi * min(s, total) / max(total, 1))) * 0.9 + 0.1)
 
 
 @contextlib.contextmanager
@@ -139,8 +145,7 @@ class Trainer:
         self.draft_opt = self.draft_sched = None
         if self.trains_draft:
             self.draft_opt = _adamw([p for p in self.draft.parameters() if p.requires_grad], lr=d.lr, betas=(0.9, 0.95))
-            self.draft_sched = torch.optim.lr_scheduler.LambdaLR(self.draft_opt,
-                                                                 lambda s: min(1.0, (s + 1) / max(d.warmup_steps, 1)))
+            self.draft_sched = torch.optim.lr_scheduler.LambdaLR(self.draft_opt, _warmup(d.warmup_steps))
         self.start_step, self.prompts_used, self._stream = 0, 0, None
         # rollout.speculate=auto: speculate unless the last measured rollout speedup was < 1
         self.spec_pays = True
