@@ -3,9 +3,20 @@
 The tiny preset is a ~1 M-parameter character-level Llama trained from scratch on worked
 `arith` solutions for a fixed number of steps (about 1.5 minutes on 2 CPU cores). The size
 is chosen for that budget: a 2.9 M model (hidden 256) costs twice as much per step and
-learns less in the same time. It stops on purpose well short of 100 % held-out accuracy,
-so RL has room to improve it. The result is an HF-format folder in the cache, keyed by a
+learns less in the same time. The result is an HF-format folder in the cache, keyed by a
 hash of everything that determines it, so `codraft train` starts from it without retraining.
+
+Noisy demonstrations (``answer_noise``, default 0.3): that fraction of the SFT targets end
+in a wrong final answer (the worked chain is kept, the number after the last marker is
+replaced), the way pretraining text carries mistakes. The policy learns to imitate them: at
+T = 1 it writes a wrong final answer about that often, while its greedy answer stays the
+computed one. That is the behaviour GRPO removes within the default run's 100 steps, so its
+reward visibly rises. With clean demonstrations the remaining errors are slips in the chain,
+and no GRPO setting we tried improves those on this policy in that budget
+(docs/experiments.md).
+
+The lr decays to ``min_lr_ratio`` of its peak rather than to 0: on clean data that alone
+raises held-out accuracy from 62.5 % to 72.5 %.
 """
 from __future__ import annotations
 
@@ -48,14 +59,43 @@ class SFTConfig:
     seed: int = 0
     val_size: int = 200
     max_new_tokens: int = 96
+    answer_noise: float = 0.3  # fraction of targets with a wrong final answer (module docstring)
+    min_lr_ratio: float = 0.1  # cosine decay floor, as a fraction of lr
+
+    def __post_init__(self):
+        if not 0.0 <= self.answer_noise < 1.0:
+            raise ValueError(f"answer_noise must be in [0, 1), got {self.answer_noise}")
+        if not 0.0 <= self.min_lr_ratio <= 1.0:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
 
 
-def _batch(tok: CharTokenizer, task, problems, device):
+def lr_factor(cfg: SFTConfig):
+    """Step -> lr multiplier: linear warm-up, then cosine from 1 down to ``min_lr_ratio``."""
+    floor = cfg.min_lr_ratio
+    return lambda s: min(1.0, (s + 1) / cfg.warmup) * (
+        floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps)))
+
+
+def wrong_answer(task, problem, rng: random.Random) -> str:
+    """The SFT target with its final answer replaced by a different integer."""
+    head = problem.solution[:problem.solution.rindex(task.marker) + len(task.marker)]
+    value = int(problem.answer)
+    wrong = rng.choice([v for v in range(0, max(9, 2 * abs(value)) + 1) if v != value])
+    return head + str(wrong)
+
+
+def sft_targets(task, problems, answer_noise: float, rng: random.Random) -> list[str]:
+    """Completion texts for one SFT batch: each one's final answer is wrong with probability ``answer_noise``."""
+    return [wrong_answer(task, p, rng) if rng.random() < answer_noise else task.format_completion(p)
+            for p in problems]
+
+
+def _batch(tok: CharTokenizer, problems, texts: list[str], device):
     """Right-padded (B,T) inputs, next-token targets and a mask over completion tokens (+EOS)."""
     rows, masks = [], []
-    for p in problems:
+    for p, text in zip(problems, texts):
         prompt = tok.prompt_ids(p.prompt)
-        completion = tok.encode(task.format_completion(p)) + [tok.eos_id]
+        completion = tok.encode(text) + [tok.eos_id]
         rows.append(prompt + completion)
         masks.append([0] * len(prompt) + [1] * len(completion))
     t = max(map(len, rows))
@@ -87,13 +127,15 @@ def train_sft(model: Transformer, tok, task, cfg: SFTConfig, progress: bool = Tr
     device = model.embed_tokens.weight.device
     pool = list(itertools.islice(task.stream("train", seed=cfg.seed), 20_000))  # repeats: the task's own mix
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup)
-                                              * 0.5 * (1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps)))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(cfg))
+    noise = random.Random(cfg.seed + 1)
     model.train()
     t0 = time.perf_counter()
     bar = tqdm(range(cfg.steps), desc="sft", disable=not progress, dynamic_ncols=True)
     for step in bar:
-        inputs, targets, mask = _batch(tok, task, rng.sample(pool, cfg.batch_size), device)
+        problems = rng.sample(pool, cfg.batch_size)
+        texts = sft_targets(task, problems, cfg.answer_noise, noise)
+        inputs, targets, mask = _batch(tok, problems, texts, device)
         logits = model(inputs)
         loss = F.cross_entropy(logits[mask], targets[mask])
         opt.zero_grad(set_to_none=True)
