@@ -170,7 +170,7 @@ def warm_start(cfg: SFTConfig | None = None, *, cache_dir: str | os.PathLike | N
     torch.manual_seed(cfg.seed)
     model = Transformer(model_cfg)
     report = train_sft(model, tok, task, cfg, progress=progress)
-    report["cache_key"] = digest
+    report.update(cache_key=digest, config=asdict(cfg))
     save_pretrained(model, folder, extra_files={
         CHAR_TOKENIZER_FILE: json.dumps({"alphabet": tok.alphabet}),
         "sft.json": json.dumps(report, indent=2)})  # sft.json last-written marks a complete folder

@@ -62,6 +62,7 @@ def test_warm_start_writes_a_loadable_cached_folder(tmp_path):
     folder = warm_start(cfg, cache_dir=tmp_path / "sft", progress=False)
     report = json.loads((folder / "sft.json").read_text())
     assert report["parameters"] > 0 and 0.0 <= report["val_accuracy"] <= 1.0
+    assert report["config"]["answer_noise"] == cfg.answer_noise and report["config"]["steps"] == 2
     model, tok = load_tiny(folder)
     assert tok.vocab_size == model.config.vocab_size
     stamp = (folder / "sft.json").stat().st_mtime_ns
