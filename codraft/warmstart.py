@@ -23,7 +23,6 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
-import math
 import os
 import random
 import time
@@ -37,6 +36,7 @@ from tqdm import tqdm
 from codraft.atomic import atomic_dir
 from codraft.cache import cache_root
 from codraft.models import ModelConfig, Transformer, load_pretrained, save_pretrained
+from codraft.schedule import warmup_cosine
 from codraft.tokenizer import CharTokenizer
 
 CHAR_TOKENIZER_FILE = "char_tokenizer.json"
@@ -67,13 +67,6 @@ class SFTConfig:
             raise ValueError(f"answer_noise must be in [0, 1), got {self.answer_noise}")
         if not 0.0 <= self.min_lr_ratio <= 1.0:
             raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-
-
-def lr_factor(cfg: SFTConfig):
-    """Step -> lr multiplier: linear warm-up, then cosine from 1 down to ``min_lr_ratio``."""
-    floor = cfg.min_lr_ratio
-    return lambda s: min(1.0, (s + 1) / cfg.warmup) * (
-        floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * min(s, cfg.steps) / cfg.steps)))
 
 
 def wrong_answer(task, problem, rng: random.Random) -> str:
@@ -127,7 +120,7 @@ def train_sft(model: Transformer, tok, task, cfg: SFTConfig, progress: bool = Tr
     device = model.embed_tokens.weight.device
     pool = list(itertools.islice(task.stream("train", seed=cfg.seed), 20_000))  # repeats: the task's own mix
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_factor(cfg))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(cfg.warmup, cfg.steps, cfg.min_lr_ratio))
     noise = random.Random(cfg.seed + 1)
     model.train()
     t0 = time.perf_counter()

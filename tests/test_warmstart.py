@@ -9,7 +9,8 @@ import random
 import pytest
 
 from codraft.rl.tasks import make_task
-from codraft.warmstart import SFTConfig, load_tiny, lr_factor, sft_targets, warm_start, wrong_answer
+from codraft.schedule import warmup_cosine
+from codraft.warmstart import SFTConfig, load_tiny, sft_targets, warm_start, wrong_answer
 
 
 def _problems(n, **knobs):
@@ -49,7 +50,7 @@ def test_sft_config_rejects_bad_values(bad):
 
 def test_lr_factor_warms_up_then_decays_to_the_floor():
     cfg = SFTConfig(steps=100, warmup=10, min_lr_ratio=0.1)
-    f = lr_factor(cfg)
+    f = warmup_cosine(cfg.warmup, cfg.steps, cfg.min_lr_ratio)
     assert f(0) == pytest.approx(0.1 * (0.1 + 0.9 * 0.5 * (1 + math.cos(0.0))))
     assert f(9) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 9 / 100)))
     assert f(50) == pytest.approx(0.1 + 0.9 * 0.5)

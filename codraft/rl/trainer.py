@@ -50,6 +50,7 @@ from codraft.rl.grpo import group_advantages
 from codraft.rl.logger import MetricsLogger
 from codraft.rl.plots import plot_run
 from codraft.rl.tasks import make_task
+from codraft.schedule import warmup, warmup_cosine
 from codraft.rollout import Engine
 
 
@@ -62,16 +63,6 @@ def _adamw(params, **kw) -> torch.optim.AdamW:
     instead of foreach's 0.88 s."""
     params = list(params)
     return torch.optim.AdamW(params, fused=all(p.device.type in ("cpu", "cuda") for p in params) or None, **kw)
-
-
-def _warmup(warmup: int):
-    """LR factor: linear from 1/warmup to 1 over the first ``warmup`` steps."""
-    return lambda s: min(1.0, (s + 1) / max(warmup, 1))
-
-
-def _warmup_cosine(warmup: int, total: int):
-    up = _warmup(warmup)
-    return lambda s: up(s) * (0.5 * (1 + math.cos(math.pi * min(s, total) / max(total, 1))) * 0.9 + 0.1)
 
 
 @contextlib.contextmanager
@@ -141,11 +132,11 @@ class Trainer:
 
         g = cfg.grpo
         self.opt = _adamw(self.policy.parameters(), lr=g.lr, weight_decay=g.weight_decay, betas=(0.9, 0.99))
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, _warmup_cosine(g.warmup_steps, cfg.steps))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, warmup_cosine(g.warmup_steps, cfg.steps, floor=0.1))
         self.draft_opt = self.draft_sched = None
         if self.trains_draft:
             self.draft_opt = _adamw([p for p in self.draft.parameters() if p.requires_grad], lr=d.lr, betas=(0.9, 0.95))
-            self.draft_sched = torch.optim.lr_scheduler.LambdaLR(self.draft_opt, _warmup(d.warmup_steps))
+            self.draft_sched = torch.optim.lr_scheduler.LambdaLR(self.draft_opt, warmup(d.warmup_steps))
         self.start_step, self.prompts_used, self._stream = 0, 0, None
         # rollout.speculate=auto: speculate unless the last measured rollout speedup was < 1
         self.spec_pays = True
