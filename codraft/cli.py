@@ -7,7 +7,7 @@ import sys
 
 
 def _cmd_sft(args):
-    from codraft.warmstart import SFTConfig, warm_start
+    from codraft.policy.warmstart import SFTConfig, warm_start
     cfg = SFTConfig(**({"steps": args.steps} if args.steps else {}), seed=args.seed)
     folder = warm_start(cfg, force=args.force)
     report = json.loads((folder / "sft.json").read_text())
@@ -54,7 +54,7 @@ def _cmd_generate(args):
     texts = args.prompt
     if not texts:
         if default_task_name(tok) == "arith":
-            from codraft.rl.tasks import make_task
+            from codraft.tasks import make_task
             texts = [make_task("arith").sample("val", 1, seed=args.seed)[0].prompt]
         else:
             texts = CHAT_PROMPTS[:1]
@@ -91,7 +91,7 @@ def _cmd_train_draft(args):
     import torch
     from codraft.drafts.offline import build_for, train_offline
     from codraft.policy import load_policy
-    from codraft.rl.tasks import make_task
+    from codraft.tasks import make_task
     model, tok, folder = load_policy(args.model)
     task = make_task(args.task or ("arith" if (folder / "char_tokenizer.json").is_file() else "gsm_symbolic"))
     out = args.out or f"drafts/{args.kind}"

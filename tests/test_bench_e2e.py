@@ -5,7 +5,7 @@ import torch
 
 from codraft.models import Transformer, save_pretrained
 from codraft.tokenizer import CharTokenizer
-from codraft.warmstart import CHAR_TOKENIZER_FILE, tiny_model_config
+from codraft.policy.warmstart import CHAR_TOKENIZER_FILE, tiny_model_config
 
 
 def _tiny_policy_dir(path):

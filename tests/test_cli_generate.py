@@ -7,7 +7,7 @@ import torch
 from codraft.cli import main
 from codraft.models import Transformer, save_pretrained
 from codraft.tokenizer import CharTokenizer
-from codraft.warmstart import CHAR_TOKENIZER_FILE, tiny_model_config
+from codraft.policy.warmstart import CHAR_TOKENIZER_FILE, tiny_model_config
 
 PROMPTS = ["12+3=", "7*8-1=", "99-9*2="]
 

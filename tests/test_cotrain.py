@@ -11,7 +11,7 @@ from codraft.rl.cotrain import cotrain_loss, pack
 from codraft.rl.trainer import Trainer
 from codraft.rollout import Engine
 from codraft.tokenizer import CharTokenizer
-from codraft.warmstart import CHAR_TOKENIZER_FILE, tiny_model_config
+from codraft.policy.warmstart import CHAR_TOKENIZER_FILE, tiny_model_config
 
 
 def _policy(seed=0, layers=4, hidden=64):

@@ -7,7 +7,7 @@ import torch.nn.functional as F
 from codraft.attention import cache_causal_mask
 from codraft.models import ModelConfig, Transformer, decode_ops
 from codraft.models.kv_cache import KVCache
-from codraft.models.transformer import apply_rope, rope_cos_sin
+from codraft.models.layers import apply_rope, rope_cos_sin
 
 
 @pytest.mark.parametrize("shape", [(1, 576), (3, 5, 17), (2, 8)])

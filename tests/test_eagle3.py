@@ -25,7 +25,7 @@ from codraft.drafts.batch import DraftBatch
 from codraft.drafts.eagle3 import build, load
 from codraft.drafts.eagle3_layer import default_layers, vocab_map
 from codraft.models import ModelConfig, Transformer
-from codraft.models.transformer import apply_rope, rope_cos_sin
+from codraft.models.layers import apply_rope, rope_cos_sin
 from codraft.rollout import Engine, Sampler
 from test_spec_sampling import N_NEW, PROMPT, V, _histogram, _scaled, chi2_fits, exact_distribution
 

@@ -11,7 +11,7 @@ from codraft.models import load_pretrained
 from codraft.rl import trainer as trainer_mod
 from codraft.rl.checkpoint import list_checkpoints, load_policy_from
 from codraft.rl.logger import read_metrics
-from codraft.rl.tasks import ArithTask, Problem
+from codraft.tasks import ArithTask, Problem
 from codraft.rl.trainer import Trainer, train
 from test_cotrain import _cfg, _comparable, tiny_policy_dir  # noqa: F401 (tiny_policy_dir is a fixture)
 

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from codraft.models import cbuild, decode_ops, gemv
-from codraft.models.transformer import linear
+from codraft.models.layers import linear
 
 
 @pytest.fixture

@@ -5,8 +5,6 @@ Oracles are independent of codraft: transformers' LlamaForCausalLM on the conver
 permutation. The package is a hard requirement (CI installs it): without it these tests
 fail with the pip command, they do not skip.
 """
-import importlib.machinery
-import importlib.util
 import os
 import time
 from pathlib import Path

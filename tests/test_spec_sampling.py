@@ -16,7 +16,7 @@ import torch
 from codraft.drafts import build_draft
 from codraft.models import ModelConfig, Transformer
 from codraft.rollout import Engine, Sampler, verify_drafts
-import codraft.rollout.verify as verify_mod
+import codraft.spec.verify as verify_mod
 
 V, PROMPT, N_NEW = 8, [3, 1, 4, 1], 3
 

@@ -6,7 +6,7 @@ import statistics
 
 import pytest
 
-from codraft.rl.tasks import Problem, make_task, parse_number
+from codraft.tasks import Problem, make_task, parse_number
 from codraft.tokenizer import CHAR_ALPHABET
 
 ARITH_KNOBS = [

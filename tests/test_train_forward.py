@@ -11,7 +11,6 @@ from codraft.drafts.batch import DraftBatch, supervised_rows
 from codraft.drafts.offline import build_for
 from codraft.rl.cotrain import cotrain_loss, pack
 from codraft.rl.grpo import entropy_from_logits, grpo_loss, token_logprobs
-from codraft.rollout import Engine
 from test_cotrain import _policy, _rollouts
 
 KW = dict(temperature=0.7, eps_low=0.2, eps_high=0.28, norm="token")

@@ -8,9 +8,9 @@ import random
 
 import pytest
 
-from codraft.rl.tasks import make_task
-from codraft.schedule import warmup_cosine
-from codraft.warmstart import SFTConfig, load_tiny, sft_targets, warm_start, wrong_answer
+from codraft.tasks import make_task
+from codraft.train.schedule import warmup_cosine
+from codraft.policy.warmstart import SFTConfig, load_tiny, sft_targets, warm_start, wrong_answer
 
 
 def _problems(n, **knobs):

@@ -451,7 +451,7 @@ def run(*, steps: int = 3, warmup: int = 1, draft_kinds=DEFAULT_KINDS, threads: 
                 overrides=overrides)))
         if not reason:
             from codraft.policy import resolve_policy_dir
-            from codraft.rl.tasks import make_task
+            from codraft.tasks import make_task
             from codraft.tokenizer import load_tokenizer
             policy_dir = resolve_policy_dir(policy)
             from codraft.config import load_config

@@ -15,7 +15,7 @@ import torch
 
 from codraft.bench import format_table
 from codraft.models import gemv
-from codraft.models.transformer import torch_product
+from codraft.models.layers import torch_product
 
 
 def decode_weights(model) -> list[torch.Tensor]:

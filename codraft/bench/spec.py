@@ -77,7 +77,7 @@ def load_draft(spec: str, policy, tok, policy_dir, *, gamma: int = 4, init: str 
     """
     from codraft.drafts import available_drafts
     from codraft.drafts.offline import init_draft, saved_kind
-    from codraft.rl.tasks import make_task
+    from codraft.tasks import make_task
     path = Path(spec)
     if spec not in available_drafts():
         if not path.is_dir():
@@ -138,7 +138,7 @@ def _load_hf(folder):
 
 def _prompts(tok, n: int) -> list[list[int]]:
     if default_task_name(tok) == "arith":  # the char model: arithmetic prompts from the task's val split
-        from codraft.rl.tasks import make_task
+        from codraft.tasks import make_task
         return [tok.prompt_ids(p.prompt) for p in make_task("arith").sample("val", n, seed=0)]
     return [tok.prompt_ids(CHAT_PROMPTS[i % len(CHAT_PROMPTS)]) for i in range(n)]
 

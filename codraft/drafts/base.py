@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from codraft.rollout.sampling import Sampler
+from codraft.spec.sampling import Sampler
 
 Features = dict[int, torch.Tensor]  # target layer id -> (B,T,H) output of that decoder layer
 

@@ -64,7 +64,7 @@ from codraft.attention import branch_attention, positions_from_cu_seqlens
 from codraft.drafts.base import Draft, Features
 from codraft.drafts.batch import DraftBatch
 from codraft.models.config import ModelConfig
-from codraft.models.transformer import MLP, RMSNorm, apply_rope, linear, rope_cos_sin, rope_inv_freq
+from codraft.models.layers import MLP, RMSNorm, apply_rope, linear, rope_cos_sin, rope_inv_freq
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:

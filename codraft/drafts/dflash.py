@@ -37,7 +37,7 @@ from codraft.drafts.block_backbone import (
     make_config, read_saved,
 )
 from codraft.models.config import ModelConfig
-from codraft.rollout.sampling import Sampler
+from codraft.spec.sampling import Sampler
 
 
 class DFlashDraft(BlockDraftBase):

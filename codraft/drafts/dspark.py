@@ -48,7 +48,7 @@ from codraft.drafts.block_backbone import (
 )
 from codraft.drafts.dflash import _block_size
 from codraft.models.config import ModelConfig
-from codraft.rollout.sampling import Sampler
+from codraft.spec.sampling import Sampler
 
 MARKOV_KINDS = ("vanilla", "gated")
 

@@ -53,8 +53,8 @@ from codraft.drafts.batch import DraftBatch
 from codraft.drafts.eagle3_layer import Eagle3Layer, check_layers, default_layers, vocab_map
 from codraft.models.config import ModelConfig
 from codraft.models.kv_cache import KVCache
-from codraft.models.transformer import RMSNorm, rope_cos_sin, rope_inv_freq
-from codraft.rollout.sampling import Sampler
+from codraft.models.layers import RMSNorm, rope_cos_sin, rope_inv_freq
+from codraft.spec.sampling import Sampler
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 WEIGHTS = "model.safetensors"

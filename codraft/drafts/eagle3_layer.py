@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from codraft.models.config import ModelConfig
-from codraft.models.transformer import MLP, RMSNorm, apply_rope
+from codraft.models.layers import MLP, RMSNorm, apply_rope
 
 
 class Eagle3Attention(nn.Module):

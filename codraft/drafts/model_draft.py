@@ -25,7 +25,7 @@ import torch.nn as nn
 from codraft.drafts.base import Draft, Features
 from codraft.drafts.batch import DraftBatch
 from codraft.models import KVCache, ModelConfig, Transformer, load_pretrained
-from codraft.rollout.sampling import Sampler
+from codraft.spec.sampling import Sampler
 
 
 class ModelDraftState(NamedTuple):

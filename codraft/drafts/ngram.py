@@ -17,7 +17,7 @@ import torch
 
 from codraft.drafts.base import Draft, Features
 from codraft.models import ModelConfig
-from codraft.rollout.sampling import Sampler
+from codraft.spec.sampling import Sampler
 
 
 class NgramState(NamedTuple):

@@ -15,7 +15,8 @@ from safetensors.torch import save_file
 
 from codraft.atomic import atomic_dir
 from codraft.models.config import ModelConfig
-from codraft.models.transformer import Transformer, rope_inv_freq
+from codraft.models.layers import rope_inv_freq
+from codraft.models.transformer import Transformer
 
 INDEX = "model.safetensors.index.json"
 

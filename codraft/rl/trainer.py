@@ -43,14 +43,13 @@ import yaml
 from tqdm import tqdm
 
 from codraft.config import ConfigError, RunConfig
-from codraft.drafts import build_draft
 from codraft.rl import checkpoint as ckpt
 from codraft.rl.cotrain import cotrain_loss, pack
 from codraft.rl.grpo import group_advantages
 from codraft.rl.logger import MetricsLogger
 from codraft.rl.plots import plot_run
-from codraft.rl.tasks import make_task
-from codraft.schedule import warmup, warmup_cosine
+from codraft.tasks import make_task
+from codraft.train.schedule import warmup, warmup_cosine
 from codraft.rollout import Engine
 
 

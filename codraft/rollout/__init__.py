@@ -5,8 +5,8 @@ returns ``GenerationResult``s (new tokens, target logprobs); ``engine.stats`` ho
 acceptance and timing figures of the last call.
 """
 from codraft.rollout.engine import Engine, GenerationResult, Rollout
-from codraft.rollout.sampling import Sampler, filter_logits
+from codraft.spec.sampling import Sampler, filter_logits
 from codraft.rollout.stats import SpecStats
-from codraft.rollout.verify import Verdict, verify_drafts
+from codraft.spec.verify import Verdict, verify_drafts
 
 __all__ = ["Engine", "GenerationResult", "Rollout", "Sampler", "filter_logits", "SpecStats", "Verdict", "verify_drafts"]

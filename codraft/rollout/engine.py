@@ -25,15 +25,15 @@ import torch
 import torch.nn as nn
 
 from codraft.models import KVCache
-from codraft.rollout.sampling import Sampler
+from codraft.spec.sampling import Sampler
 from codraft.rollout.stats import SpecStats
-from codraft.rollout.verify import verify_drafts
+from codraft.spec.verify import verify_drafts
 
 
 @dataclass
 class GenerationResult:
     tokens: list[int]  # new tokens, up to and including EOS
-    logprobs: list[float]  # target logprob of each, see codraft.rollout.sampling for the convention
+    logprobs: list[float]  # target logprob of each, see codraft.spec.sampling for the convention
     finish_reason: str  # "eos" or "length"
 
 

@@ -22,7 +22,6 @@ and, unlike ``torch.multinomial``, no host sync. All randomness comes from one
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 
 def filter_logits(x: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:

@@ -11,14 +11,15 @@ from pathlib import Path
 import torch
 
 from codraft.models import load_pretrained
+from codraft.models.smollm2 import prepare_smollm2
+from codraft.policy.warmstart import CHAR_TOKENIZER_FILE, load_tiny, warm_start
+from codraft.tokenizer import load_tokenizer
 
 
 def resolve_policy_dir(init: str) -> Path:
     if init == "tiny-sft":
-        from codraft.warmstart import warm_start
         return warm_start()
     if init == "smollm2-135m":
-        from codraft.models.smollm2 import prepare_smollm2
         return prepare_smollm2()
     path = Path(init)
     if not path.is_dir():
@@ -28,10 +29,8 @@ def resolve_policy_dir(init: str) -> Path:
 
 def load_policy(init: str, dtype: torch.dtype = torch.float32):
     folder = resolve_policy_dir(init)
-    from codraft.warmstart import CHAR_TOKENIZER_FILE, load_tiny
     if (folder / CHAR_TOKENIZER_FILE).is_file():
         model, tok = load_tiny(folder)
         return model.to(dtype), tok, folder
-    from codraft.tokenizer import load_tokenizer
     model = load_pretrained(folder, dtype=dtype)
     return model, load_tokenizer(folder), folder

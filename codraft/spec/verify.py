@@ -26,7 +26,7 @@ from typing import NamedTuple
 
 import torch
 
-from codraft.rollout.sampling import Sampler
+from codraft.spec.sampling import Sampler
 
 
 class Verdict(NamedTuple):

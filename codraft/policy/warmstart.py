@@ -33,10 +33,11 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from codraft.atomic import atomic_dir
 from codraft.cache import cache_root
 from codraft.models import ModelConfig, Transformer, load_pretrained, save_pretrained
-from codraft.schedule import warmup_cosine
+from codraft.train.schedule import warmup_cosine
+from codraft.rollout import Engine
+from codraft.tasks import make_task
 from codraft.tokenizer import CharTokenizer
 
 CHAR_TOKENIZER_FILE = "char_tokenizer.json"
@@ -103,7 +104,6 @@ def _batch(tok: CharTokenizer, problems, texts: list[str], device):
 
 def evaluate(model, tok, task, problems, max_new_tokens: int, batch_size: int = 100) -> float:
     """Greedy held-out accuracy (mean reward)."""
-    from codraft.rollout import Engine
     engine = Engine(model)
     rewards = []
     for i in range(0, len(problems), batch_size):
@@ -149,7 +149,6 @@ def train_sft(model: Transformer, tok, task, cfg: SFTConfig, progress: bool = Tr
 def warm_start(cfg: SFTConfig | None = None, *, cache_dir: str | os.PathLike | None = None,
                force: bool = False, progress: bool = True) -> Path:
     """Return the cached tiny-sft folder, training it first if missing (or ``force``)."""
-    from codraft.rl.tasks import make_task
     cfg = cfg or SFTConfig()
     tok = CharTokenizer()
     task = make_task("arith")

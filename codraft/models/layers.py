@@ -1,0 +1,90 @@
+"""Building blocks shared by the policy decoder and the drafts: RMSNorm, RoPE (with Llama-3
+frequency scaling), the SwiGLU MLP, and the few-row product ``linear``."""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from codraft.models import decode_ops, gemv
+from codraft.models.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        if decode_ops.applies(x, self.weight):
+            return decode_ops.rms_norm(x, self.weight, self.eps)
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+    d = config.head_dim
+    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    s = config.rope_scaling
+    if s and s.get("rope_type", s.get("type")) == "llama3":
+        # Llama-3: keep high frequencies, divide low ones by `factor`, interpolate between.
+        factor, lo, hi = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = (old / wavelen - lo) / (hi - lo)
+        scaled = torch.where(wavelen > old / lo, inv / factor, inv)
+        mid = (wavelen <= old / lo) & (wavelen >= old / hi)
+        inv = torch.where(mid, (1 - smooth) * inv / factor + smooth * inv, scaled)
+    elif s and s.get("rope_type", s.get("type", "default")) != "default":
+        raise ValueError(f"unsupported rope_scaling type {s.get('rope_type')!r}; supported: default, llama3")
+    return inv
+
+
+def rope_cos_sin(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.dtype):
+    """positions (B,T) -> cos, sin (B,1,T,D) in the rotate-half convention."""
+    freqs = positions[..., None].float() * inv_freq  # (B,T,D/2)
+    emb = torch.cat([freqs, freqs], dim=-1)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def apply_rope(x, cos, sin):
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin
+
+
+# Few-row products on CPU: up to gemv.KERNEL_ROWS rows, the C kernel (see codraft.models.gemv);
+# beyond that MKL's x @ wᵀ (what F.linear runs) is still slow up to ~100 rows, where the same
+# product computed as (w @ xᵀ)ᵀ runs 1.2-3x faster (measured on the 2-core AMD machine for
+# SmolLM2's shapes). Bigger batches keep F.linear.
+SMALL_ROWS = 128
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``F.linear(x, w)`` (no bias); on CPU without grad and few rows, through a faster product.
+
+    Always one 2-D product: F.linear on a non-contiguous 3-D input (e.g. a slice of a block's
+    slots) runs a bmm against a broadcast copy of ``w``, 4x slower for an LM head."""
+    x2 = x.reshape(-1, x.shape[-1])
+    y = gemv.gemv(x2, w) if gemv.applies(x2, w) else torch_product(x2, w)
+    return y.view(*x.shape[:-1], w.shape[0])
+
+
+def torch_product(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x2 (M,I) @ wᵀ with torch's own products: (w @ xᵀ)ᵀ for 2..SMALL_ROWS rows on CPU without grad."""
+    if 2 <= x2.shape[0] <= SMALL_ROWS and x2.device.type == "cpu" and not torch.is_grad_enabled():
+        return (w @ x2.T).T.contiguous()
+    return F.linear(x2, w)
+
+
+class MLP(nn.Module):
+    def __init__(self, c: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+
+    def forward(self, x):
+        return linear(F.silu(linear(x, self.gate_proj.weight)) * linear(x, self.up_proj.weight),
+                      self.down_proj.weight)
