@@ -38,23 +38,24 @@ def _cmd_generate(args):
     import time
 
     import torch
-    from codraft.bench.spec import CHAT_PROMPTS, default_task_name, load_draft
+    from codraft.bench.spec import CHAT_PROMPTS
     from codraft.policy import load_policy
     from codraft.rollout import Engine
+    from codraft.tasks import make_task
+    from codraft.train.offline_draft import default_task_name, draft_for_command
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tok, folder = load_policy(args.model)
     model.eval()
     draft = None
     if args.draft:
-        draft = load_draft(args.draft, model, tok, folder, gamma=args.gamma or 4, init=args.draft_init,
-                           seed=args.seed, progress=not args.json)
+        draft = draft_for_command(args.draft, model, tok, folder, gamma=args.gamma or 4, init=args.draft_init,
+                                  seed=args.seed, progress=not args.json)
     elif args.gamma is not None:
         raise ValueError(f"--gamma {args.gamma} needs a --draft")
     texts = args.prompt
     if not texts:
         if default_task_name(tok) == "arith":
-            from codraft.tasks import make_task
             texts = [make_task("arith").sample("val", 1, seed=args.seed)[0].prompt]
         else:
             texts = CHAT_PROMPTS[:1]
@@ -89,14 +90,15 @@ def _cmd_generate(args):
 
 def _cmd_train_draft(args):
     import torch
-    from codraft.drafts.offline import build_for, train_offline
+    from codraft.drafts import init_draft
     from codraft.policy import load_policy
     from codraft.tasks import make_task
+    from codraft.train.offline_draft import default_task_name, train_offline
     model, tok, folder = load_policy(args.model)
-    task = make_task(args.task or ("arith" if (folder / "char_tokenizer.json").is_file() else "gsm_symbolic"))
+    task = make_task(args.task or default_task_name(tok))
     out = args.out or f"drafts/{args.kind}"
     torch.manual_seed(args.seed)
-    draft = build_for(args.kind, model, gamma=args.gamma)
+    draft = init_draft(args.kind, model, gamma=args.gamma)
     report = train_offline(model, tok, task, draft, out_dir=out, steps=args.steps, lr=args.lr, seed=args.seed,
                            n_prompts=args.prompts, max_new_tokens=args.max_new_tokens)
     print(json.dumps(report))
@@ -143,9 +145,16 @@ def _csv(text: str) -> list[str]:
     return [x.strip() for x in text.split(",") if x.strip()]
 
 
-def main(argv: list[str] | None = None):
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="codraft", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
+    _run_commands(sub)
+    _bench_commands(sub)
+    _tool_commands(sub)
+    return p
+
+
+def _run_commands(sub):
 
     s = sub.add_parser("train", help="the main job: GRPO with speculative rollouts and a co-trained draft")
     s.add_argument("--config", help="preset name (tiny, smollm2-gsm) or YAML file; default: tiny")
@@ -165,7 +174,7 @@ def main(argv: list[str] | None = None):
 
     s = sub.add_parser("generate", help="generate text from a policy, plain or with a speculative draft")
     s.add_argument("--model", required=True, help="policy name (tiny-sft, smollm2-135m) or HF-format folder")
-    s.add_argument("--draft", help="draft kind (ngram, model, eagle3, dflash, dspark) or a saved draft folder")
+    s.add_argument("--draft", help="a draft kind or a saved draft folder (an unknown kind lists the valid ones)")
     s.add_argument("--draft-init", default="offline", choices=("offline", "random"),
                    help="for trained kinds: cached short offline training on the model's task, or untrained")
     s.add_argument("--gamma", type=int, help="tokens drafted per round (default 4)")
@@ -180,6 +189,9 @@ def main(argv: list[str] | None = None):
     s.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     s.set_defaults(fn=_cmd_generate)
 
+
+
+def _bench_commands(sub):
     s = sub.add_parser("bench", help="benchmarks that print a table and write JSON")
     bench = s.add_subparsers(dest="bench", required=True)
     b = bench.add_parser("spec", help="decode tokens/s: plain vs speculative vs transformers generate()")
@@ -228,9 +240,12 @@ def main(argv: list[str] | None = None):
         b.add_argument("--seeds", help="comma list of seeds (default: parity 0,1,2, drift 0)")
         b.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every run")
 
+
+
+def _tool_commands(sub):
     s = sub.add_parser("train-draft", help="offline draft training on samples from the target (resumable)")
     s.add_argument("--model", required=True, help="policy name (tiny-sft, smollm2-135m) or HF-format folder")
-    s.add_argument("--kind", required=True, help="eagle3, dflash, dspark or model")
+    s.add_argument("--kind", required=True, help="a draft kind with weights (an unknown kind lists the valid ones)")
     s.add_argument("--out", help="output folder (default drafts/KIND); rerun with the same folder to resume")
     s.add_argument("--task", help="prompt source (default: arith for the tiny model, gsm_symbolic otherwise)")
     s.add_argument("--steps", type=int, default=200)
@@ -246,7 +261,10 @@ def main(argv: list[str] | None = None):
     s.add_argument("--out", help="folder for overlay plots (default: the first run folder)")
     s.set_defaults(fn=_cmd_plot)
 
-    args = p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None):
+    args = parser().parse_args(argv)
     try:
         args.fn(args)
     except (ValueError, FileNotFoundError) as e:  # bad input: one clear line, no traceback

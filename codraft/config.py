@@ -15,6 +15,9 @@ from pathlib import Path
 
 import yaml
 
+from codraft.drafts import available_drafts
+from codraft.tasks import TASKS
+
 
 @dataclass
 class PolicyConfig:
@@ -56,7 +59,7 @@ class GRPOConfig:
 @dataclass
 class DraftConfig:
     mode: str = "cotrain"           # none | frozen | cotrain
-    kind: str = "dflash"            # eagle3 | dflash | dspark | model | ngram
+    kind: str = "dflash"            # a kind of codraft.drafts.available_drafts()
     init: str = "offline"           # "offline" (cached short offline training), "random", or a checkpoint folder
     gamma: int = 7
     lam: float = 1.0                # λ in L = L_RL + λ·L_draft
@@ -94,11 +97,11 @@ class RunConfig:
 
 
 CHOICES = {
-    "task.name": ("arith", "gsm_symbolic"),
+    "task.name": tuple(TASKS),
     "grpo.norm": ("token", "sequence"),
     "rollout.speculate": ("always", "auto"),
     "draft.mode": ("none", "frozen", "cotrain"),
-    "draft.kind": ("eagle3", "dflash", "dspark", "model", "ngram"),
+    "draft.kind": available_drafts(),
     "policy.dtype": ("float32", "bfloat16"),
 }
 

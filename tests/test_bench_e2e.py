@@ -1,6 +1,7 @@
 """Smoke test of `codraft.bench.e2e.run`, codraft's side only (the TRL peer is a benchmark, never a test)."""
 import json
 
+import pytest
 import torch
 
 from codraft.models import Transformer, save_pretrained
@@ -37,7 +38,8 @@ def test_e2e_codraft_side_only(tmp_path):
         m = side["median"]
         assert m["step_s"] > 0 and m["rollout_s"] > 0 and m["train_s"] > 0
         assert m["step_s"] >= m["rollout_s"]
-        assert m["train_forward_s"] > 0 and m["optimizer_s"] > 0
+        assert m["train_forward_s"] > 0 and m["optimizer_s"] > 0 and m["train_backward_s"] > 0
+        assert m["draft_forward_s"] <= m["train_forward_s"]  # the draft's loss is part of the loss forward
         assert 1 <= m["completion_len"] <= m["completion_max"] <= 4
     assert data["sides"]["codraft/dflash"]["trainable_draft_params"] > 0
     assert data["sides"]["codraft/dflash"]["median"]["draft_forward_s"] > 0
@@ -46,3 +48,14 @@ def test_e2e_codraft_side_only(tmp_path):
     text = "\n".join(lines)
     assert "TRL side skipped" in text and "codraft/dflash" in text and "step s" in text
     assert out["sides"].keys() == data["sides"].keys()
+
+
+def test_e2e_draft_kinds_are_the_registry_s():
+    from codraft.bench.e2e import Settings
+    from codraft.drafts import available_drafts
+    every = ("none", *available_drafts())
+    assert Settings(draft_kinds=list(every)).draft_kinds == every
+    with pytest.raises(ValueError, match="unknown draft kind"):
+        Settings(draft_kinds=("none", "bogus"))
+    with pytest.raises(ValueError, match="steps must be >= 1"):
+        Settings(steps=0)

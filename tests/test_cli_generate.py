@@ -76,7 +76,7 @@ def test_text_output_has_stats_line(capsys, policy_dir):
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--draft", "bogus"], "unknown draft 'bogus'.*valid kinds: model, ngram, eagle3, dflash, dspark"),
+    (["--draft", "bogus"], "unknown draft 'bogus'.*valid kinds: eagle3, dflash, dspark, model, ngram"),
     (["--gamma", "3"], "--gamma 3 needs a --draft"),
     (["--max-new-tokens", "0"], "max_new_tokens must be an int >= 1"),
 ])

@@ -5,9 +5,10 @@ import pytest
 import torch
 
 from codraft.config import ConfigError, load_config
-from codraft.drafts.offline import build_for
+from codraft.drafts import init_draft
 from codraft.models import Transformer
-from codraft.rl.cotrain import cotrain_loss, pack
+from codraft.rl.cotrain import cotrain_loss
+from codraft.train.packing import pack
 from codraft.rl.trainer import Trainer
 from codraft.rollout import Engine
 from codraft.tokenizer import CharTokenizer
@@ -36,7 +37,7 @@ def test_draft_loss_never_reaches_policy(kind):
     batch = pack(prompts, [o.tokens for o in out], [o.logprobs for o in out])
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     torch.manual_seed(1)
-    draft = build_for(kind, policy, gamma=3)
+    draft = init_draft(kind, policy, gamma=3)
 
     grads = {}
     for lam in (0.0, 1.0):
@@ -116,7 +117,7 @@ def test_resume_repeats_uninterrupted_run(tmp_path, tiny_policy_dir, monkeypatch
     assert all("frozen_acceptance_length" in r for r in full if "time_step" in r)
     assert [r["step"] for r in cut] == [0, 1, 2, 3, 4]
     assert _comparable(full) == _comparable(cut)
-    from codraft.rl.checkpoint import list_checkpoints
+    from codraft.train.checkpoint import list_checkpoints
     assert [p.name for p in list_checkpoints(tmp_path / "full")] == ["step_2", "step_4"]
     for png in ("reward.png", "acceptance.png", "step_time.png"):
         assert (tmp_path / "full" / png).stat().st_size > 0

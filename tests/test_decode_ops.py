@@ -1,11 +1,15 @@
-"""The fused decode ops in C (codraft.models.decode_ops) against torch's ops in fp64, and a model's
-KV-cache decode with them against the same decode with them switched off."""
+"""The fused decode ops in C (codraft.kernels.decode_ops) against torch's ops in fp64, and a model's
+KV-cache decode with them (``codraft.kernels.enable``) against the same decode on the plain model."""
+import copy
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from codraft import kernels
 from codraft.attention import cache_causal_mask
-from codraft.models import ModelConfig, Transformer, decode_ops
+from codraft.kernels import decode_ops
+from codraft.models import ModelConfig, Transformer
 from codraft.models.kv_cache import KVCache
 from codraft.models.layers import apply_rope, rope_cos_sin
 
@@ -79,17 +83,18 @@ def test_not_under_autograd():
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_model_decode_matches_torch_ops(monkeypatch, qk_norm):
     """Prefill of right-padded prompts (18 rows: per-op C path), then decode steps of 1 and 3
-    tokens per row (whole layers in C; per-op with Qwen3's q/k norms), against the same with the
-    C kernels off: logits and caches agree."""
+    tokens per row (whole layers in C; per-op with Qwen3's q/k norms), against the same on the
+    plain model (C kernels not enabled): logits and caches agree."""
     cfg = ModelConfig(vocab_size=50, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=6, num_key_value_heads=2,
                       architectures=["Qwen3ForCausalLM" if qk_norm else "LlamaForCausalLM"])
     torch.manual_seed(0)
-    model = Transformer(cfg).eval()
+    plain = Transformer(cfg).eval()
+    model = kernels.enable(copy.deepcopy(plain))
     ids = torch.randint(0, 50, (2, 9))
     steps = [torch.randint(0, 50, (2, 1)), torch.randint(0, 50, (2, 3)), torch.randint(0, 50, (2, 1))]
 
-    def run():
+    def run(model):
         cache = KVCache.for_model(model, 2, 16)
         with torch.inference_mode():
             outs = [model(ids, cache=cache)]
@@ -101,12 +106,13 @@ def test_model_decode_matches_torch_ops(monkeypatch, qk_norm):
     for name in calls:
         real = getattr(decode_ops, name)
         monkeypatch.setattr(decode_ops, name, lambda *a, _n=name, _f=real: calls.update({_n: calls[_n] + 1}) or _f(*a))
-    fast, fast_cache = run()
+    fast, fast_cache = run(model)
     layers = cfg.num_hidden_layers
     assert calls == ({"cache_attention": 4 * layers, "decoder_layer": 0} if qk_norm else
                      {"cache_attention": layers, "decoder_layer": 3 * layers})  # the C paths ran
-    monkeypatch.setattr(decode_ops, "kernels", lambda: None)
-    slow, slow_cache = run()
+    ran = dict(calls)
+    slow, slow_cache = run(plain)
+    assert calls == ran  # the plain model stays plain
     for a, b in zip(fast, slow):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     n = int(fast_cache.lengths.max())

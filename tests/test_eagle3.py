@@ -387,12 +387,14 @@ def test_default_layers_and_options():
 
 def test_checkpoint_against_a_mismatched_target(tmp_path):
     """A saved draft loaded for another target: each mismatch is named, never silently bound."""
-    from codraft.drafts.offline import build_for
+    from codraft.drafts import init_draft, load_draft
     target = Transformer(_cfg())
-    build_for("eagle3", target).save(tmp_path / "d")  # taps default_layers(4) == [0, 1]
+    init_draft("eagle3", target).save(tmp_path / "d")  # taps default_layers(4) == [0, 1]
     with pytest.raises(ValueError, match=r"taps layers \[0, 1\], target has 1 layers"):
-        build_for("eagle3", Transformer(_cfg(layers=1)), weights=tmp_path / "d")
-    with pytest.raises(ValueError, match=r"embed_weight has shape \(48, 64\), expected \(48, 32\)"):
-        build_for("eagle3", Transformer(_cfg(hidden=64)), weights=tmp_path / "d")
-    with pytest.raises(ValueError, match=r"embed_weight has shape \(60, 32\), expected \(48, 32\)"):
-        build_for("eagle3", Transformer(_cfg(vocab=60)), weights=tmp_path / "d")
+        init_draft("eagle3", Transformer(_cfg(layers=1)), init=tmp_path / "d")
+    with pytest.raises(ValueError, match=r"hidden_size=32, vocab_size=48; target has 64, 48"):
+        load_draft(tmp_path / "d", Transformer(_cfg(hidden=64)))
+    with pytest.raises(ValueError, match=r"hidden_size=32, vocab_size=48; target has 32, 60"):
+        load_draft(tmp_path / "d", Transformer(_cfg(vocab=60)))
+    with pytest.raises(ValueError, match=r"holds a eagle3 draft, not dflash"):
+        init_draft("dflash", target, init=tmp_path / "d")

@@ -253,7 +253,7 @@ def test_bad_inputs():
         Engine(model, build_draft("ngram", _config(vocab_size=50)))
     with pytest.raises(ValueError, match="share the target's vocabulary"):
         build_draft("model", model.config, vocab_size=50)
-    with pytest.raises(ValueError, match=r"unknown draft kind 'medusa'; valid kinds: model, ngram"):
+    with pytest.raises(ValueError, match=r"unknown draft kind 'medusa'; valid kinds: eagle3, dflash, dspark, model, ngram"):
         build_draft("medusa", model.config)
     assert {"model", "ngram"} <= set(available_drafts())
     engine = Engine(model, ok, gamma=2)

@@ -9,7 +9,7 @@ import torch
 from codraft.config import ConfigError
 from codraft.models import load_pretrained
 from codraft.rl import trainer as trainer_mod
-from codraft.rl.checkpoint import list_checkpoints, load_policy_from
+from codraft.train.checkpoint import list_checkpoints, load_policy_from
 from codraft.rl.logger import read_metrics
 from codraft.tasks import ArithTask, Problem
 from codraft.rl.trainer import Trainer, train

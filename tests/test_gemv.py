@@ -1,11 +1,12 @@
-"""The CPU few-row product kernel (codraft.models.gemv) against fp64 torch products, and how the C
-kernels (it and codraft.models.decode_ops) are built, cached, and switched off."""
+"""The CPU few-row product kernel (codraft.kernels.gemv) against fp64 torch products, the fast
+``linear`` that routes to it, and how the C kernels (it and codraft.kernels.decode_ops) are built,
+cached, and switched off."""
 import pytest
 import torch
 import torch.nn.functional as F
 
-from codraft.models import cbuild, decode_ops, gemv
-from codraft.models.layers import linear
+from codraft.kernels import cbuild, decode_ops, gemv
+from codraft.kernels.products import linear
 
 
 @pytest.fixture

@@ -1,9 +1,11 @@
-"""The decoder against HF `transformers` (independent oracle), plus packing, KV cache and save/load."""
+"""The decoder against HF `transformers` (independent oracle), plus packing, KV cache and save/load;
+the oracles for the forward and the KV-cache decode also run with the CPU kernels enabled."""
 import json
 
 import pytest
 import torch
 
+from codraft import kernels
 from codraft.models import KVCache, ModelConfig, Transformer, load_pretrained, save_pretrained
 
 import transformers  # the [dev] extra: the independent oracle
@@ -30,10 +32,13 @@ def _hf_model(arch: str, tmp_path):
     return model, tmp_path / arch
 
 
+@pytest.mark.parametrize("fast", [False, True])
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
-def test_logits_and_taps_match_transformers(arch, tmp_path):
+def test_logits_and_taps_match_transformers(arch, fast, tmp_path):
     hf, path = _hf_model(arch, tmp_path)
     ours = load_pretrained(path)
+    if fast:
+        kernels.enable(ours)
     ids = torch.randint(0, 97, (2, 80))  # positions beyond original_max_position_embeddings exercise llama3 scaling
     with torch.no_grad():
         ref = hf(ids, output_hidden_states=True)
@@ -65,8 +70,12 @@ def test_packed_equals_unpacked(arch):
             torch.testing.assert_close(taps[1][0, a:a + len(s)], ref_taps[1][0], rtol=1e-5, atol=1e-5)
 
 
-def test_kv_cache_decode_equals_full_forward():
-    model = _tiny("Qwen3ForCausalLM")
+@pytest.mark.parametrize("fast", [False, True])
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Qwen3ForCausalLM"])
+def test_kv_cache_decode_equals_full_forward(arch, fast):
+    model = _tiny(arch)
+    if fast:
+        kernels.enable(model)
     b, total = 3, 20
     ids = torch.randint(0, 61, (b, total))
     prompt_lens = torch.tensor([4, 9, 6])

@@ -8,8 +8,9 @@ import pytest
 import torch
 
 from codraft.drafts.batch import DraftBatch, supervised_rows
-from codraft.drafts.offline import build_for
-from codraft.rl.cotrain import cotrain_loss, pack
+from codraft.drafts import init_draft
+from codraft.rl.cotrain import cotrain_loss
+from codraft.train.packing import pack
 from codraft.rl.grpo import entropy_from_logits, grpo_loss, token_logprobs
 from test_cotrain import _policy, _rollouts
 
@@ -50,7 +51,7 @@ def _setup(kind, n=4):
     policy.double()
     batch = pack(prompts, [o.tokens for o in out], [o.logprobs for o in out])
     torch.manual_seed(1)
-    draft = None if kind is None else build_for(kind, policy, gamma=3).double()
+    draft = None if kind is None else init_draft(kind, policy, gamma=3).double()
     return policy, draft, batch
 
 
@@ -156,7 +157,7 @@ def test_shared_prompt_train_step_equals_unshared(kind):
     policy, _ = _policy(seed=3)
     policy.double()
     torch.manual_seed(1)
-    draft = None if kind is None else build_for(kind, policy, gamma=3).double()
+    draft = None if kind is None else init_draft(kind, policy, gamma=3).double()
     reference = _policy(seed=4)[0].double().eval() if kind is None else None
     vocab = policy.config.vocab_size
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.25, 0.0], dtype=torch.float64)

@@ -69,3 +69,29 @@ def test_warm_start_writes_a_loadable_cached_folder(tmp_path):
     stamp = (folder / "sft.json").stat().st_mtime_ns
     assert warm_start(cfg, cache_dir=folder, progress=False) == folder  # cached: not retrained
     assert (folder / "sft.json").stat().st_mtime_ns == stamp
+
+
+def test_sft_loss_on_the_padded_view_equals_the_packed_forward():
+    """The SFT batch comes from the one packer; its padded view gives the same loss as running the
+    packed row (varlen attention, one sequence at a time), and the same sequences."""
+    import torch
+    import torch.nn.functional as F
+
+    from codraft.models import Transformer
+    from codraft.policy.warmstart import _batch, sft_loss, tiny_model_config
+    from codraft.tokenizer import CharTokenizer
+    tok, task = CharTokenizer(), make_task("arith")
+    torch.manual_seed(0)
+    model = Transformer(tiny_model_config(tok)).double()
+    problems = _problems(6)
+    texts = sft_targets(task, problems, 0.5, random.Random(2))
+    batch = _batch(tok, problems, texts, "cpu")
+    ids, completion = batch.padded(tok.pad_id)
+    for i, (p, t) in enumerate(zip(problems, texts)):
+        row = tok.prompt_ids(p.prompt) + tok.encode(t) + [tok.eos_id]
+        assert ids[i, :len(row)].tolist() == row and (ids[i, len(row):] == tok.pad_id).all()
+        assert completion[i].sum() == len(tok.encode(t)) + 1
+    targets = batch.index[batch.index_mask]
+    hidden = model(batch.input_ids, cu_seqlens=batch.cu_seqlens, head=False)
+    packed = F.cross_entropy(model.logits(hidden[0, targets - 1]), batch.input_ids[0, targets])
+    torch.testing.assert_close(sft_loss(model, batch, tok.pad_id), packed, rtol=1e-10, atol=1e-12)

@@ -1,4 +1,4 @@
-"""The RL experiments of the co-training issue, as commands (`codraft bench drift|parity`).
+"""`codraft bench drift|parity`: series of `codraft train` runs that compare draft modes and kinds.
 
 drift   same seed, same initial (offline-trained) draft: a frozen draft vs a co-trained one,
         per draft kind, while the policy changes. Reports τ at the start and the end.
@@ -15,10 +15,10 @@ from pathlib import Path
 
 from codraft.config import load_config
 from codraft.rl.plots import plot_compare, summarize
+from codraft.rl.trainer import train
 
 
 def _run(out: Path, name: str, overrides: list[str], progress: bool) -> Path:
-    from codraft.rl.trainer import train
     run_dir = out / name
     if (run_dir / "metrics.jsonl").is_file() and (run_dir / "done").is_file():
         return run_dir  # finished earlier: experiments are resumable run by run

@@ -2,8 +2,8 @@
 
 For each row count, the same run times, interleaved, every 2-D weight a decode step multiplies
 (all layers' projections and the LM head, in order): a ``sum`` over each weight (what reading
-it costs, the floor), torch's products (``torch_product``: what ``linear`` runs without the
-kernel) and the C kernel (``codraft.models.gemv``). Figures are GB/s of weights read (best of
+it costs, the floor), torch's products (``torch_product``: what ``codraft.kernels.products.linear`` runs
+without the kernel) and the C kernel (``codraft.kernels.gemv``). Figures are GB/s of weights read (best of
 ``repeats``).
 """
 from __future__ import annotations
@@ -14,8 +14,8 @@ from time import perf_counter
 import torch
 
 from codraft.bench import format_table
-from codraft.models import gemv
-from codraft.models.layers import torch_product
+from codraft.kernels import gemv
+from codraft.kernels.products import torch_product
 
 
 def decode_weights(model) -> list[torch.Tensor]:

@@ -33,6 +33,10 @@ import torch
 
 from codraft.bench import CpuMeter, format_table, machine_info, median
 from codraft.bench.bandwidth import decode_bound_s, measure_bandwidth, weight_bytes
+from codraft.policy import load_policy
+from codraft.rollout import Engine
+from codraft.tasks import make_task
+from codraft.train.offline_draft import default_task_name, draft_for_command
 
 MODELS = {"tiny": "tiny-sft", "smollm2": "smollm2-135m"}
 DEFAULT_DRAFTS = ("ngram", "model")
@@ -59,38 +63,6 @@ CHAT_PROMPTS = [
 ]
 
 
-# ---------------------------------------------------------------- drafts (shared with `codraft generate`)
-
-def default_task_name(tok) -> str:
-    """The task a policy's drafts are trained on offline: arith for the char model, gsm_symbolic otherwise."""
-    from codraft.tokenizer import CharTokenizer
-    return "arith" if isinstance(tok, CharTokenizer) else "gsm_symbolic"
-
-
-def load_draft(spec: str, policy, tok, policy_dir, *, gamma: int = 4, init: str = "offline", seed: int = 0,
-               progress: bool = True):
-    """A draft from a kind name or a saved draft folder.
-
-    spec: ``ngram`` / ``model`` / ``eagle3`` / ``dflash`` / ``dspark`` (trained kinds come from
-    ``init_draft(kind, init, ...)``: "offline" = cached short offline training on the policy's
-    default task, "random" = untrained) or a folder written by `codraft train-draft`/``save_draft``.
-    """
-    from codraft.drafts import available_drafts
-    from codraft.drafts.offline import init_draft, saved_kind
-    from codraft.tasks import make_task
-    path = Path(spec)
-    if spec not in available_drafts():
-        if not path.is_dir():
-            raise ValueError(f"unknown draft {spec!r}: not a draft folder, and not a kind "
-                             f"(valid kinds: {', '.join(available_drafts())})")
-        kind, init = saved_kind(path), str(path)
-    else:
-        kind = spec
-    task = make_task(default_task_name(tok)) if kind != "ngram" and init == "offline" else None
-    return init_draft(kind, init, policy=policy, tok=tok, task=task, policy_dir=Path(policy_dir), gamma=gamma,
-                      seed=seed, progress=progress)
-
-
 # ---------------------------------------------------------------- sides
 
 
@@ -103,7 +75,6 @@ class Side:
 
 
 def _codraft_side(name, model, draft, gamma, max_new):
-    from codraft.rollout import Engine
     engine = Engine(model, draft, gamma if draft is not None else None)
 
     def run(prompts, n=max_new, temperature=0.0, eos=(), seed=0):
@@ -138,7 +109,6 @@ def _load_hf(folder):
 
 def _prompts(tok, n: int) -> list[list[int]]:
     if default_task_name(tok) == "arith":  # the char model: arithmetic prompts from the task's val split
-        from codraft.tasks import make_task
         return [tok.prompt_ids(p.prompt) for p in make_task("arith").sample("val", n, seed=0)]
     return [tok.prompt_ids(CHAT_PROMPTS[i % len(CHAT_PROMPTS)]) for i in range(n)]
 
@@ -157,7 +127,6 @@ def _match(a: list[list[int]], b: list[list[int]]) -> float:
 
 def bench_model(model_name: str, *, batches, max_new: int, drafts, gamma: int, repeats: int, draft_init: str,
                 hf: bool = True, log=print) -> dict:
-    from codraft.policy import load_policy
     init = MODELS.get(model_name, model_name)
     policy, tok, folder = load_policy(init)
     policy.eval()
@@ -169,8 +138,7 @@ def bench_model(model_name: str, *, batches, max_new: int, drafts, gamma: int, r
         d_init = draft_init if draft_init != "auto" else ("offline" if default_task_name(tok) == "arith" else "random")
         t0 = perf_counter()
         try:
-            draft = load_draft(spec, policy, tok, folder, gamma=gamma, init=d_init if spec != "ngram" else "offline",
-                               progress=False)
+            draft = draft_for_command(spec, policy, tok, folder, gamma=gamma, init=d_init, progress=False)
         except (ValueError, FileNotFoundError, ImportError, RuntimeError) as e:
             log(f"  draft {spec}: skipped ({type(e).__name__}: {e})")
             out["drafts"][spec] = {"error": f"{type(e).__name__}: {e}"}

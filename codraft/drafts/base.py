@@ -44,17 +44,31 @@ Drafts must not sync the host with the device in propose/commit (no .item(), .to
 boolean-mask indexing): the engine does one sync per round. ``vocab_size`` must equal the
 target's (the engine checks). ``default_gamma`` is used when the engine gets gamma=None.
 
+Training and checkpoints, the same for every kind:
+  * ``loss(batch: DraftBatch) -> (loss, metrics)``: the draft's training loss on one packed
+    batch of detached target features (offline training and co-training call the same loss);
+  * ``save(path)`` writes a folder with ``config.json`` whose ``architectures[0]`` is one of the
+    class's ``architectures``; ``Kind.load(path, target_config, *, gamma=None, **options)``
+    reads it back, checking it fits the target;
+  * ``bind_target(embed_weight, head_weight)``: kinds that share the target's (frozen) token
+    embedding / LM head keep references to them; the others ignore it;
+  * ``trainable_parameters()``: what an optimiser steps (empty for kinds with no weights).
+
 To add a draft kind: subclass ``Draft`` (also ``torch.nn.Module`` if it has weights; the
-engine moves modules to the target's device), implement the four methods, and register a
-builder ``build(target_config, **options)`` in ``codraft/drafts/__init__.py``.
+engine moves modules to the target's device), implement the methods above, and add one row
+to ``KINDS`` in ``codraft/drafts/registry.py``.
 """
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from codraft.drafts.batch import DraftBatch
+from codraft.models.config import ModelConfig
 from codraft.spec.sampling import Sampler
 
 Features = dict[int, torch.Tensor]  # target layer id -> (B,T,H) output of that decoder layer
@@ -64,6 +78,34 @@ class Draft(ABC):
     vocab_size: int
     feature_layers: tuple[int, ...] = ()
     default_gamma: int = 4
+    architectures: tuple[str, ...] = ()  # config.json "architectures" names this kind saves and loads
+
+    # ---- training and checkpoints ----------------------------------------------------------
+
+    @abstractmethod
+    def loss(self, batch: DraftBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Training loss on one packed batch of detached target features, and detached metrics."""
+
+    @abstractmethod
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the draft (not the target's shared tensors) to the folder ``path``, atomically."""
+
+    @classmethod
+    @abstractmethod
+    def load(cls, path: str | os.PathLike, target_config: ModelConfig, *, gamma: int | None = None,
+             **options) -> "Draft":
+        """A draft saved by ``save``, checked against the target; ``gamma`` overrides its default."""
+
+    def bind_target(self, embed_weight: torch.Tensor, head_weight: torch.Tensor) -> "Draft":
+        """Share the target's token embedding and LM head (V,H); kinds that do not share ignore this."""
+        return self
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        if not isinstance(self, torch.nn.Module):
+            return []
+        return [p for p in self.parameters() if p.requires_grad]
+
+    # ---- decoding ----------------------------------------------------------------------------
 
     @abstractmethod
     def begin(self, tokens: torch.Tensor, lengths: torch.Tensor, features: Features, *, max_len: int) -> Any:

@@ -57,6 +57,7 @@ from typing import Any, Callable, NamedTuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch.utils.checkpoint import checkpoint
 
 from codraft.atomic import atomic_dir
@@ -239,7 +240,7 @@ class _Bound:
 class BlockDraftBase(nn.Module, Draft):
     """Backbone + decoding state machinery; subclasses add the loss, ``propose`` and heads."""
 
-    architecture = "BlockDraftModel"
+    architectures = ("BlockDraftModel",)
 
     def __init__(self, config: BlockDraftConfig):
         super().__init__()
@@ -291,9 +292,10 @@ class BlockDraftBase(nn.Module, Draft):
         return F.embedding(ids, self._bound()[0]).to(self.dtype)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final-normed hidden (…,H) -> float32 logits (…,V) through the frozen target head."""
+        """Final-normed hidden (…,H) -> float32 logits (…,V) through the frozen target head, by
+        ``self.head_product`` when set (``codraft.kernels.enable`` sets a faster one), else ``linear``."""
         w = self._bound()[1]
-        return linear(h.to(w.dtype), w).float()
+        return getattr(self, "head_product", linear)(h.to(w.dtype), w).float()
 
     def mask_vector(self) -> torch.Tensor:
         """(H,) the MASK slot input."""
@@ -441,12 +443,11 @@ class BlockDraftBase(nn.Module, Draft):
 
     def config_dict(self) -> dict:
         c = dataclasses.asdict(self.config)
-        return {"architectures": [self.architecture], "model_type": "qwen3", **c,
+        return {"architectures": [self.architectures[0]], "model_type": "qwen3", **c,
                 "tie_word_embeddings": False, **self.extra_config()}
 
     def save(self, path: str | os.PathLike) -> Path:
         """Write ``path/config.json`` and ``path/model.safetensors`` atomically (not the target's embed/head)."""
-        from safetensors.torch import save_file
         with atomic_dir(path) as tmp:
             (tmp / "config.json").write_text(json.dumps(self.config_dict(), indent=2))
             save_file({k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()},
@@ -456,7 +457,6 @@ class BlockDraftBase(nn.Module, Draft):
 
 def read_saved(path: str | os.PathLike, architecture: str) -> tuple[dict, dict[str, torch.Tensor]]:
     """(config dict, state dict) of a saved block draft; checks the architecture name."""
-    from safetensors.torch import load_file
     path = Path(path)
     if not (path / "config.json").is_file() or not (path / "model.safetensors").is_file():
         raise FileNotFoundError(f"{str(path)!r} is not a saved draft (needs config.json and model.safetensors)")
@@ -467,9 +467,11 @@ def read_saved(path: str | os.PathLike, architecture: str) -> tuple[dict, dict[s
     return d, load_file(str(path / "model.safetensors"))
 
 
-def config_from_dict(d: dict) -> BlockDraftConfig:
+def config_from_dict(d: dict, num_anchors: int | None = None) -> BlockDraftConfig:
+    """The saved config; ``num_anchors`` (blocks per sequence in the loss, its cost) may be changed."""
     names = {f.name for f in dataclasses.fields(BlockDraftConfig)}
-    return BlockDraftConfig(**{k: v for k, v in d.items() if k in names})
+    config = BlockDraftConfig(**{k: v for k, v in d.items() if k in names})
+    return config if not num_anchors else dataclasses.replace(config, num_anchors=num_anchors)
 
 
 def check_target(config: BlockDraftConfig, target: ModelConfig | None, where: Any) -> None:

@@ -41,7 +41,7 @@ from codraft.spec.sampling import Sampler
 
 
 class DFlashDraft(BlockDraftBase):
-    architecture = "DFlashDraftModel"
+    architectures = ("DFlashDraftModel",)
 
     def __init__(self, config: BlockDraftConfig):
         super().__init__(config)
@@ -105,12 +105,15 @@ class DFlashDraft(BlockDraftBase):
                                   "learned_mask_embedding": self.config.mask_token_id is None}}
 
     @classmethod
-    def load(cls, path: str | os.PathLike, target_config: ModelConfig | None = None) -> "DFlashDraft":
-        """A draft saved by ``save``; call ``bind_target`` before use."""
-        d, state = read_saved(path, cls.architecture)
-        draft = cls(config_from_dict(d))
+    def load(cls, path: str | os.PathLike, target_config: ModelConfig | None = None, *, gamma: int | None = None,
+             num_anchors: int | None = None) -> "DFlashDraft":
+        """A draft saved by ``save`` (``num_anchors``: change the loss's blocks per sequence); bind before use."""
+        d, state = read_saved(path, cls.architectures[0])
+        draft = cls(config_from_dict(d, num_anchors))
         check_target(draft.config, target_config, path)
         draft.load_state_dict(state)
+        if gamma is not None:
+            draft.default_gamma = gamma
         return draft
 
 
@@ -127,10 +130,7 @@ def build(target_config: ModelConfig, *, num_layers: int = 1, block_size: int | 
     Bind the target's embedding and head with ``draft.bind_target(embed_weight, head_weight)``.
     """
     if weights is not None:
-        draft = DFlashDraft.load(weights, target_config)
-        if gamma is not None:
-            draft.default_gamma = gamma
-        return draft
+        return DFlashDraft.load(weights, target_config, gamma=gamma, num_anchors=num_anchors)
     block_size = _block_size(block_size, gamma, offset=1)
     if block_size < 2:
         raise ValueError(f"a DFlash block needs >= 2 slots (anchor + drafts), got block_size={block_size}")

@@ -79,7 +79,7 @@ class MarkovHead(nn.Module):
 
 
 class DSparkDraft(BlockDraftBase):
-    architecture = "DSparkDraftModel"
+    architectures = ("DSparkDraftModel",)
 
     def __init__(self, config: BlockDraftConfig, *, markov: str = "vanilla", markov_rank: int = 32,
                  ce_weight: float = 0.1, tv_weight: float = 0.9, conf_weight: float = 1.0):
@@ -178,15 +178,18 @@ class DSparkDraft(BlockDraftBase):
                                   "tv_weight": self.tv_weight, "conf_weight": self.conf_weight}}
 
     @classmethod
-    def load(cls, path: str | os.PathLike, target_config: ModelConfig | None = None) -> "DSparkDraft":
-        """A draft saved by ``save``; call ``bind_target`` before use."""
-        d, state = read_saved(path, cls.architecture)
+    def load(cls, path: str | os.PathLike, target_config: ModelConfig | None = None, *, gamma: int | None = None,
+             num_anchors: int | None = None) -> "DSparkDraft":
+        """A draft saved by ``save`` (``num_anchors``: change the loss's blocks per sequence); bind before use."""
+        d, state = read_saved(path, cls.architectures[0])
         ds = d.get("dspark_config", {})
-        draft = cls(config_from_dict(d), markov=ds.get("markov", "vanilla"), markov_rank=ds["markov_rank"],
+        draft = cls(config_from_dict(d, num_anchors), markov=ds.get("markov", "vanilla"), markov_rank=ds["markov_rank"],
                     ce_weight=ds.get("ce_weight", 0.1), tv_weight=ds.get("tv_weight", 0.9),
                     conf_weight=ds.get("conf_weight", 1.0))
         check_target(draft.config, target_config, path)
         draft.load_state_dict(state)
+        if gamma is not None:
+            draft.default_gamma = gamma
         return draft
 
 
@@ -208,10 +211,7 @@ def build(target_config: ModelConfig, *, num_layers: int = 1, block_size: int | 
     Other options as ``dflash.build``. Bind the target with ``draft.bind_target(embed, head)``.
     """
     if weights is not None:
-        draft = DSparkDraft.load(weights, target_config)
-        if gamma is not None:
-            draft.default_gamma = gamma
-        return draft
+        return DSparkDraft.load(weights, target_config, gamma=gamma, num_anchors=num_anchors)
     block_size = _block_size(block_size, gamma, offset=0)
     cfg = make_config(target_config, num_layers=num_layers, block_size=block_size, layers=layers,
                       mask_token_id=mask_token_id, decay=decay, num_anchors=num_anchors,

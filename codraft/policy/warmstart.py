@@ -35,12 +35,15 @@ from tqdm import tqdm
 
 from codraft.cache import cache_root
 from codraft.models import ModelConfig, Transformer, load_pretrained, save_pretrained
+from codraft.train.packing import Packed, pack
 from codraft.train.schedule import warmup_cosine
+from codraft.train.seeding import step_seed
 from codraft.rollout import Engine
 from codraft.tasks import make_task
 from codraft.tokenizer import CharTokenizer
 
 CHAR_TOKENIZER_FILE = "char_tokenizer.json"
+RECIPE = 2  # part of the cache key: bump when the training loop changes what it produces
 
 
 def tiny_model_config(tok: CharTokenizer) -> ModelConfig:
@@ -84,22 +87,18 @@ def sft_targets(task, problems, answer_noise: float, rng: random.Random) -> list
             for p in problems]
 
 
-def _batch(tok: CharTokenizer, problems, texts: list[str], device):
-    """Right-padded (B,T) inputs, next-token targets and a mask over completion tokens (+EOS)."""
-    rows, masks = [], []
-    for p, text in zip(problems, texts):
-        prompt = tok.prompt_ids(p.prompt)
-        completion = tok.encode(text) + [tok.eos_id]
-        rows.append(prompt + completion)
-        masks.append([0] * len(prompt) + [1] * len(completion))
-    t = max(map(len, rows))
-    ids = torch.full((len(rows), t), tok.pad_id, dtype=torch.long)
-    mask = torch.zeros(len(rows), t, dtype=torch.bool)
-    for i, (r, m) in enumerate(zip(rows, masks)):
-        ids[i, :len(r)] = torch.tensor(r)
-        mask[i, :len(m)] = torch.tensor(m, dtype=torch.bool)
-    # predict token t+1 from position t; the loss counts completion targets only
-    return ids[:, :-1].to(device), ids[:, 1:].to(device), mask[:, 1:].to(device)
+def _batch(tok: CharTokenizer, problems, texts: list[str], device) -> Packed:
+    """The batch packed (``codraft.train.packing``); completions end with EOS."""
+    return pack([tok.prompt_ids(p.prompt) for p in problems], [tok.encode(t) + [tok.eos_id] for t in texts],
+                device=device, share_prompts=False)
+
+
+def sft_loss(model: Transformer, batch: Packed, pad_id: int) -> torch.Tensor:
+    """Next-token cross-entropy on completion tokens (EOS included), over the padded batch."""
+    ids, completion = batch.padded(pad_id)
+    logits = model(ids[:, :-1])  # position t predicts token t + 1
+    mask = completion[:, 1:]
+    return F.cross_entropy(logits[mask], ids[:, 1:][mask])
 
 
 def evaluate(model, tok, task, problems, max_new_tokens: int, batch_size: int = 100) -> float:
@@ -116,21 +115,18 @@ def evaluate(model, tok, task, problems, max_new_tokens: int, batch_size: int = 
 
 def train_sft(model: Transformer, tok, task, cfg: SFTConfig, progress: bool = True) -> dict:
     torch.manual_seed(cfg.seed)
-    rng = random.Random(cfg.seed)
     device = model.embed_tokens.weight.device
     pool = list(itertools.islice(task.stream("train", seed=cfg.seed), 20_000))  # repeats: the task's own mix
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(cfg.warmup, cfg.steps, cfg.min_lr_ratio))
-    noise = random.Random(cfg.seed + 1)
     model.train()
     t0 = time.perf_counter()
     bar = tqdm(range(cfg.steps), desc="sft", disable=not progress, dynamic_ncols=True)
     for step in bar:
+        rng = random.Random(step_seed(cfg.seed, step))
         problems = rng.sample(pool, cfg.batch_size)
-        texts = sft_targets(task, problems, cfg.answer_noise, noise)
-        inputs, targets, mask = _batch(tok, problems, texts, device)
-        logits = model(inputs)
-        loss = F.cross_entropy(logits[mask], targets[mask])
+        batch = _batch(tok, problems, sft_targets(task, problems, cfg.answer_noise, rng), device)
+        loss = sft_loss(model, batch, tok.pad_id)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -154,7 +150,7 @@ def warm_start(cfg: SFTConfig | None = None, *, cache_dir: str | os.PathLike | N
     task = make_task("arith")
     model_cfg = tiny_model_config(tok)
     key = json.dumps({"sft": asdict(cfg), "model": model_cfg.to_dict(), "alphabet": tok.alphabet,
-                      "task": repr(task)}, sort_keys=True)
+                      "task": repr(task), "recipe": RECIPE}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     folder = Path(cache_dir) if cache_dir else cache_root() / f"tiny-sft-{digest}"
     if (folder / "sft.json").is_file() and not force:

@@ -22,85 +22,11 @@ same gather, which copies detached features only and costs no policy compute.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from codraft.attention import PackedCausal
 from codraft.drafts.batch import DraftBatch
 from codraft.rl.grpo import entropy_from_logits, grpo_loss, token_logprobs
-
-
-@dataclass
-class SharedPrompts:
-    """The same batch with each GRPO group's prompt packed once: the layout the policy runs on.
-
-    Segments: a group's prompt, then each of its completions, which sees the whole prompt and
-    itself causally (``PackedCausal.prefix``), at positions continuing after the prompt. Every
-    token has the same context as in the unshared row, so hidden states are equal; the prompt's
-    gradient is the sum over its completions, as autograd gives through the shared rows.
-    """
-    input_ids: torch.Tensor      # (1,T_s)
-    layout: PackedCausal         # over T_s tokens
-    gather: torch.Tensor         # (T,) position in input_ids of each unshared packed token
-
-
-@dataclass
-class Packed:
-    input_ids: torch.Tensor      # (1,T) prompts and completions back to back
-    cu_seqlens: torch.Tensor     # (N+1,)
-    completion: torch.Tensor     # (1,T) bool: token t was generated (is an RL/draft target)
-    index: torch.Tensor          # (N,L) packed position of completion token j of sequence i (0 where padded)
-    index_mask: torch.Tensor     # (N,L) bool
-    rollout_logprobs: torch.Tensor  # (N,L) the engine's logprobs of those tokens
-    shared: SharedPrompts | None = None  # set when consecutive sequences repeat a prompt
-
-
-def pack(prompts: list[list[int]], completions: list[list[int]], rollout_logprobs: list[list[float]],
-         device: torch.device | str = "cpu", *, share_prompts: bool = True) -> Packed:
-    """One packed row, sequence i = prompts[i] + completions[i]; ``share_prompts``: also the
-    SharedPrompts layout when consecutive prompts repeat (a GRPO group), which the policy runs on."""
-    ids, comp, starts, lens = [], [], [], []
-    for p, c in zip(prompts, completions):
-        starts.append(len(ids) + len(p))
-        lens.append(len(c))
-        ids += p + c
-        comp += [False] * len(p) + [True] * len(c)
-    n, width = len(prompts), max(max(lens), 1)
-    j = torch.arange(width)
-    index = torch.tensor(starts)[:, None] + j
-    index_mask = j < torch.tensor(lens)[:, None]
-    lp = torch.zeros(n, width)
-    for i, l in enumerate(rollout_logprobs):
-        lp[i, :len(l)] = torch.tensor(l, dtype=torch.float32)
-    seq_lens = torch.tensor([len(p) + len(c) for p, c in zip(prompts, completions)])
-    cu = torch.cat([torch.zeros(1, dtype=torch.long), seq_lens.cumsum(0)])
-    shared = share_prompt_layout(prompts, completions, device) if share_prompts else None
-    return Packed(torch.tensor(ids, device=device)[None], cu.to(device), torch.tensor(comp, device=device)[None],
-                  torch.where(index_mask, index, 0).to(device), index_mask.to(device), lp.to(device), shared)
-
-
-def share_prompt_layout(prompts: list[list[int]], completions: list[list[int]],
-                        device: torch.device | str = "cpu") -> SharedPrompts | None:
-    """Runs of equal consecutive prompts packed once each; None when no prompt repeats."""
-    if all(a != b for a, b in zip(prompts[:-1], prompts[1:])):
-        return None
-    ids, bounds, prefix, gather = [], [0], [], []
-    prompt_start = prompt_seg = -1
-    for i, (p, c) in enumerate(zip(prompts, completions)):
-        if i == 0 or p != prompts[i - 1]:  # a new group: its prompt segment
-            prompt_start, prompt_seg = len(ids), len(prefix)
-            ids += p
-            bounds.append(len(ids))
-            prefix.append(-1)
-        gather += range(prompt_start, prompt_start + len(p))
-        gather += range(len(ids), len(ids) + len(c))
-        ids += c
-        bounds.append(len(ids))
-        prefix.append(prompt_seg)
-    cu = torch.tensor(bounds, device=device)
-    return SharedPrompts(torch.tensor(ids, device=device)[None], PackedCausal.of(cu, len(ids), tuple(prefix)),
-                         torch.tensor(gather, device=device))
+from codraft.train.packing import Packed, SharedPrompts, pack  # noqa: F401 (pack: re-exported for callers)
 
 
 def policy_hidden(model, batch: Packed, taps: tuple[int, ...] | None):
@@ -122,8 +48,12 @@ def policy_hidden(model, batch: Packed, taps: tuple[int, ...] | None):
 
 def cotrain_loss(policy, draft, batch: Packed, advantages: torch.Tensor, *, temperature: float, lam: float,
                  eps_low: float, eps_high: float, norm: str, kl_coef: float = 0.0, reference=None,
-                 train_draft: bool = True) -> tuple[torch.Tensor, dict]:
-    """Total loss and metrics for one packed batch (the caller runs backward and the optimisers)."""
+                 train_draft: bool = True, phase=None) -> tuple[torch.Tensor, dict]:
+    """Total loss and metrics for one packed batch (the caller runs backward and the optimisers).
+
+    phase: optional timing hook, a callable returning a context manager (e.g. the trainer's
+    ``PhaseTimer``); the draft's loss runs inside ``phase("draft_loss")``.
+    """
     taps = tuple(draft.feature_layers) if (draft is not None and train_draft) else None
     hidden, feats, to_policy = policy_hidden(policy, batch, taps)
     # logprob of token t comes from the logits at t-1. Only those rows (one per completion token,
@@ -151,7 +81,11 @@ def cotrain_loss(policy, draft, batch: Packed, advantages: torch.Tensor, *, temp
         db = DraftBatch(input_ids=batch.input_ids, cu_seqlens=batch.cu_seqlens, loss_mask=batch.completion,
                         features={l: f.detach() for l, f in feats.items()},
                         teacher_logits=logits.detach(), teacher_rows=rows)
-        draft_loss, dm = draft.loss(db)
+        if phase is None:
+            draft_loss, dm = draft.loss(db)
+        else:
+            with phase("draft_loss"):
+                draft_loss, dm = draft.loss(db)
         metrics.update({f"draft/{k}": v for k, v in dm.items()})
         metrics["draft/loss"] = draft_loss.detach()
         loss = loss + lam * draft_loss

@@ -183,22 +183,8 @@ def grpo_loss(
     token_mult_prob_error, rollout_kl, rollout_kl_k1, rollout_is_ratio; is_weight_mean,
     is_capped_frac.
     """
-    B, T = logprobs.shape
-    for name, t in (("old_logprobs", old_logprobs), ("mask", mask),
-                    ("ref_logprobs", ref_logprobs), ("rollout_logprobs", rollout_logprobs)):
-        if t is not None and tuple(t.shape) != (B, T):
-            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected logprobs' {(B, T)}")
-    if tuple(advantages.shape) != (B,):
-        raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected {(B,)}")
-    if norm not in ("token", "sequence"):
-        raise ValueError(f"norm must be 'token' or 'sequence', got {norm!r}")
-    if is_correction not in (None, "token"):
-        raise ValueError(f"is_correction must be None or 'token', got {is_correction!r}")
-    if is_correction is not None and rollout_logprobs is None:
-        raise ValueError("is_correction='token' needs rollout_logprobs")
-    if kl_coef != 0.0 and ref_logprobs is None:
-        raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs")
-
+    _check_inputs(logprobs, old_logprobs, advantages, mask, norm=norm, ref_logprobs=ref_logprobs,
+                  kl_coef=kl_coef, rollout_logprobs=rollout_logprobs, is_correction=is_correction)
     m = mask.bool()
     logp = logprobs.float()
     old = old_logprobs.detach().float()
@@ -212,18 +198,7 @@ def grpo_loss(
     metrics: dict[str, Tensor] = {}
     # -- truncated importance sampling against the rollout engine's sampling distribution
     if rollout_logprobs is not None:
-        roll = rollout_logprobs.detach().float()
-        d = old - roll  # log(pi_train / pi_rollout) at the sampled tokens
-        metrics["token_mult_prob_error"] = masked_mean(torch.exp(d.abs()), m)
-        metrics["rollout_kl"] = masked_mean(torch.exp(d) - d - 1.0, m)
-        metrics["rollout_kl_k1"] = masked_mean(-d, m)
-        metrics["rollout_is_ratio"] = masked_mean(torch.exp(d), m)
-        if is_correction == "token":
-            raw = torch.exp(d)
-            w = raw.clamp(max=is_cap)
-            pg_tok = w * pg_tok
-            metrics["is_weight_mean"] = masked_mean(w, m)
-            metrics["is_capped_frac"] = masked_mean((raw > is_cap).float(), m)
+        pg_tok = _rollout_mismatch(pg_tok, old, rollout_logprobs.detach().float(), m, is_correction, is_cap, metrics)
 
     # -- k3 KL to the reference policy
     per_tok = pg_tok
@@ -261,3 +236,40 @@ def grpo_loss(
             num_tokens=m.sum().float(),
         )
     return loss, metrics
+
+
+def _check_inputs(logprobs, old_logprobs, advantages, mask, *, norm, ref_logprobs, kl_coef, rollout_logprobs,
+                  is_correction) -> None:
+    B, T = logprobs.shape
+    for name, t in (("old_logprobs", old_logprobs), ("mask", mask),
+                    ("ref_logprobs", ref_logprobs), ("rollout_logprobs", rollout_logprobs)):
+        if t is not None and tuple(t.shape) != (B, T):
+            raise ValueError(f"{name} has shape {tuple(t.shape)}, expected logprobs' {(B, T)}")
+    if tuple(advantages.shape) != (B,):
+        raise ValueError(f"advantages has shape {tuple(advantages.shape)}, expected {(B,)}")
+    if norm not in ("token", "sequence"):
+        raise ValueError(f"norm must be 'token' or 'sequence', got {norm!r}")
+    if is_correction not in (None, "token"):
+        raise ValueError(f"is_correction must be None or 'token', got {is_correction!r}")
+    if is_correction is not None and rollout_logprobs is None:
+        raise ValueError("is_correction='token' needs rollout_logprobs")
+    if kl_coef != 0.0 and ref_logprobs is None:
+        raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs")
+
+
+def _rollout_mismatch(pg_tok: Tensor, old: Tensor, roll: Tensor, m: Tensor, is_correction, is_cap: float,
+                      metrics: dict) -> Tensor:
+    """Mismatch metrics between the trainer's and the rollout engine's logprobs of the sampled tokens
+    (into ``metrics``), and the per-token surrogate with the truncated IS weight when corrected."""
+    d = old - roll  # log(pi_train / pi_rollout) at the sampled tokens
+    metrics["token_mult_prob_error"] = masked_mean(torch.exp(d.abs()), m)
+    metrics["rollout_kl"] = masked_mean(torch.exp(d) - d - 1.0, m)
+    metrics["rollout_kl_k1"] = masked_mean(-d, m)
+    metrics["rollout_is_ratio"] = masked_mean(torch.exp(d), m)
+    if is_correction == "token":
+        raw = torch.exp(d)
+        w = raw.clamp(max=is_cap)
+        metrics["is_weight_mean"] = masked_mean(w, m)
+        metrics["is_capped_frac"] = masked_mean((raw > is_cap).float(), m)
+        return w * pg_tok
+    return pg_tok

@@ -1,6 +1,7 @@
 """The `codraft train` loop: GRPO with speculative rollouts and an online co-trained draft.
 
-Per step:
+Per step (``Trainer.step``: ``rollout`` -> ``probe`` -> ``score`` -> ``update`` -> ``observe``, each
+returning a small dataclass):
   1. rollout    the engine (policy θ_t + draft φ_t, lossless speculative decoding) samples
                 `group_size` completions for each of `prompts_per_step` training prompts
                 (`rollout.speculate=auto`: plain decoding while the last measured rollout
@@ -8,10 +9,13 @@ Per step:
                 either way, since it learns from the rollout tokens, not from its proposals);
   2. reward     the task scores each completion; GRPO advantages per group;
   3. train      one packed policy forward -> L_RL(θ) + λ·L_draft(φ; x, sg(H_θ(x))),
-                one backward, policy and draft optimisers step (draft.mode=cotrain);
+                one backward, policy and draft optimisers step (draft.mode=cotrain); its phases
+                are timed (``PhaseTimer``: time_loss_forward, time_draft_loss, time_backward,
+                time_optimizer in the metrics, within time_train);
   4. observe    metrics.jsonl / TensorBoard, every k steps held-out accuracy and the
                 measured rollout speedup (a plain-decoding rollout of the same prompts),
-                optionally τ of a frozen copy of the initial draft on the same prompts (drift),
+                optionally τ of a frozen copy of the initial draft on the same prompts (drift;
+                these two run in ``probe``, right after the rollout, and are not in time_step),
                 checkpoints; plots at the end.
 The engine holds references to the live policy and draft modules, so step t+1's rollout
 uses the weights updated at step t with no copy.
@@ -42,15 +46,19 @@ import torch
 import yaml
 from tqdm import tqdm
 
+from codraft import kernels
 from codraft.config import ConfigError, RunConfig
-from codraft.rl import checkpoint as ckpt
+from codraft.train import checkpoint as ckpt
 from codraft.rl.cotrain import cotrain_loss, pack
 from codraft.rl.grpo import group_advantages
 from codraft.rl.logger import MetricsLogger
 from codraft.rl.plots import plot_run
+from codraft.policy import load_policy
 from codraft.tasks import make_task
+from codraft.train.offline_draft import starting_draft
 from codraft.train.schedule import warmup, warmup_cosine
 from codraft.rollout import Engine
+from dataclasses import dataclass, field
 
 
 def _step_seed(seed: int, step: int) -> int:
@@ -80,11 +88,69 @@ def _hold_ctrl_c():
             old(*got[0])  # the default handler raises KeyboardInterrupt here
 
 
+class PhaseTimer:
+    """Wall time of named phases of one step: ``with timer("backward"): ...`` adds to ``seconds["backward"]``.
+
+    ``cotrain_loss`` takes one as its ``phase`` hook and times the draft loss with it, so the
+    caller reads the breakdown of the update (``Update.timings``) without wrapping any function.
+    """
+
+    def __init__(self, *names: str):
+        self.seconds: dict[str, float] = dict.fromkeys(names, 0.0)
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+
+@dataclass
+class Rollout:
+    """Step 1: the step's sampled completions."""
+    group: list                 # the task problem of each completion (each prompt repeated group_size times)
+    prompts: list               # their prompt token ids
+    out: list                   # the engine's outputs (tokens, logprobs), one per completion
+    stats: object               # the engine's statistics of this rollout
+    speculative: bool           # decoded with the draft (False: plain, or no draft)
+    seconds: float              # wall time of the rollout
+    seed: int                   # the sampling seed (the measurement extras reuse it)
+    metrics: dict = field(default_factory=dict)  # time_rollout, speculative, acceptance_*
+
+
+@dataclass
+class Probes:
+    """The measurement extras on the step's prompts: the plain rollout for the speedup figure and
+    the frozen-draft probe. Their time is not part of the step time."""
+    metrics: dict               # time_rollout_plain, rollout_speedup, frozen_acceptance_length (when run)
+    seconds: float              # wall time of both
+
+
+@dataclass
+class Scored:
+    """Step 2: rewards and GRPO advantages."""
+    rewards: torch.Tensor       # (N,)
+    advantages: torch.Tensor    # (N,)
+    errors: list                # the exceptions of reward functions that failed (those samples scored 0)
+
+
+@dataclass
+class Update:
+    """Step 3: the co-training update, committed (or skipped when non-finite)."""
+    loss: torch.Tensor          # detached total loss
+    metrics: dict               # cotrain_loss's policy/* and draft/* metrics
+    policy_grad_norm: torch.Tensor
+    draft_grad_norm: torch.Tensor | None  # None when the draft is not trained
+    finite: bool                # False: update skipped
+    nonfinite_streak: int       # skipped updates in a row, this one included
+    timings: dict               # seconds: train (the whole update), loss_forward (draft_loss included),
+    #                             draft_loss (when the draft trains), backward (with clipping), optimizer
+
+
 class Trainer:
     def __init__(self, cfg: RunConfig, *, resume: str | None = None, progress: bool = True):
-        from codraft.policy import load_policy
-        from codraft.drafts.offline import init_draft
-
         if cfg.grpo.max_nonfinite_steps < 1:
             raise ConfigError(f"config key 'grpo.max_nonfinite_steps' must be >= 1, got {cfg.grpo.max_nonfinite_steps}")
         for key, value in (("draft.num_anchors", cfg.draft.num_anchors),  # other kinds ignore it: presets may set it
@@ -108,17 +174,14 @@ class Trainer:
             raise FileNotFoundError(f"--resume {resume}: no complete step_N checkpoint in that folder")
         init_policy = self.policy
         if latest is not None:
-            self.policy = ckpt.load_policy_from(latest, dtype)
+            self.policy = kernels.enable(ckpt.load_policy_from(latest, dtype))  # as load_policy's
         self.policy.to(cfg.device)
 
         d = cfg.draft
-        self.draft = None if d.mode == "none" else init_draft(
+        self.draft = None if d.mode == "none" else starting_draft(
             d.kind, d.init, policy=self.policy, tok=self.tok, task=self.task, policy_dir=self.policy_dir,
-            gamma=d.gamma, seed=cfg.seed, progress=progress)
-        if d.num_anchors and d.kind in ("dflash", "dspark") and self.draft is not None:  # the loss's cost scales with it
-            self.draft.config.num_anchors = d.num_anchors
-        self.trains_draft = d.mode == "cotrain" and self.draft is not None and hasattr(self.draft, "loss") \
-            and any(p.requires_grad for p in self.draft.parameters())
+            gamma=d.gamma, seed=cfg.seed, progress=progress, num_anchors=d.num_anchors)
+        self.trains_draft = d.mode == "cotrain" and self.draft is not None and bool(self.draft.trainable_parameters())
         # log.frozen_probe_every: the initial draft, kept frozen and run on the same prompts as the
         # co-trained one, so staleness is measured against the very same policy (copied before a resume
         # restores the trained draft)
@@ -134,7 +197,7 @@ class Trainer:
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, warmup_cosine(g.warmup_steps, cfg.steps, floor=0.1))
         self.draft_opt = self.draft_sched = None
         if self.trains_draft:
-            self.draft_opt = _adamw([p for p in self.draft.parameters() if p.requires_grad], lr=d.lr, betas=(0.9, 0.95))
+            self.draft_opt = _adamw(self.draft.trainable_parameters(), lr=d.lr, betas=(0.9, 0.95))
             self.draft_sched = torch.optim.lr_scheduler.LambdaLR(self.draft_opt, warmup(d.warmup_steps))
         self.start_step, self.prompts_used, self._stream = 0, 0, None
         # rollout.speculate=auto: speculate unless the last measured rollout speedup was < 1
@@ -181,98 +244,139 @@ class Trainer:
         return sum(self.task.reward(p, self.tok.decode(o.tokens)) for p, o in zip(self.val, out)) / len(self.val)
 
     def step(self, step: int) -> dict:
-        cfg, r, g = self.cfg, self.cfg.rollout, self.cfg.grpo
-        seed = _step_seed(cfg.seed, step)
-        torch.manual_seed(seed)
+        """One RL step (rollout, reward, update, metrics); returns the step's metrics row."""
+        torch.manual_seed(_step_seed(self.cfg.seed, step))
         t_step = time.perf_counter()
+        rollout = self.rollout(step)
+        probes = self.probe(step, rollout)
+        scored = self.score(step, rollout)
+        update = self.update(step, rollout, scored)
+        return self.observe(step, rollout, probes, scored, update, t_step)
+
+    def rollout(self, step: int) -> Rollout:
+        """1. The step's prompts, `group_size` completions each: speculative unless speculate=auto found
+        it slower than plain decoding (a measurement step always speculates, so the decision is
+        re-checked every `log.speedup_every` steps)."""
+        cfg, r = self.cfg, self.cfg.rollout
+        seed = _step_seed(cfg.seed, step)
         problems = self._prompts()
         group = [p for p in problems for _ in range(r.group_size)]
         prompts = [self.tok.prompt_ids(p.prompt) for p in group]
-
-        # 1. rollout (speculative unless speculate=auto found it slower than plain decoding; a
-        #    measurement step always speculates, so the decision is re-checked every k steps)
         self.policy.eval()
-        measure = cfg.log.speedup_every and step % cfg.log.speedup_every == 0
-        speculate = self.draft is not None and (r.speculate == "always" or measure or self.spec_pays)
+        speculate = self.draft is not None and (r.speculate == "always" or self._measures(step) or self.spec_pays)
         engine = self.plain_engine if self.draft is not None and not speculate else self.engine
-        out, t_rollout = self._generate(engine, prompts, seed)
+        out, seconds = self._generate(engine, prompts, seed)
         self.last_rollout, self.last_stats = out, engine.stats
-        m = {"time_rollout": t_rollout}
+        m = {"time_rollout": seconds}
         if self.draft is not None:
             m["speculative"] = int(speculate)
         if speculate:
             m.update(acceptance_length=engine.stats.acceptance_length,
                      acceptance_per_position=engine.stats.acceptance_per_position)
-        if measure:
-            _, t_plain = self._generate(self.plain_engine, prompts, seed)
-            m.update(time_rollout_plain=t_plain, rollout_speedup=t_plain / t_rollout)
-            self.spec_pays = t_plain >= t_rollout
-        t_probe = 0.0
-        if self.frozen_engine is not None and speculate and step % cfg.log.frozen_probe_every == 0:
-            _, t_probe = self._generate(self.frozen_engine, prompts, seed)
+        return Rollout(group, prompts, out, engine.stats, speculate, seconds, seed, m)
+
+    def _measures(self, step: int) -> bool:
+        """Does this step measure the rollout speedup (log.speedup_every)?"""
+        every = self.cfg.log.speedup_every
+        return bool(every) and step % every == 0
+
+    def probe(self, step: int, rollout: Rollout) -> Probes:
+        """The measurement extras on the rollout's prompts and seed: a plain rollout for the speedup
+        (which also updates the speculate=auto decision) and the frozen initial draft's τ."""
+        m, seconds = {}, 0.0
+        if self._measures(step):
+            _, t_plain = self._generate(self.plain_engine, rollout.prompts, rollout.seed)
+            m.update(time_rollout_plain=t_plain, rollout_speedup=t_plain / rollout.seconds)
+            self.spec_pays = t_plain >= rollout.seconds
+            seconds += t_plain
+        if self.frozen_engine is not None and rollout.speculative and step % self.cfg.log.frozen_probe_every == 0:
+            _, t_probe = self._generate(self.frozen_engine, rollout.prompts, rollout.seed)
             m["frozen_acceptance_length"] = self.frozen_engine.stats.acceptance_length
+            seconds += t_probe
+        return Probes(m, seconds)
 
-        # 2. reward
-        scored = [self.task.score(p, self.tok.decode(o.tokens)) for p, o in zip(group, out)]
-        rewards = torch.tensor([r for r, _ in scored])
+    def score(self, step: int, rollout: Rollout) -> Scored:
+        """2. Rewards (a failing reward function scores 0, with one warning per step) and advantages."""
+        r, g = self.cfg.rollout, self.cfg.grpo
+        scored = [self.task.score(p, self.tok.decode(o.tokens)) for p, o in zip(rollout.group, rollout.out)]
+        rewards = torch.tensor([x for x, _ in scored])
         errors = [e for _, e in scored if e is not None]
-        m["reward_errors"] = len(errors)
         if errors:
-            warnings.warn(f"step {step}: reward function failed on {len(errors)}/{len(group)} samples, "
-                          f"scored 0 (first error: {errors[0]!r})", stacklevel=2)
-        adv = group_advantages(rewards, r.group_size, leave_one_out=g.leave_one_out)
+            warnings.warn(f"step {step}: reward function failed on {len(errors)}/{len(rollout.group)} samples, "
+                          f"scored 0 (first error: {errors[0]!r})", stacklevel=3)  # at step()'s caller
+        return Scored(rewards, group_advantages(rewards, r.group_size, leave_one_out=g.leave_one_out), errors)
 
-        # 3. train: one packed forward, L_RL + λ·L_draft, one backward, two optimisers
+    def update(self, step: int, rollout: Rollout, scored: Scored) -> Update:
+        """3. One packed forward, L_RL + λ·L_draft, one backward, clipping, then the commit (`_commit`);
+        a non-finite loss or grad norm drops the gradients instead (the schedulers still step)."""
+        cfg, g = self.cfg, self.cfg.grpo
         t_train = time.perf_counter()
+        timer = PhaseTimer("train", "loss_forward", "backward", "optimizer")
         self.policy.train()
-        batch = pack(prompts, [o.tokens for o in out], [o.logprobs for o in out], device=cfg.device)
-        loss, lm = cotrain_loss(self.policy, self.draft, batch, adv.to(cfg.device), temperature=r.temperature,
-                                lam=cfg.draft.lam, eps_low=g.eps_low, eps_high=g.eps_high, norm=g.norm,
-                                kl_coef=g.kl_coef, reference=self.reference, train_draft=self.trains_draft)
+        batch = pack(rollout.prompts, [o.tokens for o in rollout.out], [o.logprobs for o in rollout.out],
+                     device=cfg.device)
+        with timer("loss_forward"):
+            loss, lm = cotrain_loss(self.policy, self.draft, batch, scored.advantages.to(cfg.device),
+                                    temperature=cfg.rollout.temperature, lam=cfg.draft.lam, eps_low=g.eps_low,
+                                    eps_high=g.eps_high, norm=g.norm, kl_coef=g.kl_coef, reference=self.reference,
+                                    train_draft=self.trains_draft, phase=timer)
+        self._zero_grad()
+        with timer("backward"):
+            loss.backward()
+            policy_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), g.grad_clip)
+            draft_norm = None if self.draft_opt is None else torch.nn.utils.clip_grad_norm_(
+                self.draft.trainable_parameters(), cfg.draft.grad_clip)
+        loss = loss.detach()
+        finite = all(math.isfinite(float(x)) for x in (loss, policy_norm, 0.0 if draft_norm is None else draft_norm))
+        self.nonfinite_streak = 0 if finite else self.nonfinite_streak + 1
+        if not finite:  # one bad batch must not corrupt θ, φ or the Adam moments: drop its gradients
+            self._zero_grad()
+            warnings.warn(f"step {step}: non-finite loss or grad norm (loss={float(loss):.4g}, policy grad norm="
+                          f"{float(policy_norm):.4g}); update skipped ({self.nonfinite_streak} in a row)",
+                          stacklevel=3)  # at step()'s caller
+        self._commit(step, finite, timer)
+        timer.seconds["train"] = time.perf_counter() - t_train
+        return Update(loss, lm, policy_norm, draft_norm, finite, self.nonfinite_streak, timer.seconds)
+
+    def _zero_grad(self):
         self.opt.zero_grad(set_to_none=True)
         if self.draft_opt is not None:
             self.draft_opt.zero_grad(set_to_none=True)
-        loss.backward()
-        m["policy/grad_norm"] = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), g.grad_clip)
-        if self.draft_opt is not None:
-            m["draft/grad_norm"] = torch.nn.utils.clip_grad_norm_(
-                [p for p in self.draft.parameters() if p.requires_grad], cfg.draft.grad_clip)
-        loss = loss.detach()
-        finite = all(math.isfinite(float(x)) for x in (loss, m["policy/grad_norm"], m.get("draft/grad_norm", 0.0)))
-        self.nonfinite_streak = 0 if finite else self.nonfinite_streak + 1
-        m.update(skipped_update=int(not finite), nonfinite_streak=self.nonfinite_streak)
-        if not finite:  # one bad batch must not corrupt θ, φ or the Adam moments: drop its gradients
-            self.opt.zero_grad(set_to_none=True)
-            if self.draft_opt is not None:
-                self.draft_opt.zero_grad(set_to_none=True)
-            warnings.warn(f"step {step}: non-finite loss or grad norm (loss={float(loss):.4g}, policy grad norm="
-                          f"{float(m['policy/grad_norm']):.4g}); update skipped ({self.nonfinite_streak} in a row)",
-                          stacklevel=2)
-        # Commit point: a Ctrl-C here waits until every optimiser and scheduler has stepped, so the
-        # step's update is all-or-nothing; from here on the step counts as completed. (Schedulers
-        # step on skipped updates too: the LR stays a function of the step index.)
+
+    def _commit(self, step: int, finite: bool, timer: PhaseTimer):
+        """Commit point: a Ctrl-C here waits until every optimiser and scheduler has stepped, so the
+        step's update is all-or-nothing; from here on the step counts as completed. (Schedulers
+        step on skipped updates too: the LR stays a function of the step index.)"""
         with _hold_ctrl_c():
             if finite:
-                self.opt.step()
-                if self.draft_opt is not None:
-                    self.draft_opt.step()
+                with timer("optimizer"):
+                    self.opt.step()
+                    if self.draft_opt is not None:
+                        self.draft_opt.step()
             self.sched.step()
             if self.draft_sched is not None:
                 self.draft_sched.step()
             self.steps_done, self._done_prompts = step + 1, self.prompts_used
-        m["time_train"] = time.perf_counter() - t_train
 
-        # 4. observe
-        lens = [len(o.tokens) for o in out]
-        m.update({k: v for k, v in lm.items()})
+    def observe(self, step: int, rollout: Rollout, probes: Probes, scored: Scored, update: Update,
+                t_step: float) -> dict:
+        """4. The step's metrics row; every `log.val_every` steps also the held-out accuracy."""
+        m = {**rollout.metrics, **probes.metrics, "reward_errors": len(scored.errors),
+             "policy/grad_norm": update.policy_grad_norm}
+        if update.draft_grad_norm is not None:
+            m["draft/grad_norm"] = update.draft_grad_norm
+        m.update(skipped_update=int(not update.finite), nonfinite_streak=update.nonfinite_streak)
+        m.update({f"time_{k}": v for k, v in update.timings.items()})  # time_train and its breakdown
+        m.update(update.metrics)
+        lm, rewards, lens = update.metrics, scored.rewards, [len(o.tokens) for o in rollout.out]
         m.update(reward_mean=rewards.mean(), reward_std=rewards.std() if len(rewards) > 1 else 0.0,
                  completion_len=sum(lens) / len(lens), lr=self.sched.get_last_lr()[0],
                  mismatch_kl=lm.get("policy/rollout_kl"), token_mult_prob_error=lm.get("policy/token_mult_prob_error"))
-        # step time = rollout + reward + train; the measurement extras below are not part of it
-        m["time_step"] = time.perf_counter() - t_step - m.get("time_rollout_plain", 0.0) - t_probe
-        if cfg.log.val_every and (step + 1) % cfg.log.val_every == 0:
+        # step time = rollout + reward + train; the measurement extras are not part of it
+        m["time_step"] = time.perf_counter() - t_step - probes.seconds
+        if self.cfg.log.val_every and (step + 1) % self.cfg.log.val_every == 0:
             m["val_accuracy"] = self.validate()
-        m["tokens_per_s"] = sum(lens) / t_rollout
+        m["tokens_per_s"] = sum(lens) / rollout.seconds
         return m
 
     def save(self) -> Path:

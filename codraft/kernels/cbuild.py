@@ -1,4 +1,4 @@
-"""Compile the package's C kernels into one shared library on first use, cached.
+"""Compile the C kernels of ``codraft.kernels`` into one shared library on first use, cached.
 
 ``gemv.c`` (few-row products) and ``decode_ops.c`` (the rest of a decode step, which calls
 the products) are built with the system C compiler (``$CC``, default ``cc``; ~1 s) into

@@ -1,6 +1,6 @@
 // y (M,O) = x (M,I) @ w (O,I)^T for a few rows M, fp32, row-major, contiguous.
 // Decoding is bound by how fast the weights stream from memory: every weight row is read
-// once and dotted with up to 4 input rows while it sits in L1. Built by codraft/models/gemv.py.
+// once and dotted with up to 4 input rows while it sits in L1. Built by codraft/kernels/cbuild.py.
 #include <stdint.h>
 #include <string.h>
 

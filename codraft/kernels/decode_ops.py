@@ -1,13 +1,14 @@
 """A KV-cache decode step on CPU in C (``decode_ops.c``): RMSNorm; RoPE + cache write +
 grouped-query attention; and a whole decoder layer in one call.
 
-At batch 1 the weights stream in ~30 ms per SmolLM2 step (``codraft.models.gemv``). The ~45
+At batch 1 a step is bound by streaming the weights (``codraft.kernels.gemv``), but the ~45
 small torch ops and Python calls per layer around them (norms, rope, cache scatter, one-query
-SDPA, views, module calls) cost 4-50 us each, which added up to another 15-20 ms. With few
-rows (gemv's ``KERNEL_ROWS``) a layer is one C call; with more (a batched verify) the norms and
-the attention still are. Used on CPU, fp32, without autograd; built with the GEMV kernel
-(``codraft.models.cbuild``; ``CODRAFT_KERNELS=0`` opts out). Results match the torch ops up to
-fp32 summation order.
+SDPA, views, module calls) each pay torch's dispatch, which added up to a large part of the
+step (figures in docs/bench-spec.md). With few rows (gemv's ``KERNEL_ROWS``) a layer is one C
+call; with more (a batched verify) the norms and the attention still are. Used on CPU, fp32,
+without autograd; built with the GEMV kernel (``codraft.kernels.cbuild``; ``CODRAFT_KERNELS=0``
+opts out). Results match the torch ops up to fp32 summation order. Not here: when a model uses
+them (``codraft.kernels.fast_layers``).
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import functools
 
 import torch
 
-from codraft.models import cbuild
+from codraft.kernels import cbuild
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 

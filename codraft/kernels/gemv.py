@@ -1,15 +1,15 @@
 """Few-row fp32 products on CPU through a small C kernel (``gemv.c``), built on first use.
 
 Decoding multiplies each weight matrix by 1..γ+1 rows per sequence, so its speed is how fast
-the weights stream from memory. MKL's fp32 GEMV streams them at ~9 GB/s on the 2-core AMD
-machine we measured on, whatever the layout; ``gemv.c`` reads every weight row once, dots it
-with up to 4 input rows from L1, and streams at 16-18 GB/s for 1 row (a plain ``sum`` over the
-same weights: 19-20) and ~12 GB/s for 8. It wins up to ``KERNEL_ROWS`` rows (``codraft bench gemv``).
+the weights stream from memory, and MKL's fp32 GEMV streams them well below the machine's read
+speed whatever the layout. ``gemv.c`` reads every weight row once and dots it with up to 4
+input rows from L1, close to a plain ``sum`` over the same weights at 1 row. It wins up to
+``KERNEL_ROWS`` rows (``codraft bench gemv``; figures in docs/bench-spec.md).
 
-Built on first use by ``codraft.models.cbuild``; it runs on OpenMP, i.e. torch's own thread
-pool, so ``torch.set_num_threads`` applies. No compiler, or ``CODRAFT_KERNELS=0``: a warning
-(none for the opt-out) and ``linear`` keeps using torch's products. Outputs match ``F.linear`` up to fp32
-summation order.
+Built on first use by ``codraft.kernels.cbuild``; it runs on OpenMP, i.e. torch's own thread
+pool, so ``torch.set_num_threads`` applies. No compiler, or ``CODRAFT_KERNELS=0``: ``kernel()``
+is None (with a warning, none for the opt-out). Outputs match ``F.linear`` up to fp32 summation
+order. Not here: choosing between it and torch's products (``codraft.kernels.products``).
 """
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ import functools
 
 import torch
 
-from codraft.models import cbuild
+from codraft.kernels import cbuild
 
-KERNEL_ROWS = 16  # `codraft bench gemv`, SmolLM2: 1.09x torch's product at 16 rows, 0.88x at 32
+KERNEL_ROWS = 16  # beyond this torch's product wins again (`codraft bench gemv`)
 
 
 @functools.cache

@@ -2,8 +2,9 @@
 
 Contents: the policy in HF format (`policy/`, loadable by transformers), the draft's state,
 both optimisers and schedulers, RNG states, the data-loader position and the config.
-Written to a temporary folder and renamed (a crash never leaves a half checkpoint that
-looks complete); only the newest ``keep_last`` are kept.
+Written to a temporary folder and renamed (``codraft.atomic.atomic_dir``: a crash never leaves
+a half checkpoint that looks complete); only the newest ``keep_last`` are kept. Everything is
+read back with ``torch.load(weights_only=True)``: a run folder cannot run code on resume.
 """
 from __future__ import annotations
 
@@ -61,11 +62,11 @@ def restore(path: str | Path, *, draft, optimizers: dict) -> dict:
     state = json.loads((path / "state.json").read_text())
     if draft is not None and (path / "draft.pt").is_file():
         draft.load_state_dict(torch.load(path / "draft.pt", weights_only=True))
-    saved = torch.load(path / "optim.pt", weights_only=False)
+    saved = torch.load(path / "optim.pt", weights_only=True)  # never unpickle code from a run folder
     for k, o in optimizers.items():
         if o is not None and k in saved:
             o.load_state_dict(saved[k])
-    rng = torch.load(path / "rng.pt", weights_only=False)
+    rng = torch.load(path / "rng.pt", weights_only=True)
     torch.set_rng_state(rng["torch"])
     random.setstate(rng["python"])
     return state

@@ -1,0 +1,52 @@
+"""The CPU decode fast path, installed on a module tree from outside: ``enable(module)``.
+
+C kernels, built on first use by ``cbuild`` (system compiler, cached): few-row products
+(``gemv``) and the rest of a KV-cache decode step (``decode_ops``: RMSNorm, RoPE + cache write
++ attention, a whole decoder layer in one call). ``enable`` changes the class of every
+reference module it finds (``codraft.models``' Transformer, DecoderLayer, Attention, MLP,
+RMSNorm, drafts' included) to its subclass in ``fast_layers``, which takes the C path when it
+applies (CPU, fp32, no autograd, few rows) and otherwise runs the reference forward; and gives
+block drafts (DFlash, DSpark) the fast product for their LM head (``head_product``). Parameter
+names, state dicts, autograd, ``copy.deepcopy``, pickling and ``Module.to`` are unaffected.
+``CODRAFT_KERNELS=0``, or no C compiler (warned once), leaves every module plain.
+
+Not here: the reference model (``codraft.models``); GPU or bf16 kernels.
+"""
+from __future__ import annotations
+
+import sys
+from typing import TypeVar
+
+import torch.nn as nn
+
+from codraft.kernels import decode_ops, gemv, products
+from codraft.kernels.fast_layers import SWAPS
+
+M = TypeVar("M")
+
+
+def available() -> bool:
+    """Whether the C kernels are built and not opted out (``CODRAFT_KERNELS=0``)."""
+    return gemv.kernel() is not None and decode_ops.kernels() is not None
+
+
+def enable(module: M) -> M:
+    """Install the fast path on ``module`` and everything under it; returns ``module``.
+
+    Swaps exact reference classes only (a subclass of one is left alone). Idempotent; a draft that
+    is not an ``nn.Module`` (the n-gram draft) is returned as is."""
+    if not isinstance(module, nn.Module) or not available():
+        return module
+    # a block draft can only exist once its module is imported: no need to import it here
+    block_backbone = sys.modules.get("codraft.drafts.block_backbone")
+    block_draft = block_backbone.BlockDraftBase if block_backbone is not None else ()
+    for m in module.modules():
+        fast = SWAPS.get(type(m))
+        if fast is not None:
+            m.__class__ = fast
+        elif isinstance(m, block_draft):
+            m.head_product = products.linear
+    return module
+
+
+__all__ = ["available", "enable"]

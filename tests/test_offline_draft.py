@@ -1,0 +1,78 @@
+"""Offline draft training: an interrupted run resumes to exactly the weights of an uninterrupted one
+(per-step seeds, atomic ``resume/`` checkpoint, loaded without unpickling code), and the drafts a
+run starts from come from the registry for every kind."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from codraft.drafts import available_drafts, draft_kind, load_draft
+from codraft.models import Transformer
+from codraft.policy.warmstart import tiny_model_config
+from codraft.tasks import make_task
+from codraft.tokenizer import CharTokenizer
+from codraft.train import offline_draft
+from codraft.train.offline_draft import starting_draft, train_offline
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tok = CharTokenizer()
+    torch.manual_seed(0)
+    return Transformer(tiny_model_config(tok)).eval(), tok, make_task("arith")
+
+
+def _train(tiny, out, **kw):
+    policy, tok, task = tiny
+    torch.manual_seed(1)
+    draft = starting_draft("dflash", "random", policy=policy, tok=tok, task=None, policy_dir=None, gamma=3, seed=0)
+    train_offline(policy, tok, task, draft, out_dir=out, steps=4, n_prompts=6, max_new_tokens=8, batch_sequences=3,
+                  checkpoint_every=2, progress=False, **kw)
+    return load_draft(out / "draft", policy)
+
+
+def test_interrupted_training_resumes_to_the_same_weights(tiny, tmp_path, monkeypatch):
+    full = _train(tiny, tmp_path / "full")
+    calls = {"n": 0}
+    real = offline_draft.target_batch
+
+    def stop_at_step_3(*a, **k):  # the 4th batch (step 3): after the step-2 checkpoint
+        calls["n"] += 1
+        if calls["n"] == 4:
+            raise KeyboardInterrupt
+        return real(*a, **k)
+    monkeypatch.setattr(offline_draft, "target_batch", stop_at_step_3)
+    with pytest.raises(KeyboardInterrupt):
+        _train(tiny, tmp_path / "cut")
+    assert (tmp_path / "cut" / "resume" / "state.pt").is_file() and not (tmp_path / "cut" / "draft").exists()
+    monkeypatch.setattr(offline_draft, "target_batch", real)
+    resumed = _train(tiny, tmp_path / "cut")
+    assert not (tmp_path / "cut" / "resume").exists()
+    for (name, a), (_, b) in zip(full.state_dict().items(), resumed.state_dict().items()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("kind", available_drafts())
+def test_every_kind_saves_and_loads_through_the_registry(tiny, tmp_path, kind):
+    policy = tiny[0]
+    draft = starting_draft(kind, "random", policy=policy, tok=None, task=None, policy_dir=None, gamma=3, seed=0)
+    assert draft.default_gamma == 3 and draft.vocab_size == policy.config.vocab_size
+    path = draft.save(tmp_path / kind)
+    loaded = load_draft(path, policy, gamma=5)
+    assert type(loaded) is draft_kind(kind).cls and loaded.default_gamma == 5
+    a, b = (d.state_dict() if isinstance(d, torch.nn.Module) else {} for d in (draft, loaded))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert bool(draft.trainable_parameters()) == (kind != "ngram")
+
+
+def test_shared_options_reach_only_the_kinds_that_take_them(tiny, tmp_path):
+    from codraft.drafts import init_draft
+    policy = tiny[0]
+    for kind in available_drafts():
+        draft = init_draft(kind, policy, gamma=3, num_anchors=5)  # kinds without blocks ignore num_anchors
+        if "num_anchors" in draft_kind(kind).options:
+            assert draft.config.num_anchors == 5
+            draft.save(tmp_path / kind)
+            assert init_draft(kind, policy, init=tmp_path / kind, num_anchors=9).config.num_anchors == 9
+    with pytest.raises(ValueError, match="unknown draft kind .medusa.; valid kinds: eagle3, dflash, dspark, model, ngram"):
+        init_draft("medusa", policy)
