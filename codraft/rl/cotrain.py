@@ -26,7 +26,7 @@ import torch
 
 from codraft.drafts.batch import DraftBatch
 from codraft.rl.grpo import entropy_from_logits, grpo_loss, token_logprobs
-from codraft.train.packing import Packed, SharedPrompts, pack  # noqa: F401 (pack: re-exported for callers)
+from codraft.train.packing import Packed
 
 
 def policy_hidden(model, batch: Packed, taps: tuple[int, ...] | None):

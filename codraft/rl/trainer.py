@@ -40,6 +40,7 @@ import sys
 import threading
 import time
 import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -48,26 +49,23 @@ from tqdm import tqdm
 
 from codraft import kernels
 from codraft.config import ConfigError, RunConfig
-from codraft.train import checkpoint as ckpt
-from codraft.rl.cotrain import cotrain_loss, pack
+from codraft.policy import load_policy
+from codraft.rl.cotrain import cotrain_loss
 from codraft.rl.grpo import group_advantages
 from codraft.rl.logger import MetricsLogger
 from codraft.rl.plots import plot_run
-from codraft.policy import load_policy
-from codraft.tasks import make_task
-from codraft.train.offline_draft import starting_draft
-from codraft.train.schedule import warmup, warmup_cosine
 from codraft.rollout import Engine
-from dataclasses import dataclass, field
-
-
-def _step_seed(seed: int, step: int) -> int:
-    return (seed * 1_000_003 + step * 7919) % (2 ** 62)
+from codraft.tasks import make_task
+from codraft.train import checkpoint as ckpt
+from codraft.train.offline_draft import starting_draft
+from codraft.train.packing import pack
+from codraft.train.schedule import warmup, warmup_cosine
+from codraft.train.seeding import step_seed
 
 
 def _adamw(params, **kw) -> torch.optim.AdamW:
-    """AdamW, with the fused kernel on CPU/CUDA: on the 2-core CPU it steps SmolLM2-135M in 0.16 s
-    instead of foreach's 0.88 s."""
+    """AdamW, with the fused kernel on CPU/CUDA: several times faster than foreach on CPU
+    (docs/bench-e2e.md has the figures)."""
     params = list(params)
     return torch.optim.AdamW(params, fused=all(p.device.type in ("cpu", "cuda") for p in params) or None, **kw)
 
@@ -245,7 +243,7 @@ class Trainer:
 
     def step(self, step: int) -> dict:
         """One RL step (rollout, reward, update, metrics); returns the step's metrics row."""
-        torch.manual_seed(_step_seed(self.cfg.seed, step))
+        torch.manual_seed(step_seed(self.cfg.seed, step))
         t_step = time.perf_counter()
         rollout = self.rollout(step)
         probes = self.probe(step, rollout)
@@ -258,7 +256,7 @@ class Trainer:
         it slower than plain decoding (a measurement step always speculates, so the decision is
         re-checked every `log.speedup_every` steps)."""
         cfg, r = self.cfg, self.cfg.rollout
-        seed = _step_seed(cfg.seed, step)
+        seed = step_seed(cfg.seed, step)
         problems = self._prompts()
         group = [p for p in problems for _ in range(r.group_size)]
         prompts = [self.tok.prompt_ids(p.prompt) for p in group]
