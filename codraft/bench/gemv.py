@@ -14,8 +14,10 @@ from time import perf_counter
 import torch
 
 from codraft.bench import format_table
+from codraft.bench.spec import MODELS
 from codraft.kernels import gemv
 from codraft.kernels.products import torch_product
+from codraft.policy import load_policy
 
 
 def decode_weights(model) -> list[torch.Tensor]:
@@ -51,8 +53,6 @@ def measure(weights: list[torch.Tensor], rows: list[int], repeats: int = 5) -> l
 
 def run(model_name: str = "smollm2", rows=(1, 2, 4, 8, 16, 32), threads: int = 2, repeats: int = 5,
         json_path: str | None = None) -> list[dict]:
-    from codraft.bench.spec import MODELS
-    from codraft.policy import load_policy
     torch.set_num_threads(threads)
     model = load_policy(MODELS.get(model_name, model_name))[0]
     weights = decode_weights(model)

@@ -241,6 +241,8 @@ class BlockDraftBase(nn.Module, Draft):
     """Backbone + decoding state machinery; subclasses add the loss, ``propose`` and heads."""
 
     architectures = ("BlockDraftModel",)
+    # the product of the LM head over the target's (V,H) weight; codraft.kernels.enable sets a faster one
+    head_product = staticmethod(linear)
 
     def __init__(self, config: BlockDraftConfig):
         super().__init__()
@@ -292,10 +294,9 @@ class BlockDraftBase(nn.Module, Draft):
         return F.embedding(ids, self._bound()[0]).to(self.dtype)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final-normed hidden (…,H) -> float32 logits (…,V) through the frozen target head, by
-        ``self.head_product`` when set (``codraft.kernels.enable`` sets a faster one), else ``linear``."""
+        """Final-normed hidden (…,H) -> float32 logits (…,V) through the frozen target head."""
         w = self._bound()[1]
-        return getattr(self, "head_product", linear)(h.to(w.dtype), w).float()
+        return self.head_product(h.to(w.dtype), w).float()
 
     def mask_vector(self) -> torch.Tensor:
         """(H,) the MASK slot input."""

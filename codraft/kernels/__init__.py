@@ -6,7 +6,8 @@ C kernels, built on first use by ``cbuild`` (system compiler, cached): few-row p
 reference module it finds (``codraft.models``' Transformer, DecoderLayer, Attention, MLP,
 RMSNorm, drafts' included) to its subclass in ``fast_layers``, which takes the C path when it
 applies (CPU, fp32, no autograd, few rows) and otherwise runs the reference forward; and gives
-block drafts (DFlash, DSpark) the fast product for their LM head (``head_product``). Parameter
+modules that declare a ``head_product`` (block drafts: their product with the target's LM head)
+the fast product. Parameter
 names, state dicts, autograd, ``copy.deepcopy``, pickling and ``Module.to`` are unaffected.
 ``CODRAFT_KERNELS=0``, or no C compiler (warned once), leaves every module plain.
 
@@ -14,7 +15,6 @@ Not here: the reference model (``codraft.models``); GPU or bf16 kernels.
 """
 from __future__ import annotations
 
-import sys
 from typing import TypeVar
 
 import torch.nn as nn
@@ -37,14 +37,11 @@ def enable(module: M) -> M:
     is not an ``nn.Module`` (the n-gram draft) is returned as is."""
     if not isinstance(module, nn.Module) or not available():
         return module
-    # a block draft can only exist once its module is imported: no need to import it here
-    block_backbone = sys.modules.get("codraft.drafts.block_backbone")
-    block_draft = block_backbone.BlockDraftBase if block_backbone is not None else ()
     for m in module.modules():
         fast = SWAPS.get(type(m))
         if fast is not None:
             m.__class__ = fast
-        elif isinstance(m, block_draft):
+        elif hasattr(type(m), "head_product"):  # a product over a weight it does not own (block drafts' LM head)
             m.head_product = products.linear
     return module
 
