@@ -9,16 +9,6 @@ from codraft.kernels import cbuild, decode_ops, gemv
 from codraft.kernels.products import linear
 
 
-@pytest.fixture
-def fresh_kernel():
-    caches = (cbuild.library, gemv.kernel, decode_ops.kernels)
-    for c in caches:
-        c.cache_clear()
-    yield
-    for c in caches:
-        c.cache_clear()
-
-
 def test_kernel_builds_here():
     # the dev/CI machine has a C compiler: the fast paths must be live, not silently off
     assert gemv.kernel() is not None and decode_ops.kernels() is not None
@@ -77,7 +67,7 @@ def test_build_is_cached_and_fails_loudly(tmp_path, monkeypatch):
     assert list((tmp_path / "other").iterdir()) == []
 
 
-def test_no_compiler_warns_and_falls_back(tmp_path, monkeypatch, fresh_kernel):
+def test_no_compiler_warns_and_falls_back(tmp_path, monkeypatch, fresh_kernels):
     monkeypatch.setenv("CODRAFT_CACHE", str(tmp_path))
     monkeypatch.setenv("CC", "no-such-compiler-xyz")
     with pytest.warns(UserWarning, match="C kernels unavailable"):
@@ -88,7 +78,7 @@ def test_no_compiler_warns_and_falls_back(tmp_path, monkeypatch, fresh_kernel):
         torch.testing.assert_close(linear(x, w), F.linear(x, w))
 
 
-def test_opt_out(monkeypatch, fresh_kernel):
+def test_opt_out(monkeypatch, fresh_kernels):
     monkeypatch.setenv("CODRAFT_KERNELS", "0")
     assert gemv.kernel() is None and decode_ops.kernels() is None
 

@@ -8,7 +8,7 @@ import torch
 
 from codraft import kernels
 from codraft.drafts import build_draft
-from codraft.kernels import cbuild, decode_ops, gemv, products
+from codraft.kernels import decode_ops, gemv, products
 from codraft.models import KVCache, ModelConfig, Transformer, load_pretrained, save_pretrained
 from codraft.models.layers import MLP, RMSNorm
 from codraft.models.transformer import Attention, DecoderLayer
@@ -32,16 +32,6 @@ def _model(arch="LlamaForCausalLM", tie=False, layers=2):
 
 def _classes(module):
     return [type(m) for m in module.modules()]
-
-
-@pytest.fixture
-def fresh_kernels():
-    caches = (cbuild.library, gemv.kernel, decode_ops.kernels)
-    for c in caches:
-        c.cache_clear()
-    yield
-    for c in caches:
-        c.cache_clear()
 
 
 def _decode(model, batch, steps):
