@@ -1,7 +1,9 @@
-"""Write folders atomically: build in a temporary sibling, rename into place on success.
+"""Write folders and files atomically: build in a temporary sibling, rename into place on success.
 
-A crash or Ctrl-C mid-write leaves only a dot-prefixed temp folder, never a folder
-under the final name that looks complete.
+A crash, ``kill -9`` or Ctrl-C mid-write leaves only a dot-prefixed temporary sibling
+(``.NAME.tmp-*``; ``.NAME.old-*`` while a folder is being replaced), never a half-written
+file or folder under the final name. Contents are flushed to disk (fsync) before the rename,
+so after a power cut the final name holds either the old or the new contents.
 """
 from __future__ import annotations
 
@@ -12,6 +14,24 @@ import tempfile
 from pathlib import Path
 
 
+def fsync_dir(path: str | os.PathLike):
+    """Make a rename or a new entry in ``path`` durable (no-op where folders cannot be opened)."""
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _fsync_tree(root: Path):
+    for folder, _, files in os.walk(root):
+        for name in files:
+            with open(os.path.join(folder, name), "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(folder)
+
+
 @contextlib.contextmanager
 def atomic_dir(final: str | os.PathLike):
     final = Path(final)
@@ -19,6 +39,7 @@ def atomic_dir(final: str | os.PathLike):
     tmp = Path(tempfile.mkdtemp(prefix=f".{final.name}.tmp-", dir=final.parent))
     try:
         yield tmp
+        _fsync_tree(tmp)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -30,3 +51,21 @@ def atomic_dir(final: str | os.PathLike):
         shutil.rmtree(old, ignore_errors=True)
     else:
         tmp.rename(final)
+    fsync_dir(final.parent)
+
+
+def atomic_write_text(path: str | os.PathLike, text: str):
+    """Replace ``path``'s contents with ``text`` in one step (temporary sibling, fsync, rename)."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(path.parent)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 
@@ -25,13 +26,20 @@ def _cmd_prepare(args):
 
 def _cmd_train(args):
     from codraft.config import load_config
-    cfg = load_config(args.config, args.overrides)
+    from codraft.rl.runs import resume_config
+    from codraft.rl.trainer import Trainer
+    if args.resume and args.config:
+        raise ValueError(f"--config {args.config} with --resume: a resumed run keeps its own config "
+                         f"({args.resume}/config.yaml); only key=value overrides it allows may follow")
+    # a resume: the run's config.yaml + resumable overrides (the trainer checks them against the checkpoint)
+    cfg = resume_config(args.resume, args.overrides) if args.resume else load_config(args.config, args.overrides)
+    trainer = Trainer(cfg, resume=args.resume)
     try:
-        from codraft.rl.trainer import train
-    except ImportError:  # the RL trainer lands in a later change; until then `train` is the warm start
-        print("codraft train: the RL trainer is not built yet; running the warm start (codraft sft)")
-        return _cmd_sft(argparse.Namespace(steps=None, seed=cfg.seed, force=False))
-    train(cfg, resume=args.resume)
+        trainer.fit()
+    except KeyboardInterrupt:  # fit checkpointed the last completed step and said where
+        print(trainer.report())
+        sys.exit(130)
+    print(trainer.report())
 
 
 def _cmd_generate(args):
@@ -43,16 +51,16 @@ def _cmd_generate(args):
     from codraft.rollout import Engine
     from codraft.tasks import make_task
     from codraft.train.offline_draft import default_task_name, draft_for_command
+    _check_generate_args(args)
+    gamma = 4 if args.gamma is None else args.gamma
     if args.threads:
         torch.set_num_threads(args.threads)
     model, tok, folder = load_policy(args.model)
     model.eval()
     draft = None
     if args.draft:
-        draft = draft_for_command(args.draft, model, tok, folder, gamma=args.gamma or 4, init=args.draft_init,
+        draft = draft_for_command(args.draft, model, tok, folder, gamma=gamma, init=args.draft_init,
                                   seed=args.seed, progress=not args.json)
-    elif args.gamma is not None:
-        raise ValueError(f"--gamma {args.gamma} needs a --draft")
     texts = args.prompt
     if not texts:
         if default_task_name(tok) == "arith":
@@ -60,7 +68,7 @@ def _cmd_generate(args):
         else:
             texts = CHAT_PROMPTS[:1]
     prompts = [tok.prompt_ids(t) for t in texts]
-    engine = Engine(model, draft, (args.gamma or 4) if draft is not None else None)
+    engine = Engine(model, draft, gamma if draft is not None else None)
     t0 = time.perf_counter()
     results = engine.generate(prompts, args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                               top_k=args.top_k, seed=args.seed, eos_id=tok.eos_id)
@@ -89,29 +97,104 @@ def _cmd_generate(args):
 
 
 def _cmd_train_draft(args):
+    from pathlib import Path
+
     import torch
     from codraft.drafts import init_draft
     from codraft.policy import load_policy
     from codraft.tasks import make_task
     from codraft.train.offline_draft import default_task_name, train_offline
+    _check_train_draft_args(args)
+    out = Path(args.out or f"drafts/{args.kind}")
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {str(out)!r} is a file, not a folder")
     model, tok, folder = load_policy(args.model)
     task = make_task(args.task or default_task_name(tok))
-    out = args.out or f"drafts/{args.kind}"
     torch.manual_seed(args.seed)
     draft = init_draft(args.kind, model, gamma=args.gamma)
-    report = train_offline(model, tok, task, draft, out_dir=out, steps=args.steps, lr=args.lr, seed=args.seed,
-                           n_prompts=args.prompts, max_new_tokens=args.max_new_tokens)
+    created = next((p for p in reversed([out, *out.parents]) if not p.exists()), None)  # topmost new folder
+    try:
+        report = train_offline(model, tok, task, draft, out_dir=out, steps=args.steps, lr=args.lr, seed=args.seed,
+                               n_prompts=args.prompts, max_new_tokens=args.max_new_tokens)
+    except BaseException:  # an error or Ctrl-C before anything was saved: leave no empty folder behind
+        _remove_empty_folders(out, created)
+        raise
     print(json.dumps(report))
     print(f"{out}/draft")
 
 
 def _cmd_plot(args):
-    from codraft.rl.plots import plot_compare, plot_run
+    from codraft.rl.plots import PANELS, check_run, plot_compare, plot_run
+    for run_dir in args.run_dirs:  # a missing, empty or malformed metrics.jsonl: one line naming it
+        check_run(run_dir)
     if len(args.run_dirs) == 1 and not args.out:
         written = plot_run(args.run_dirs[0])
     else:
         written = plot_compare(args.run_dirs, args.out or args.run_dirs[0])
+    if not written:
+        keys = sorted({k for _, ks, _ in PANELS for k in ks})
+        raise ValueError(f"nothing to plot: no metrics.jsonl of {', '.join(args.run_dirs)} has any of "
+                         f"{', '.join(keys)}")
     print("\n".join(map(str, written)))
+
+
+# ---------------------------------------------------------------- command-line values, refused before any work
+
+
+def _refuse(checks):
+    """``checks``: (flag, value, ok, allowed) rows; a value given (not None) that is not ``ok`` is a one-line error."""
+    for flag, value, ok, allowed in checks:
+        if value is not None and not ok(value):
+            raise ValueError(f"{flag} must be {allowed}, got {value!r}")
+
+
+def _check_generate_args(args):
+    _refuse([
+        ("--gamma", args.gamma, lambda v: v >= 1, ">= 1 (tokens drafted per round)"),
+        ("--max-new-tokens", args.max_new_tokens, lambda v: v >= 1, ">= 1"),
+        ("--temperature", args.temperature, lambda v: math.isfinite(v) and v >= 0, ">= 0 and finite (0 = greedy)"),
+        ("--top-p", args.top_p, lambda v: math.isfinite(v) and 0 < v <= 1, "in (0, 1] (1 = off)"),
+        ("--top-k", args.top_k, lambda v: v >= 0, ">= 0 (0 = off)"),
+        ("--threads", args.threads, lambda v: v >= 1, ">= 1"),
+    ])
+    if args.gamma is not None and not args.draft:
+        raise ValueError(f"--gamma {args.gamma} needs a --draft")
+    for i, text in enumerate(args.prompt or []):
+        if not text:
+            raise ValueError(f"--prompt: prompt {i + 1} is empty; give text to continue (no --prompt: an example)")
+
+
+def _check_train_draft_args(args):
+    import torch
+    from codraft.drafts import available_drafts, draft_kind
+    from codraft.tasks import TASKS
+    weighted = [k for k in available_drafts() if issubclass(draft_kind(k).cls, torch.nn.Module)]
+    if args.kind not in available_drafts():
+        raise ValueError(f"--kind {args.kind!r} is not a draft kind; kinds with weights to train: "
+                         f"{', '.join(weighted)}")
+    if args.kind not in weighted:
+        raise ValueError(f"--kind {args.kind} has no weights: nothing to train; kinds with weights: "
+                         f"{', '.join(weighted)}")
+    _refuse([
+        ("--steps", args.steps, lambda v: v >= 1, ">= 1"),
+        ("--prompts", args.prompts, lambda v: v >= 1, ">= 1 (prompts sampled as training data)"),
+        ("--max-new-tokens", args.max_new_tokens, lambda v: v >= 1, ">= 1"),
+        ("--gamma", args.gamma, lambda v: v >= 1, ">= 1 (tokens drafted per round)"),
+        ("--lr", args.lr, lambda v: math.isfinite(v) and v > 0, "> 0 and finite"),
+        ("--task", args.task, lambda v: v in TASKS, f"one of {', '.join(TASKS)}"),
+    ])
+
+
+def _remove_empty_folders(folder, top):
+    """Remove ``folder`` and its parents up to ``top`` (the topmost one this command created) while empty."""
+    if top is None:
+        return
+    for p in [folder, *folder.parents]:
+        if not p.is_dir() or any(p.iterdir()):
+            return
+        p.rmdir()
+        if p == top:
+            return
 
 
 def _cmd_bench(args):

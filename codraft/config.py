@@ -1,18 +1,24 @@
 """Run configuration: typed sections, YAML presets shipped in the package, `key=value` overrides.
 
-Everything is validated before any work starts: an unknown key names the closest valid
-keys, a wrong type names the key and the expected type. The resolved config is what
-gets saved in the run folder, so a run can be reproduced from it alone.
+Everything is validated before any work starts (``load_config`` and ``Trainer`` both run
+``validate``): an unknown key names the closest valid keys, a wrong type names the key and the
+expected type, a value out of range names the key, the value and the allowed range (``RULES``:
+one row per key; ``CROSS_RULES``: rules between keys), a malformed YAML file or override names
+the file or the override and the line and column. The resolved config is what gets saved in the
+run folder, so a run can be reproduced from it alone.
 """
 from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import typing
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import Callable
 
+import torch
 import yaml
 
 from codraft.drafts import available_drafts
@@ -95,19 +101,179 @@ class RunConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-
-CHOICES = {
-    "task.name": tuple(TASKS),
-    "grpo.norm": ("token", "sequence"),
-    "rollout.speculate": ("always", "auto"),
-    "draft.mode": ("none", "frozen", "cotrain"),
-    "draft.kind": available_drafts(),
-    "policy.dtype": ("float32", "bfloat16"),
-}
+    def validate(self) -> "RunConfig":
+        """Check every key's type and range and the rules between keys (``validate``); returns self."""
+        return validate(self)
 
 
 class ConfigError(ValueError):
     pass
+
+
+# ---------------------------------------------------------------- the rules: one row per key
+
+
+@dataclass(frozen=True)
+class Range:
+    """The numbers a key allows: ``lo`` up to ``hi`` (None: unbounded), each bound closed unless
+    ``*_open``; never NaN or ±inf. ``note``: what a special value means, or where a bound comes from."""
+    lo: float
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    note: str = ""
+
+    def allows(self, v) -> bool:
+        return math.isfinite(v) and (v > self.lo if self.lo_open else v >= self.lo) and \
+            (self.hi is None or (v < self.hi if self.hi_open else v <= self.hi))
+
+    def __str__(self) -> str:
+        if self.hi is None:
+            text = f"{'>' if self.lo_open else '>='} {self.lo:g}"
+        else:
+            text = f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi}{')' if self.hi_open else ']'}"
+        return text + (f" ({self.note})" if self.note else "")
+
+
+@dataclass(frozen=True)
+class OneOf:
+    choices: tuple[str, ...]
+
+    def allows(self, v) -> bool:
+        return v in self.choices
+
+    def __str__(self) -> str:
+        return f"one of {', '.join(self.choices)}"
+
+
+@dataclass(frozen=True)
+class Text:
+    """A non-empty string; ``what`` says what it names."""
+    what: str
+
+    def allows(self, v) -> bool:
+        return bool(v.strip())
+
+    def __str__(self) -> str:
+        return self.what
+
+
+class Device:
+    """A torch device this machine has: cpu, or cuda[:N] / mps where available."""
+
+    def allows(self, v) -> bool:
+        try:
+            d = torch.device(v)
+        except (RuntimeError, ValueError):
+            return False
+        if d.type == "cuda":
+            return torch.cuda.is_available() and (d.index or 0) < torch.cuda.device_count()
+        if d.type == "mps":
+            return torch.backends.mps.is_available()
+        return d.type == "cpu"
+
+    def __str__(self) -> str:
+        return "a device of this machine: cpu, or cuda, cuda:N, mps where available"
+
+
+class Flag:
+    def allows(self, v) -> bool:
+        return True
+
+    def __str__(self) -> str:
+        return "true or false"
+
+
+COUNT = Range(1)
+EVERY = Range(0, note="every k steps; 0 = off")
+NON_NEGATIVE = Range(0)
+POSITIVE = Range(0, lo_open=True)
+
+# Every key of RunConfig, with the values it allows (tests/test_config.py checks the table is complete).
+RULES: dict[str, Range | OneOf | Text | Device | Flag] = {
+    "seed": Range(0, 2**63 - 1),
+    "steps": COUNT,
+    "run_dir": Text("a folder path (not empty)"),
+    "device": Device(),
+    "policy.init": Text("a policy name (tiny-sft, smollm2-135m) or an HF-format folder (not empty)"),
+    "policy.dtype": OneOf(("float32", "bfloat16")),
+    "task.name": OneOf(tuple(TASKS)),
+    "task.max_chars": Range(1, note="longer completions get reward 0"),
+    "task.format_reward": Range(0, 1, hi_open=True, note="below a correct answer's 1"),
+    "rollout.prompts_per_step": COUNT,
+    "rollout.group_size": COUNT,
+    "rollout.max_new_tokens": COUNT,
+    "rollout.temperature": Range(0, note="0 = greedy"),
+    "rollout.top_p": Range(0, 1, lo_open=True, note="1 = off"),
+    "rollout.speculate": OneOf(("always", "auto")),
+    "grpo.lr": Range(0, note="0 = the policy is not updated"),
+    "grpo.warmup_steps": Range(0, note="0 = no warm-up"),
+    "grpo.eps_low": Range(0, 1, note="the ratio is clipped below at 1 - eps_low"),
+    "grpo.eps_high": NON_NEGATIVE,
+    "grpo.norm": OneOf(("token", "sequence")),
+    "grpo.leave_one_out": Flag(),
+    "grpo.kl_coef": Range(0, note="0 = off"),
+    "grpo.grad_clip": Range(0, lo_open=True, note="the largest gradient norm"),
+    "grpo.weight_decay": NON_NEGATIVE,
+    "grpo.max_nonfinite_steps": COUNT,
+    "draft.mode": OneOf(("none", "frozen", "cotrain")),
+    "draft.kind": OneOf(available_drafts()),
+    "draft.init": Text("offline, random or a draft folder"),
+    "draft.gamma": Range(1, note="tokens drafted per round: dflash builds blocks of gamma + 1 >= 2 slots, "
+                                 "dspark blocks of gamma >= 1 slots"),
+    "draft.lam": NON_NEGATIVE,
+    "draft.num_anchors": Range(0, note="0 = the draft's own"),
+    "draft.lr": NON_NEGATIVE,
+    "draft.warmup_steps": Range(0, note="0 = no warm-up"),
+    "draft.grad_clip": Range(0, lo_open=True, note="the largest gradient norm"),
+    "log.val_every": EVERY,
+    "log.val_size": COUNT,
+    "log.speedup_every": EVERY,
+    "log.frozen_probe_every": EVERY,
+    "log.checkpoint_every": EVERY,
+    "log.keep_last": Range(0, note="0 = keep every checkpoint"),
+}
+
+
+def _auto_needs_speedup(c: RunConfig) -> str | None:
+    if c.rollout.speculate == "auto" and c.log.speedup_every < 1:
+        return ("config key 'log.speedup_every' must be >= 1 with rollout.speculate=auto (it decides from the "
+                f"measured rollout speedup), got {c.log.speedup_every}")
+    return None
+
+
+def _draft_folder_exists(c: RunConfig) -> str | None:
+    d = c.draft
+    if d.mode != "none" and d.init not in ("offline", "random") and not Path(d.init).is_dir():
+        return f"config key 'draft.init' must be offline, random or an existing draft folder, got {d.init!r} " \
+               "(no such folder)"
+    return None
+
+
+# Rules between keys: each returns the error message, or None.
+CROSS_RULES: tuple[Callable[[RunConfig], str | None], ...] = (_auto_needs_speedup, _draft_folder_exists)
+
+
+def validate(cfg: RunConfig) -> RunConfig:
+    """Every key's type and ``RULES`` row, then ``CROSS_RULES``; the first violation raises a one-line
+    ``ConfigError`` naming the key, the value and what is allowed. Returns ``cfg``."""
+    for key, typ in _all_keys(RunConfig).items():
+        obj = cfg
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        _check_type(key, obj, typ)
+        rule = RULES[key]
+        if not rule.allows(obj):
+            finite = "a finite number " if isinstance(obj, float) and not math.isfinite(obj) else ""
+            raise ConfigError(f"config key {key!r} must be {finite}{rule}, got {obj!r}")
+    for rule in CROSS_RULES:
+        message = rule(cfg)
+        if message:
+            raise ConfigError(message)
+    return cfg
+
+
+# ---------------------------------------------------------------- keys, types, overrides
 
 
 def _all_keys(cls, prefix="") -> dict[str, type]:
@@ -122,10 +288,34 @@ def _all_keys(cls, prefix="") -> dict[str, type]:
     return keys
 
 
-def _coerce(key: str, value, typ: type):
+def _check_type(key: str, value, typ: type):
+    ok = isinstance(value, typ) and not (typ in (int, float) and isinstance(value, bool))
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        ok = True
+    if not ok:
+        raise ConfigError(f"config key {key!r} expects {typ.__name__}, got {value!r} ({type(value).__name__})")
+
+
+def _yaml_load(text: str, where: str, column_offset: int = 0):
+    """``yaml.safe_load``; a syntax error is one ConfigError line: ``where``, line, column, the problem."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None) or getattr(e, "context_mark", None)
+        if mark is not None:
+            line, column = mark.line, mark.column
+        else:  # a ReaderError (a character YAML does not allow) has only a position
+            pos = getattr(e, "position", 0)
+            line, column = text.count("\n", 0, pos), pos - (text.rfind("\n", 0, pos) + 1)
+        column += column_offset if line == 0 else 0
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"{where}: invalid YAML at line {line + 1}, column {column + 1}: {problem}") from None
+
+
+def _coerce(key: str, value, typ: type, where: str | None = None, column_offset: int = 0):
     """Convert a YAML/CLI value to ``typ``; strings from the command line are parsed as YAML scalars."""
     if isinstance(value, str) and typ is not str:
-        value = yaml.safe_load(value)
+        value = _yaml_load(value, where or f"value {value!r} of config key {key!r}", column_offset)
     if typ is float and isinstance(value, str):  # YAML 1.1 reads "1e-3" as a string
         try:
             value = float(value)
@@ -135,10 +325,7 @@ def _coerce(key: str, value, typ: type):
         value = float(value)
     if typ is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         value = str(value)
-    if not isinstance(value, typ) or (typ is int and isinstance(value, bool)):
-        raise ConfigError(f"config key {key!r} expects {typ.__name__}, got {value!r} ({type(value).__name__})")
-    if key in CHOICES and value not in CHOICES[key]:
-        raise ConfigError(f"config key {key!r} must be one of {', '.join(CHOICES[key])}; got {value!r}")
+    _check_type(key, value, typ)
     return value
 
 
@@ -148,11 +335,13 @@ def _flatten(d: dict, prefix="") -> dict:
         if isinstance(v, dict):
             out.update(_flatten(v, f"{prefix}{k}."))
         else:
-            out[prefix + k] = v
+            out[f"{prefix}{k}"] = v
     return out
 
 
-def apply(cfg: RunConfig, flat: dict) -> RunConfig:
+def apply(cfg: RunConfig, flat: dict, *, where: str | None = None, column_offset: int = 0) -> RunConfig:
+    """Set each ``key: value`` of ``flat`` (types converted and checked; ranges: ``validate``).
+    where/column_offset: the override the values come from, for YAML errors."""
     keys = _all_keys(RunConfig)
     for key, value in flat.items():
         if key not in keys:
@@ -163,32 +352,61 @@ def apply(cfg: RunConfig, flat: dict) -> RunConfig:
         *parents, leaf = key.split(".")
         for p in parents:
             obj = getattr(obj, p)
-        setattr(obj, leaf, _coerce(key, value, keys[key]))
+        setattr(obj, leaf, _coerce(key, value, keys[key], where, column_offset))
     return cfg
+
+
+# ---------------------------------------------------------------- presets and files
 
 
 def preset_names() -> list[str]:
     return sorted(p.name[:-5] for p in resources.files("codraft.configs").iterdir() if p.name.endswith(".yaml"))
 
 
-def load_config(preset_or_file: str | None = None, overrides: list[str] = ()) -> RunConfig:
-    """Preset name (e.g. "tiny") or YAML file, then `key=value` overrides, validated."""
-    name = preset_or_file or "tiny"
-    if Path(name).suffix in (".yaml", ".yml"):
-        if not Path(name).is_file():
-            raise ConfigError(f"config file {name!r} does not exist")
-        data = yaml.safe_load(Path(name).read_text()) or {}
-    elif name in preset_names():
-        data = yaml.safe_load(resources.files("codraft.configs").joinpath(f"{name}.yaml").read_text()) or {}
+def _read_source(name: str) -> tuple[str, dict]:
+    """(how messages name it, its mapping) of ``--config NAME``: a preset name, else a file read as YAML
+    whatever its extension."""
+    path, yaml_suffix = Path(name), Path(name).suffix in (".yaml", ".yml")
+    if name in preset_names():
+        label, text = f"preset {name!r}", resources.files("codraft.configs").joinpath(f"{name}.yaml").read_text()
+    elif path.is_file():
+        label = f"config file {name!r}" + ("" if yaml_suffix else " (not a preset name: read as a YAML file)")
+        try:
+            text = path.read_text()
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{label}: not a text file ({e.reason} at byte {e.start})") from None
+        except OSError as e:
+            raise ConfigError(f"{label}: cannot be read ({e.strerror})") from None
+    elif yaml_suffix:
+        raise ConfigError(f"config file {name!r} does not exist")
+    elif path.exists():
+        raise ConfigError(f"config file {name!r} is not a file (and not a preset: {', '.join(preset_names())})")
     else:
-        raise ConfigError(f"unknown preset {name!r}; presets: {', '.join(preset_names())} (or pass a .yaml file)")
+        raise ConfigError(f"unknown preset {name!r} (presets: {', '.join(preset_names())}); "
+                          f"no file {name!r} either")
+    data = _yaml_load(text, label)
+    if data is None:
+        data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config {name!r} must be a mapping of keys, got {type(data).__name__}")
-    cfg = apply(RunConfig(), _flatten(data))
-    flat = {}
+        raise ConfigError(f"{label}: must be a mapping of keys (key: value lines), got a {type(data).__name__}")
+    return label, data
+
+
+def _split_override(item: str) -> tuple[str, str]:
+    if not isinstance(item, str) or "=" not in item:
+        raise ConfigError(f"override {item!r} is not key=value")
+    key, value = item.split("=", 1)
+    return key.strip(), value
+
+
+def load_config(preset_or_file: str | None = None, overrides: list[str] = ()) -> RunConfig:
+    """Preset name (e.g. "tiny") or YAML file, then `key=value` overrides, then ``validate``."""
+    label, data = _read_source(preset_or_file or "tiny")
+    try:
+        cfg = apply(RunConfig(), _flatten(data))
+    except ConfigError as e:
+        raise ConfigError(f"{label}: {e}") from None
     for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} is not key=value")
-        k, v = item.split("=", 1)
-        flat[k.strip()] = v
-    return apply(cfg, flat)
+        key, value = _split_override(item)
+        apply(cfg, {key: value}, where=f"override {item!r}", column_offset=len(item) - len(value))
+    return validate(cfg)

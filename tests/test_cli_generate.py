@@ -1,11 +1,17 @@
-"""`codraft generate`: JSON structure, lossless greedy speculation through the CLI, draft folders, errors."""
+"""`codraft generate`: JSON structure, lossless greedy speculation through the CLI, draft folders, errors;
+bad values of `codraft generate` / `codraft train-draft` / ``Engine.generate`` refused before any work."""
 import json
+import math
 
 import pytest
 import torch
 
+import codraft.policy
+import codraft.train.offline_draft
 from codraft.cli import main
-from codraft.models import Transformer, save_pretrained
+from codraft.models import Transformer, load_pretrained, save_pretrained
+from codraft.rollout import Engine
+from codraft.train.offline_draft import train_offline
 from codraft.tokenizer import CharTokenizer
 from codraft.policy.warmstart import CHAR_TOKENIZER_FILE, tiny_model_config
 
@@ -78,7 +84,7 @@ def test_text_output_has_stats_line(capsys, policy_dir):
 @pytest.mark.parametrize("args, message", [
     (["--draft", "bogus"], "unknown draft 'bogus'.*valid kinds: eagle3, dflash, dspark, model, ngram"),
     (["--gamma", "3"], "--gamma 3 needs a --draft"),
-    (["--max-new-tokens", "0"], "max_new_tokens must be an int >= 1"),
+    (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1, got 0"),
 ])
 def test_errors_are_one_line(policy_dir, args, message):
     with pytest.raises(SystemExit, match=f"codraft generate: error: {message}"):
@@ -88,3 +94,97 @@ def test_errors_are_one_line(policy_dir, args, message):
 def test_bad_model_is_one_line(tmp_path):
     with pytest.raises(SystemExit, match="codraft generate: error: policy .*nope.* neither a known name"):
         main(["generate", "--model", str(tmp_path / "nope")])
+
+
+# ---------------------------------------------------------------- bad values: refused before any work
+
+
+def _no_loading(monkeypatch):
+    def called(*a, **k):
+        raise AssertionError("the policy was loaded before the arguments were checked")
+    monkeypatch.setattr(codraft.policy, "load_policy", called)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--draft", "ngram", "--gamma", "0"], r"--gamma must be >= 1 \(tokens drafted per round\), got 0"),
+    (["--gamma", "0"], "--gamma must be >= 1"),
+    (["--prompt", ""], "--prompt: prompt 1 is empty"),
+    (["--prompt", "1+1=", ""], "--prompt: prompt 2 is empty"),
+    (["--max-new-tokens", "-1"], "--max-new-tokens must be >= 1, got -1"),
+    (["--temperature", "nan"], r"--temperature must be >= 0 and finite \(0 = greedy\), got nan"),
+    (["--temperature", "-1"], "--temperature must be >= 0 and finite"),
+    (["--top-p", "0"], r"--top-p must be in \(0, 1\] \(1 = off\), got 0.0"),
+    (["--top-p", "inf"], r"--top-p must be in \(0, 1\]"),
+    (["--top-k", "-1"], "--top-k must be >= 0"),
+    (["--threads", "0"], "--threads must be >= 1"),
+])
+def test_generate_refuses_bad_values_before_loading(monkeypatch, args, message):
+    _no_loading(monkeypatch)
+    with pytest.raises(SystemExit, match=f"^codraft generate: error: {message}"):
+        main(["generate", "--model", "tiny-sft", *args])
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(temperature=math.nan), r"temperature must be >= 0 and finite \(0 = greedy\), got nan"),
+    (dict(temperature=math.inf), "temperature must be >= 0 and finite"),
+    (dict(temperature=-0.5), "temperature must be >= 0"),
+    (dict(top_p=math.nan), r"top_p must be in \(0, 1\] \(1 = off\), got nan"),
+    (dict(top_p=1.01), r"top_p must be in \(0, 1\]"),
+    (dict(top_k=-1), "top_k must be >= 0"),
+    (dict(top_k=1.5), "top_k must be >= 0"),
+    (dict(seed=1.5), "seed must be an int or None"),
+])
+def test_engine_refuses_bad_sampling_settings(policy_dir, kw, message):
+    engine = Engine(load_pretrained(policy_dir))
+    with pytest.raises(ValueError, match=message):
+        engine.generate([[1, 2]], 4, **kw)
+    assert engine.generate([[1, 2]], 2, temperature=0.0, top_p=1.0, top_k=0, seed=0)[0].tokens  # still usable
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--kind", "ngram"], "--kind ngram has no weights: nothing to train; kinds with weights: eagle3, dflash, dspark, "
+                          "model$"),
+    (["--kind", "medusa"], "--kind 'medusa' is not a draft kind; kinds with weights to train: eagle3, dflash"),
+    (["--kind", "dflash", "--steps", "0"], "--steps must be >= 1, got 0"),
+    (["--kind", "dflash", "--prompts", "0"], "--prompts must be >= 1"),
+    (["--kind", "dflash", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
+    (["--kind", "dflash", "--gamma", "0"], "--gamma must be >= 1"),
+    (["--kind", "dflash", "--lr", "nan"], "--lr must be > 0 and finite, got nan"),
+    (["--kind", "dflash", "--task", "chess"], "--task must be one of arith, gsm_symbolic, got 'chess'"),
+])
+def test_train_draft_refuses_bad_values_before_loading(tmp_path, monkeypatch, args, message):
+    _no_loading(monkeypatch)
+    out = tmp_path / "drafts" / "d"
+    with pytest.raises(SystemExit, match=f"^codraft train-draft: error: {message}"):
+        main(["train-draft", "--model", "tiny-sft", "--out", str(out), *args])
+    assert not (tmp_path / "drafts").exists()
+
+
+def test_train_draft_failure_leaves_no_empty_folder(tmp_path, policy_dir, monkeypatch):
+    """A failure after the output folder was made (here: while sampling the data) removes the folders
+    the command created while they are still empty; a folder that was there already stays."""
+    def fail(*a, **k):
+        raise RuntimeError("sampling failed")
+    monkeypatch.setattr(codraft.train.offline_draft, "sample_sequences", fail)
+    out = tmp_path / "new" / "d"
+    with pytest.raises(RuntimeError, match="sampling failed"):
+        main(["train-draft", "--model", str(policy_dir), "--kind", "dflash", "--out", str(out), "--steps", "2"])
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "kept").mkdir()
+    with pytest.raises(RuntimeError, match="sampling failed"):
+        main(["train-draft", "--model", str(policy_dir), "--kind", "dflash", "--out", str(tmp_path / "kept" / "d")])
+    assert (tmp_path / "kept").is_dir() and not (tmp_path / "kept" / "d").exists()
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(steps=0), "steps must be an int >= 1, got 0"),
+    (dict(n_prompts=0), "n_prompts must be an int >= 1"),
+    (dict(max_new_tokens=-1), "max_new_tokens must be an int >= 1"),
+    (dict(batch_sequences=0), "batch_sequences must be an int >= 1"),
+    (dict(checkpoint_every=0), "checkpoint_every must be an int >= 1"),
+    (dict(lr=math.nan), "lr must be > 0 and finite, got nan"),
+])
+def test_train_offline_checks_arguments_before_making_the_folder(tmp_path, kw, message):
+    with pytest.raises(ValueError, match=f"^train_offline: {message}"):
+        train_offline(None, None, None, None, out_dir=tmp_path / "out", **kw)
+    assert not (tmp_path / "out").exists()

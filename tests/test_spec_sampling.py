@@ -1,12 +1,19 @@
 """Speculative sampling is lossless: emitted tokens follow the target's exact distribution.
 
-Oracle: on a vocabulary of 8, the probability of every 3-token continuation (8^3 = 512
-cells) is computed by enumeration with full target forwards and an independent float64
-implementation of temperature/top-k/top-p. Thousands of speculative samples (one batched
-generate call of identical prompts, with a deliberately poor draft so that rejections
-happen at every position) are compared with a chi-square goodness-of-fit test at a fixed
-seed; cells with expected count < 5 are pooled. Negative controls show the test has power:
-samples from the draft, and from a rule with a planted bug, are rejected by the same test.
+Oracle: exact enumeration. The probability of every continuation of a fixed prompt is computed
+with full target forwards over every prefix and an independent float64 implementation of
+temperature/top-k/top-p; speculative samples (one batched generate of identical prompts) are
+compared with it by a chi-square goodness-of-fit test at a fixed seed, cells with expected count
+< 5 pooled, and any sample in a cell of probability 0 failing outright.
+
+1. The harness (``spec_harness``; its power is proven in ``test_spec_mutations``): a peaky target
+   and sharp bigram drafts, one far from the target and one fitted to it, ``CASES`` = γ 1..4 with
+   temperatures 0.8-2 and top-k, top-p and both; the window is the first γ + 2 new tokens, so
+   every slot of the first round, the bonus included, is inside it (asserted: every accept count
+   0..γ occurs in the first round); N = 10,000 rows per case, alpha = 1e-4 per test, 3 seeds.
+2. Real draft kinds in the original small setting, whose helpers ``test_dflash_dspark`` and
+   ``test_eagle3`` import (V = 8, 3 tokens, N = 4,000, alpha = 1e-3): the model draft, the ngram
+   draft, and negative controls; plus the model draft on the harness's peaky target.
 """
 import math
 
@@ -14,26 +21,17 @@ import pytest
 import torch
 
 from codraft.drafts import build_draft
-from codraft.models import ModelConfig, Transformer
+from codraft.models import Transformer
 from codraft.rollout import Engine, Sampler, verify_drafts
 import codraft.spec.verify as verify_mod
 
-V, PROMPT, N_NEW = 8, [3, 1, 4, 1], 3
+import spec_harness
+from spec_harness import (  # noqa: F401  (chi2_critical, chi2_fits: imported from here by other tests)
+    ALPHA, CASES, PROMPT, SEEDS, V, Case, chi2_critical, chi2_fits, histogram, sampling_probs,
+)
 
-
-def _scaled(model: Transformer, std: float, seed: int) -> Transformer:
-    """Re-draw the weights with a larger std so the next-token distributions are far from uniform."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.copy_(torch.randn(p.shape, generator=g) * std)
-    return model.eval()
-
-
-def _config(layers: int) -> ModelConfig:
-    return ModelConfig(vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=layers,
-                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)
+N_NEW = 3
+_scaled, _config = spec_harness.scaled, spec_harness.config  # (_scaled: imported by other tests)
 
 
 @pytest.fixture(scope="module")
@@ -91,40 +89,12 @@ def exact_distribution(model, temperature, top_k, top_p) -> torch.Tensor:
     return total.exp().view(V, V, V)
 
 
-def chi2_critical(df: int, alpha: float) -> float:
-    """Upper-alpha chi-square quantile, Wilson-Hilferty approximation (accurate to ~1% for df >= 10)."""
-    z = torch.distributions.Normal(0.0, 1.0).icdf(torch.tensor(1 - alpha)).item()
-    c = 2.0 / (9 * df)
-    return df * (1 - c + z * math.sqrt(c)) ** 3
-
-
-def chi2_fits(counts: torch.Tensor, probs: torch.Tensor, alpha: float = 1e-3) -> tuple[bool, float, float]:
-    """Goodness of fit, pooling cells with expected count < 5 into one cell."""
-    counts, probs = counts.flatten().double(), probs.flatten().double()
-    n = counts.sum()
-    expected = n * probs / probs.sum()
-    small = expected < 5
-    obs = torch.cat([counts[~small], counts[small].sum()[None]])
-    exp = torch.cat([expected[~small], expected[small].sum()[None]])
-    keep = exp > 0
-    obs, exp = obs[keep], exp[keep]
-    assert len(obs) >= 3, "too few populated cells for a meaningful test"
-    stat = ((obs - exp) ** 2 / exp).sum().item()
-    crit = chi2_critical(len(obs) - 1, alpha)
-    return stat < crit, stat, crit
-
-
 def _histogram(results) -> torch.Tensor:
-    counts = torch.zeros(V ** N_NEW)
-    for r in results:
-        assert len(r.tokens) == N_NEW
-        a, b, c = r.tokens
-        counts[(a * V + b) * V + c] += 1
-    return counts
+    return histogram(results, N_NEW)
 
 
 N = 4000
-CASES = [  # (settings, gamma): γ=1 exercises the bonus token within 3 new tokens, γ=2 a second draft position
+MODEL_CASES = [  # (settings, gamma): γ=1 exercises the bonus token within 3 new tokens, γ=2 a second draft position
     (dict(temperature=1.0), 1),
     (dict(temperature=1.0), 2),
     (dict(temperature=0.7, top_p=0.8), 2),
@@ -132,7 +102,7 @@ CASES = [  # (settings, gamma): γ=1 exercises the bonus token within 3 new toke
 ]
 
 
-@pytest.mark.parametrize("settings,gamma", CASES, ids=["t1-g1", "t1-g2", "t0.7-p0.8-g2", "k3-g1"])
+@pytest.mark.parametrize("settings,gamma", MODEL_CASES, ids=["t1-g1", "t1-g2", "t0.7-p0.8-g2", "k3-g1"])
 def test_model_draft_is_lossless(target, exact, settings, gamma):
     engine = Engine(target, _poor_draft(), gamma=gamma)
     results = engine.generate([PROMPT] * N, N_NEW, seed=123, eos_id=[], **settings)
@@ -191,3 +161,57 @@ def test_verify_first_token_is_target_distributed(one_hot):
     full = out.n_accepted == gamma
     p3 = torch.softmax(target_logits[0, gamma].double(), -1)
     assert chi2_fits(torch.bincount(out.tokens[full, gamma], minlength=v), p3)[0]
+
+
+# ---- the harness: peaky target and drafts, γ 1..4, temperature with top-k/top-p ------------------
+
+@pytest.fixture(scope="module")
+def harness():
+    return spec_harness.harness()
+
+
+@pytest.mark.parametrize("seed", SEEDS)
+@pytest.mark.parametrize("case", CASES, ids=[c.id for c in CASES])
+def test_speculative_sampling_is_lossless(harness, case, seed):
+    counts, first_round = harness.sample(case, seed)
+    # every slot of the first round is inside the window and exercised: a rejection at each of
+    # slots 1..γ (accepted 0..γ-1), and the bonus token after all γ accepted
+    assert (first_round > 0.02).all(), first_round
+    ok, stat, crit = chi2_fits(counts, harness.exact(case), ALPHA)
+    assert ok, f"chi2 {stat:.1f} >= critical {crit:.1f}"
+
+
+def test_model_draft_is_lossless_on_peaky_target(harness):
+    """A real draft kind through the harness: a model draft = the target's weights + noise of equal std."""
+    draft = build_draft("model", harness.target.config, num_hidden_layers=1)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for (name, p), w in zip(draft.net.named_parameters(), harness.target.parameters()):
+            p.copy_(w if "norm" in name else w + 0.8 * torch.randn(p.shape, generator=g))
+    case = Case("model", 2, 1.5, top_k=4)
+    counts, first_round = harness.sample(case, SEEDS[0], draft=draft)
+    assert (first_round > 0.02).all(), first_round
+    ok, stat, crit = chi2_fits(counts, harness.exact(case), ALPHA)
+    assert ok, f"chi2 {stat:.1f} >= critical {crit:.1f}"
+
+
+def test_harness_drafts_are_sharp_and_far_from_the_target(harness):
+    """q-shape bugs only show when q is far from uniform and from p: check the first slot's rows."""
+    with torch.no_grad():
+        logits = harness.target(torch.tensor([PROMPT + [a] for a in range(V)]))[:, -1]  # (V,V) after token a
+    for case in CASES:
+        weight = spec_harness.exact_joint(harness.target, 1, **case.settings)  # P(first new token = a)
+        p = sampling_probs(logits, **case.settings)
+        q = Sampler(**case.settings).probs(harness.drafts[case.draft].table[0]).double()  # slot 1 after token a
+        tv_uniform = (weight * (q - 1 / V).abs().sum(-1) / 2).sum()
+        tv_target = (weight * (q - p).abs().sum(-1) / 2).sum()
+        assert tv_uniform > 0.5 and tv_target > 0.15, (case.id, tv_uniform.item(), tv_target.item())
+
+
+def test_oracles_agree():
+    """The vectorised oracle of the harness equals the row-by-row one above (and both are float64)."""
+    logits = torch.randn(200, V, generator=torch.Generator().manual_seed(0)) * 3
+    settings = [c.settings for c in CASES] + [dict(temperature=0.7, top_k=0, top_p=0.8), dict(temperature=1.0, top_k=3, top_p=1.0)]
+    for s in settings:
+        expected = oracle_logprobs(logits, s["temperature"], s["top_k"], s["top_p"]).exp()
+        torch.testing.assert_close(sampling_probs(logits, **s), expected, rtol=1e-12, atol=1e-12)

@@ -11,6 +11,7 @@ markdown table + JSON, and overlay plots.
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 from codraft.config import load_config
@@ -23,6 +24,9 @@ def _run(out: Path, name: str, overrides: list[str], progress: bool) -> Path:
     if (run_dir / "metrics.jsonl").is_file() and (run_dir / "done").is_file():
         return run_dir  # finished earlier: experiments are resumable run by run
     cfg = load_config(None, overrides + [f"run_dir={run_dir}"])
+    if run_dir.exists():  # an interrupted run of this experiment (no "done"): it is run again from the start
+        print(f"== {name}: removing the unfinished run in {run_dir}", flush=True)
+        shutil.rmtree(run_dir)
     print(f"== {name}: {' '.join(overrides)}", flush=True)
     train(cfg, progress=progress)
     (run_dir / "done").write_text("")

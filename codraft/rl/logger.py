@@ -10,16 +10,19 @@ import json
 import math
 from pathlib import Path
 
+from codraft.atomic import atomic_write_text
+
 
 class MetricsLogger:
+    """Appends the rows of one run. A fresh run starts the file (it never replaces one: the trainer
+    refuses a folder that holds a run); a resume first cuts it back to ``resume_step`` (a line cut
+    short by a crash goes too), rewriting it atomically, so no row of the kept steps can be lost."""
+
     def __init__(self, run_dir: str | Path, *, resume_step: int | None = None):
         self.path = Path(run_dir) / "metrics.jsonl"
-        if resume_step is not None and self.path.exists():
-            kept = [l for l in self.path.read_text().splitlines() if l and json.loads(l)["step"] <= resume_step]
-            self.path.write_text("".join(l + "\n" for l in kept))
-        elif resume_step is None and self.path.exists():
-            self.path.unlink()
-        self._file = open(self.path, "a")
+        if resume_step is not None:
+            atomic_write_text(self.path, "".join(l + "\n" for l in _rows_upto(self.path, resume_step)))
+        self._file = open(self.path, "a" if resume_step is not None else "x")
         try:
             from torch.utils.tensorboard import SummaryWriter
             self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=(resume_step or 0) + 1)
@@ -41,6 +44,19 @@ class MetricsLogger:
             self._tb.close()
 
 
+def _rows_upto(path: Path, step: int) -> list[str]:
+    """The lines of ``path`` whose row is at or before ``step`` (unreadable lines dropped)."""
+    kept = []
+    for line in path.read_text().splitlines() if path.is_file() else []:
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
+            kept.append(line)
+    return kept
+
+
 def _plain(v):
     if hasattr(v, "item") and getattr(v, "numel", lambda: 1)() == 1:
         v = v.item()
@@ -50,7 +66,31 @@ def _plain(v):
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
+    """The rows of ``run_dir/metrics.jsonl`` (none for an empty file); a missing file, or a line that
+    is not a JSON object with an int "step", is a one-line error naming the file and the line. A last
+    line without its newline that does not parse is skipped: a write cut short by a crash."""
     path = Path(run_dir) / "metrics.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist: not a codraft run folder")
-    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()]
+    try:
+        lines = path.read_text().split("\n")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not a text file ({e.reason} at byte {e.start})") from None
+    partial = lines.pop()  # "" when the file ends with its newline
+    rows = [_metrics_row(path, i, line) for i, line in enumerate(lines, 1) if line.strip()]
+    if partial.strip():
+        try:
+            rows.append(_metrics_row(path, len(lines) + 1, partial))
+        except ValueError:
+            pass
+    return rows
+
+
+def _metrics_row(path: Path, i: int, line: str) -> dict:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: line {i} is not valid JSON ({e.msg}, column {e.colno})") from None
+    if not isinstance(row, dict) or not isinstance(row.get("step"), int) or isinstance(row["step"], bool):
+        raise ValueError(f"{path}: line {i} is not a metrics row (a JSON object with an int \"step\")")
+    return row

@@ -36,6 +36,16 @@ def _draw(ax, pts: list[tuple], label: str):
     ax.plot(xs, trailing_mean(list(ys)), color=raw.get_color(), label=f"{label} (mean of {SMOOTH} steps)")
 
 
+def check_run(run_dir: str | Path) -> list[dict]:
+    """The metrics rows of a run folder that is to be plotted: a missing, malformed (``read_metrics``)
+    or empty metrics.jsonl is a one-line error naming the file. (``plot_run`` itself draws nothing
+    from an empty log: the trainer calls it after a run that stopped before its first step.)"""
+    rows = read_metrics(run_dir)
+    if not rows:
+        raise ValueError(f"{Path(run_dir) / 'metrics.jsonl'} is empty: the run logged no step, nothing to plot")
+    return rows
+
+
 def plot_run(run_dir: str | Path) -> list[Path]:
     import matplotlib
     matplotlib.use("Agg")

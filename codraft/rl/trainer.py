@@ -28,6 +28,12 @@ a step whose loss or grad norm is NaN/inf is skipped (no optimiser step, `skippe
 and `grpo.max_nonfinite_steps` of those in a row stop the run with a RuntimeError, no
 checkpoint being written while such a streak lasts; Ctrl-C checkpoints the last completed
 step before re-raising, so `--resume` continues from it.
+
+Run folder (``runs``, ``codraft.train.run_dir``, ``codraft.train.checkpoint``): a fresh run refuses
+a folder that holds a run; a resume restores the newest checkpoint that verifies (sha256 of
+every file, falling back with a warning), may change only the keys in ``runs.RESUMABLE`` and
+records what it changed in ``resume_log.jsonl``. Checkpoint writes and prunes survive
+``kill -9`` at any moment.
 """
 from __future__ import annotations
 
@@ -44,12 +50,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import yaml
 from tqdm import tqdm
 
 from codraft import kernels
-from codraft.config import ConfigError, RunConfig
+from codraft.config import RunConfig
 from codraft.policy import load_policy
+from codraft.rl import runs
 from codraft.rl.cotrain import cotrain_loss
 from codraft.rl.grpo import group_advantages
 from codraft.rl.logger import MetricsLogger
@@ -149,30 +155,20 @@ class Update:
 
 class Trainer:
     def __init__(self, cfg: RunConfig, *, resume: str | None = None, progress: bool = True):
-        if cfg.grpo.max_nonfinite_steps < 1:
-            raise ConfigError(f"config key 'grpo.max_nonfinite_steps' must be >= 1, got {cfg.grpo.max_nonfinite_steps}")
-        for key, value in (("draft.num_anchors", cfg.draft.num_anchors),  # other kinds ignore it: presets may set it
-                           ("draft.warmup_steps", cfg.draft.warmup_steps), ("grpo.warmup_steps", cfg.grpo.warmup_steps),
-                           ("log.frozen_probe_every", cfg.log.frozen_probe_every)):
-            if value < 0:
-                raise ConfigError(f"config key {key!r} must be >= 0, got {value}")
-        if cfg.rollout.speculate == "auto" and cfg.log.speedup_every < 1:
-            raise ConfigError("rollout.speculate=auto decides from the measured rollout speedup: "
-                              f"it needs log.speedup_every >= 1, got {cfg.log.speedup_every}")
-        self.cfg, self.progress = cfg, progress
-        self.run_dir = Path(resume or cfg.run_dir)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        cfg.validate()  # every key's range and the rules between keys (codraft.config.RULES), before any work
+        self.progress = progress
+        dtype = getattr(torch, cfg.policy.dtype)
+        # a fresh run refuses a folder holding a run; a resume reads the newest checkpoint that verifies
+        # and refuses changes to keys outside runs.RESUMABLE (nothing is written until record_start)
+        cfg, self.run_dir, found, changed = runs.open_run(cfg, resume, dtype)
+        self.cfg = cfg
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
-        dtype = getattr(torch, cfg.policy.dtype)
         self.policy, self.tok, self.policy_dir = load_policy(cfg.policy.init, dtype)
         self.task = make_task(cfg.task.name, max_chars=cfg.task.max_chars, format_reward=cfg.task.format_reward)
-        latest = ckpt.latest_checkpoint(self.run_dir) if resume else None
-        if resume and latest is None:
-            raise FileNotFoundError(f"--resume {resume}: no complete step_N checkpoint in that folder")
         init_policy = self.policy
-        if latest is not None:
-            self.policy = kernels.enable(ckpt.load_policy_from(latest, dtype))  # as load_policy's
+        if found is not None:
+            self.policy = kernels.enable(found.policy)  # as load_policy's
         self.policy.to(cfg.device)
 
         d = cfg.draft
@@ -200,10 +196,11 @@ class Trainer:
         self.start_step, self.prompts_used, self._stream = 0, 0, None
         # rollout.speculate=auto: speculate unless the last measured rollout speedup was < 1
         self.spec_pays = True
-        if latest is not None:
-            state = ckpt.restore(latest, draft=self.draft, optimizers=self._optimizers())
+        if found is not None:
+            state = ckpt.restore(found, draft=self.draft, optimizers=self._optimizers())
             self.start_step, self.prompts_used = state["step"], state["prompts_used"]
             self.spec_pays = state.get("spec_pays", True)
+            _follow_schedule(self.sched)  # `steps` may have changed on resume: the lr is the cosine's
         # steps_done/_done_prompts: the last step whose update is fully applied (what Ctrl-C saves);
         # _saved: the last step on disk; nonfinite_streak: skipped updates in a row
         self.steps_done, self._done_prompts, self._saved = self.start_step, self.prompts_used, self.start_step
@@ -212,8 +209,9 @@ class Trainer:
         self.engine = Engine(self.policy, self.draft, d.gamma if self.draft is not None else None)
         self.plain_engine = Engine(self.policy)
         self.val = self.task.sample("val", cfg.log.val_size, seed=cfg.seed)
-        self.logger = MetricsLogger(self.run_dir, resume_step=self.start_step if latest is not None else None)
-        (self.run_dir / "config.yaml").write_text(yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+        runs.record_start(self.run_dir, cfg, found, changed)  # the first write to the run folder
+        self.logger = MetricsLogger(self.run_dir, resume_step=self.start_step if found is not None else None)
+        self.plots: list[Path] = []
 
     def _optimizers(self) -> dict:
         return {"policy": self.opt, "policy_sched": self.sched, "draft": self.draft_opt, "draft_sched": self.draft_sched}
@@ -423,8 +421,20 @@ class Trainer:
             raise
         finally:  # never checkpoints: after an error the in-memory state may be bad
             self.logger.close()
-            plot_run(self.run_dir)
+            self.plots = plot_run(self.run_dir)
         return self.run_dir
+
+    def report(self) -> str:
+        """Where the run is and how it went (what `codraft train` prints at the end and on Ctrl-C)."""
+        return runs.report(self.run_dir, self.plots)
+
+
+def _follow_schedule(sched):
+    """Set the optimiser's lr to the scheduler's own function of the restored step (LambdaLR's
+    formula): the same value when nothing changed, the new cosine's when `steps` did."""
+    for group, base, fn in zip(sched.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+        group["lr"] = base * fn(sched.last_epoch)
+    sched._last_lr = [group["lr"] for group in sched.optimizer.param_groups]
 
 
 def _tokenizer_files(policy_dir: Path) -> dict[str, str]:

@@ -18,6 +18,8 @@ Outputs accumulate on the device and are copied to the host once at the end.
 """
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 from time import perf_counter
 
@@ -86,6 +88,7 @@ class Engine:
               eos_id=None) -> "Rollout":
         """Validate, prefill and return the ``Rollout`` (``generate`` steps it to the end)."""
         self._check(prompts, max_new_tokens)
+        _check_sampling(temperature, top_p, top_k, seed)
         gen = torch.Generator(device=self.device)
         gen.manual_seed(int(torch.randint(2**62, (1,))) if seed is None else seed)
         sampler = Sampler(temperature, top_p, top_k, gen)
@@ -107,6 +110,20 @@ class Engine:
                                  f"> max_len={self.max_len}")
             if min(p) < 0 or max(p) >= vocab:
                 raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
+
+
+def _check_sampling(temperature, top_p, top_k, seed):
+    """The sampling settings, refused before any work (the ``Sampler`` would accept a NaN temperature)."""
+    def real(x):
+        return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x)
+    if not real(temperature) or temperature < 0:
+        raise ValueError(f"temperature must be >= 0 and finite (0 = greedy), got {temperature!r}")
+    if not real(top_p) or not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1] (1 = off), got {top_p!r}")
+    if not isinstance(top_k, numbers.Integral) or isinstance(top_k, bool) or top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 = off), got {top_k!r}")
+    if seed is not None and (not isinstance(seed, numbers.Integral) or isinstance(seed, bool)):
+        raise ValueError(f"seed must be an int or None, got {seed!r}")
 
 
 class Rollout:

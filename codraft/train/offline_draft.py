@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import random
 import shutil
@@ -68,11 +69,13 @@ def train_offline(policy, tok, task, draft: Draft, *, out_dir: str | os.PathLike
                   batch_sequences: int = 16, lr: float = 1e-3, n_prompts: int = 512, max_new_tokens: int = 64,
                   seed: int = 0, checkpoint_every: int = 50, progress: bool = True) -> dict:
     """Train ``draft`` on target samples; resumes from ``out_dir/resume``; saves ``out_dir/draft``."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    _check_arguments(steps=steps, batch_sequences=batch_sequences, n_prompts=n_prompts,
+                     max_new_tokens=max_new_tokens, checkpoint_every=checkpoint_every, lr=lr)
     params = draft.trainable_parameters()
     if not params:
         raise ValueError(f"draft {type(draft).__name__} has no trainable parameters")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(20, steps, floor=0.1))
     start, history = _restore(out_dir / "resume", draft, opt, sched)
@@ -105,6 +108,15 @@ def train_offline(policy, tok, task, draft: Draft, *, out_dir: str | os.PathLike
     (out_dir / "report.json").write_text(json.dumps(report, indent=2))  # written last: marks complete
     shutil.rmtree(out_dir / "resume", ignore_errors=True)
     return report
+
+
+def _check_arguments(*, lr: float, **counts: int):
+    """train_offline's arguments, refused before anything is created: counts >= 1, lr > 0 and finite."""
+    for name, value in counts.items():
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"train_offline: {name} must be an int >= 1, got {value!r}")
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not math.isfinite(lr) or lr <= 0:
+        raise ValueError(f"train_offline: lr must be > 0 and finite, got {lr!r}")
 
 
 def _restore(folder: Path, draft, opt, sched) -> tuple[int, list[float]]:

@@ -1,0 +1,145 @@
+"""Starting and resuming a `codraft train` run in its folder, and the end-of-run report.
+
+A fresh run never writes into a folder that already holds a run (``codraft.train.run_dir``).
+A resume continues the run under its own config: the CLI builds it from ``RUN_DIR/config.yaml``
+(``resume_config``), not from a preset, and the trainer compares it with the config of the
+checkpoint it restores (``check_resume``). Only the keys in ``RESUMABLE`` may differ; any other
+difference is refused with the key named. What changed is appended to ``resume_log.jsonl``
+with the step it takes effect from, and ``config.yaml`` is rewritten as the effective config.
+
+``steps`` may change (down to the steps the checkpoint completed): the policy's lr cosine is a
+function of (step, steps), so from the resumed step on the lr follows the cosine over the new
+total (the trainer sets the restored optimiser's lr from it; earlier steps keep the lr they had,
+which metrics.jsonl shows). Extending a finished run thus raises the lr from the floor to the
+new cosine's value at that step.
+"""
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import yaml
+
+from codraft.atomic import atomic_write_text
+from codraft.config import ConfigError, RunConfig, apply, load_config
+from codraft.rl.logger import read_metrics
+from codraft.train import checkpoint as ckpt
+from codraft.train.run_dir import (
+    RunDirError,
+    append_resume_log,
+    check_fresh,
+    check_resumable,
+)
+
+# keys a resume may change: none of them alters what the restored state means
+RESUMABLE = (
+    "steps",                     # the run's length, >= the steps completed; the lr cosine follows it
+    "device",                    # where it runs (exact repetition holds on one device only)
+    "grpo.max_nonfinite_steps",  # fault tolerance, not the update
+    "log.val_every", "log.speedup_every", "log.frozen_probe_every",  # measurement cadences
+    "log.checkpoint_every", "log.keep_last",                         # checkpoint cadence and rotation
+)
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+    return out
+
+
+def _refuse(run_dir, key: str, detail: str = "") -> ConfigError:
+    return ConfigError(f"--resume {run_dir}: config key {key!r} cannot change on resume{detail}; "
+                       f"a resume may change only {', '.join(RESUMABLE)}")
+
+
+def resume_config(run_dir: str | Path, overrides: list[str] = ()) -> RunConfig:
+    """The config to resume ``run_dir`` with: its ``config.yaml`` plus ``key=value`` overrides,
+    which may name only RESUMABLE keys. Nothing is created or written."""
+    d = check_resumable(run_dir)
+    saved = d / "config.yaml"
+    if not saved.is_file():
+        last = ckpt.latest_checkpoint(d)
+        if last is None:
+            raise RunDirError(f"--resume {d}: config.yaml is missing and there is no checkpoint to take it from")
+        saved = last / "config.yaml"
+    overrides = list(overrides)
+    cfg = load_config(str(saved), overrides)  # unknown keys and bad values: the usual messages
+    for item in overrides:
+        key, value = (s.strip() for s in item.split("=", 1))
+        if key == "run_dir" and Path(value).resolve() != d.resolve():
+            raise ConfigError(f"--resume {d}: run_dir={value} differs; a resumed run stays in its folder")
+        if key not in RESUMABLE and key != "run_dir":
+            raise _refuse(d, key)
+    cfg.run_dir = str(d)  # where the run is now (the folder may have moved)
+    return cfg
+
+
+def check_resume(cfg: RunConfig, saved: dict, step: int, run_dir) -> dict:
+    """The keys ``cfg`` changes against the checkpoint's config ``saved``, as {key: [old, new]};
+    ConfigError for a key outside RESUMABLE, or ``steps`` below the completed ``step``."""
+    old = _flat(apply(RunConfig(), _flat(saved)).to_dict())
+    new = _flat(cfg.to_dict())
+    changed = {k: [old.get(k), v] for k, v in new.items() if k != "run_dir" and old.get(k) != v}
+    for key, (was, now) in changed.items():
+        if key not in RESUMABLE:
+            raise _refuse(run_dir, key, f" (the run has {was!r}, asked for {now!r})")
+    if cfg.steps < step:
+        raise ConfigError(f"--resume {run_dir}: steps={cfg.steps} is below the {step} steps already completed")
+    return changed
+
+
+def open_run(cfg: RunConfig, resume, dtype):
+    """(config, run folder, restored checkpoint or None, changed keys) for a fresh run or a resume;
+    refuses before anything is loaded when the folder does not fit. Writes nothing (``record_start``)."""
+    if resume is None:
+        check_fresh(cfg.run_dir)
+        return cfg, Path(cfg.run_dir), None, {}
+    d = check_resumable(resume)
+    found = ckpt.load_latest(d, dtype)  # warns about each newer checkpoint it skips
+    changed = check_resume(cfg, found.config, found.step, d)
+    cfg = copy.deepcopy(cfg)
+    cfg.run_dir = str(d)
+    return cfg, d, found, changed
+
+
+def record_start(run_dir: Path, cfg: RunConfig, found, changed: dict):
+    """Once the run is set up: the folder tidied (temporaries; on a resume, step_N folders newer than the
+    restored one or incomplete), config.yaml = the effective config, and on a resume a resume_log.jsonl line."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    ckpt.clean_stale(run_dir, resumed_step=None if found is None else found.step)
+    atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(cfg.to_dict(), sort_keys=False))
+    if found is not None:
+        append_resume_log(run_dir, {"step": found.step, "checkpoint": found.path.name, "changed": changed,
+                                    "skipped": found.skipped})
+
+
+def _first_last(label: str, rows: list, key: str, n: int) -> str:
+    pts = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+    if not pts:
+        return f"{label}: -"
+
+    def mean(part):
+        return f"{sum(v for _, v in part) / len(part):.3f} (steps {part[0][0]}-{part[-1][0]})"
+    return f"{label}: {mean(pts[:n])} -> {mean(pts[-n:])}"
+
+
+def report(run_dir: str | Path, plots=(), n: int = 10) -> str:
+    """Where the run is and how it went: reward and τ over the first/last ``n`` steps, held-out
+    accuracy first/last, the plots and the last checkpoint."""
+    run_dir = Path(run_dir)
+    try:
+        rows = read_metrics(run_dir)
+    except (OSError, ValueError):
+        rows = []
+    steps = [r for r in rows if "reward_mean" in r]
+    val = [(r["step"], r["val_accuracy"]) for r in rows if isinstance(r.get("val_accuracy"), (int, float))]
+    last = ckpt.latest_checkpoint(run_dir)
+    lines = [f"run folder: {run_dir}", f"steps completed: {steps[-1]['step'] if steps else 0}",
+             _first_last("reward", steps, "reward_mean", n),
+             _first_last("tau (acceptance_length)", steps, "acceptance_length", n),
+             f"held-out accuracy: {val[0][1]:.3f} (step {val[0][0]}) -> {val[-1][1]:.3f} (step {val[-1][0]})"
+             if val else "held-out accuracy: -",
+             "plots: " + (", ".join(str(p) for p in plots) or "-"),
+             f"last checkpoint: {last or '-'}" + (f" (continue with --resume {run_dir})" if last else "")]
+    return "\n".join(lines)

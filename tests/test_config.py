@@ -1,0 +1,245 @@
+"""Every bad config value is refused before any work, in one line naming the key, the value and
+what is allowed: ranges (``codraft.config.RULES``), rules between keys, YAML files and overrides,
+`--config` names, and `codraft train` / `codraft plot` on the command line (nothing written)."""
+import json
+import math
+
+import pytest
+
+import codraft.policy
+import codraft.policy.warmstart
+import codraft.rl.trainer
+from codraft.cli import main
+from codraft.config import (CROSS_RULES, RULES, ConfigError, RunConfig, _all_keys, load_config, preset_names,
+                            validate)
+from codraft.rl.logger import read_metrics
+from codraft.rl.trainer import Trainer
+
+
+def _no_loading(monkeypatch):
+    """Policy loading and the warm start fail the test if reached: validation comes first."""
+    def called(*a, **k):
+        raise AssertionError("a policy was loaded before the config was validated")
+    for module in (codraft.policy, codraft.rl.trainer):
+        monkeypatch.setattr(module, "load_policy", called)
+    monkeypatch.setattr(codraft.policy.warmstart, "warm_start", called)
+
+
+def _refused(overrides) -> str:
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    message = str(e.value)
+    assert "\n" not in message
+    return message
+
+
+# ---------------------------------------------------------------- the table
+
+
+def test_rules_cover_every_key_and_the_presets_pass():
+    assert set(RULES) == set(_all_keys(RunConfig))
+    validate(RunConfig())
+    for name in preset_names():
+        load_config(name)
+    assert CROSS_RULES and all(rule(RunConfig()) is None for rule in CROSS_RULES)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("steps=0", "config key 'steps' must be >= 1, got 0"),
+    ("steps=-3", "config key 'steps' must be >= 1, got -3"),
+    ("seed=-1", "config key 'seed' must be in [0, "),
+    ("run_dir=", "config key 'run_dir' must be a folder path"),
+    ("device=gpu", "config key 'device' must be a device of this machine"),
+    ("policy.init=", "config key 'policy.init' must be a policy name"),
+    ("task.max_chars=0", "config key 'task.max_chars' must be >= 1"),
+    ("task.format_reward=1", "config key 'task.format_reward' must be in [0, 1)"),
+    ("rollout.prompts_per_step=0", "config key 'rollout.prompts_per_step' must be >= 1, got 0"),
+    ("rollout.group_size=0", "config key 'rollout.group_size' must be >= 1, got 0"),
+    ("rollout.max_new_tokens=0", "config key 'rollout.max_new_tokens' must be >= 1, got 0"),
+    ("rollout.temperature=-1", "config key 'rollout.temperature' must be >= 0 (0 = greedy), got -1.0"),
+    ("rollout.temperature=.nan", "config key 'rollout.temperature' must be a finite number >= 0 (0 = greedy), got nan"),
+    ("rollout.top_p=0", "config key 'rollout.top_p' must be in (0, 1] (1 = off), got 0.0"),
+    ("rollout.top_p=1.5", "config key 'rollout.top_p' must be in (0, 1]"),
+    ("grpo.lr=-1", "config key 'grpo.lr' must be >= 0 (0 = the policy is not updated), got -1.0"),
+    ("grpo.lr=.inf", "config key 'grpo.lr' must be a finite number >= 0"),
+    ("grpo.warmup_steps=-1", "config key 'grpo.warmup_steps' must be >= 0"),
+    ("grpo.eps_low=1.5", "config key 'grpo.eps_low' must be in [0, 1]"),
+    ("grpo.eps_high=-0.1", "config key 'grpo.eps_high' must be >= 0"),
+    ("grpo.kl_coef=-1", "config key 'grpo.kl_coef' must be >= 0"),
+    ("grpo.grad_clip=0", "config key 'grpo.grad_clip' must be > 0"),
+    ("grpo.weight_decay=-1", "config key 'grpo.weight_decay' must be >= 0"),
+    ("grpo.max_nonfinite_steps=0", "config key 'grpo.max_nonfinite_steps' must be >= 1, got 0"),
+    ("draft.gamma=0", "config key 'draft.gamma' must be >= 1 (tokens drafted per round: dflash builds blocks of "
+                      "gamma + 1 >= 2 slots"),
+    ("draft.lam=-1", "config key 'draft.lam' must be >= 0"),
+    ("draft.num_anchors=-1", "config key 'draft.num_anchors' must be >= 0 (0 = the draft's own), got -1"),
+    ("draft.lr=.nan", "config key 'draft.lr' must be a finite number >= 0"),
+    ("draft.warmup_steps=-1", "config key 'draft.warmup_steps' must be >= 0"),
+    ("draft.grad_clip=-1", "config key 'draft.grad_clip' must be > 0"),
+    ("log.val_every=-1", "config key 'log.val_every' must be >= 0 (every k steps; 0 = off), got -1"),
+    ("log.val_size=0", "config key 'log.val_size' must be >= 1, got 0"),
+    ("log.speedup_every=-1", "config key 'log.speedup_every' must be >= 0"),
+    ("log.frozen_probe_every=-1", "config key 'log.frozen_probe_every' must be >= 0"),
+    ("log.checkpoint_every=-1", "config key 'log.checkpoint_every' must be >= 0 (every k steps; 0 = off), got -1"),
+    ("log.keep_last=-1", "config key 'log.keep_last' must be >= 0 (0 = keep every checkpoint), got -1"),
+    ("draft.kind=medusa", "config key 'draft.kind' must be one of eagle3, dflash, dspark, model, ngram, got 'medusa'"),
+])
+def test_out_of_range_values_are_refused_with_the_key(override, message):
+    assert _refused([override]).startswith(message)
+
+
+def test_rules_between_keys():
+    assert _refused(["rollout.speculate=auto", "log.speedup_every=0"]) == (
+        "config key 'log.speedup_every' must be >= 1 with rollout.speculate=auto (it decides from the measured "
+        "rollout speedup), got 0")
+    load_config(None, ["rollout.speculate=always", "log.speedup_every=0"])
+    assert "config key 'draft.init' must be offline, random or an existing draft folder" in \
+        _refused(["draft.init=/no/such/draft"])
+    load_config(None, ["draft.mode=none", "draft.init=/no/such/draft"])  # no draft: init unused
+
+
+def test_boundary_values_are_accepted():
+    cfg = load_config(None, ["rollout.temperature=0", "rollout.top_p=1", "grpo.lr=0", "log.val_every=0",
+                             "log.speedup_every=0", "log.checkpoint_every=0", "log.keep_last=0", "draft.gamma=1",
+                             "grpo.eps_low=0", "draft.num_anchors=0", "grpo.warmup_steps=0", "steps=1"])
+    assert (cfg.rollout.temperature, cfg.draft.gamma, cfg.log.checkpoint_every) == (0.0, 1, 0)
+
+
+def test_a_config_built_in_python_is_validated_and_by_the_trainer(tmp_path, monkeypatch):
+    _no_loading(monkeypatch)
+    cfg = RunConfig(steps=0, run_dir=str(tmp_path / "run"))
+    with pytest.raises(ConfigError, match="'steps' must be >= 1, got 0"):
+        cfg.validate()
+    with pytest.raises(ConfigError, match="'steps' must be >= 1, got 0"):
+        Trainer(cfg, progress=False)
+    cfg.steps, cfg.rollout.top_p = 1, math.nan
+    with pytest.raises(ConfigError, match=r"'rollout.top_p' must be a finite number in \(0, 1\]"):
+        Trainer(cfg, progress=False)
+    cfg.rollout.top_p, cfg.rollout.group_size = 1.0, "4"
+    with pytest.raises(ConfigError, match="'rollout.group_size' expects int, got '4'"):
+        Trainer(cfg, progress=False)
+    assert not (tmp_path / "run").exists()
+
+
+# ---------------------------------------------------------------- YAML and --config
+
+
+def test_malformed_override_is_one_line_with_the_column():
+    assert _refused(["steps=[1"]) == ("override 'steps=[1': invalid YAML at line 1, column 9: "
+                                      "expected ',' or ']', but got '<stream end>'")
+    assert _refused(["grpo.lr=a: b: c"]) == ("override 'grpo.lr=a: b: c': invalid YAML at line 1, column 13: "
+                                             "mapping values are not allowed here")  # the second colon
+
+
+def test_malformed_yaml_file_names_the_file_and_the_line(tmp_path):
+    f = tmp_path / "bad.yaml"
+    f.write_text("steps: 3\nrollout:\n  group_size: [4\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(f))
+    assert str(e.value).startswith(f"config file '{f}': invalid YAML at line 4, column 1:") and "\n" not in str(e.value)
+    f.write_text("steps: 3\n  seed: 1\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml': invalid YAML at line 2, column 7: mapping values"):
+        load_config(str(f))
+    f.write_text("- steps\n- 3\n")
+    with pytest.raises(ConfigError, match=r"bad.yaml': must be a mapping of keys .*got a list"):
+        load_config(str(f))
+    f.write_text("stepz: 3\n")
+    with pytest.raises(ConfigError, match=r"^config file '.*bad.yaml': unknown config key 'stepz'; did you mean steps"):
+        load_config(str(f))
+    f.write_text("rollout:\n  top_p: 0\n")
+    with pytest.raises(ConfigError, match="'rollout.top_p' must be in"):
+        load_config(str(f))
+    f.write_bytes(b"\xff\xfe\x00steps")
+    with pytest.raises(ConfigError, match="bad.yaml': not a text file"):
+        load_config(str(f))
+
+
+def test_config_names_a_preset_or_a_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ConfigError, match=r"^unknown preset 'huge' \(presets: smollm2-gsm, tiny\); no file 'huge'"):
+        load_config("huge")
+    with pytest.raises(ConfigError, match=r"^unknown preset 'x.txt' \(presets: .*\); no file 'x.txt' either"):
+        load_config("x.txt")
+    with pytest.raises(ConfigError, match="^config file 'x.yaml' does not exist"):
+        load_config("x.yaml")
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(ConfigError, match="^config file 'folder' is not a file"):
+        load_config("folder")
+    (tmp_path / "x.txt").write_text("steps: 2\nseed: 5\n")
+    assert (load_config("x.txt").steps, load_config("x.txt").seed) == (2, 5)  # any extension: read as YAML
+    (tmp_path / "x.txt").write_text("this is: not: yaml\n")
+    with pytest.raises(ConfigError, match=r"^config file 'x.txt' \(not a preset name: read as a YAML file\): "
+                                          r"invalid YAML at line 1, column 13: mapping values"):
+        load_config("x.txt")
+    (tmp_path / "x.txt").write_text("just some notes\n")
+    with pytest.raises(ConfigError, match=r"^config file 'x.txt' \(not a preset name: read as a YAML file\): "
+                                          "must be a mapping of keys .*got a str"):
+        load_config("x.txt")
+
+
+# ---------------------------------------------------------------- codraft train: refused before any work
+
+
+@pytest.mark.parametrize("args, message", [
+    (["steps=0"], "config key 'steps' must be >= 1, got 0"),
+    (["steps=-2"], "config key 'steps' must be >= 1, got -2"),
+    (["log.checkpoint_every=-1"], "config key 'log.checkpoint_every' must be >= 0"),
+    (["rollout.prompts_per_step=0"], "config key 'rollout.prompts_per_step' must be >= 1"),
+    (["rollout.group_size=0"], "config key 'rollout.group_size' must be >= 1"),
+    (["rollout.max_new_tokens=0"], "config key 'rollout.max_new_tokens' must be >= 1"),
+    (["rollout.temperature=-1"], "config key 'rollout.temperature' must be >= 0"),
+    (["rollout.top_p=0"], r"config key 'rollout.top_p' must be in \(0, 1\]"),
+    (["draft.gamma=0"], "config key 'draft.gamma' must be >= 1"),
+    (["grpo.lr=-1"], "config key 'grpo.lr' must be >= 0"),
+    (["steps=[1"], r"override 'steps=\[1': invalid YAML at line 1, column 9"),
+    (["--config", "x.txt"], r"unknown preset 'x.txt' \(presets: smollm2-gsm, tiny\); no file 'x.txt' either"),
+])
+def test_cli_train_refuses_before_any_work(tmp_path, monkeypatch, args, message):
+    _no_loading(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "run"
+    with pytest.raises(SystemExit, match=f"^codraft train: error: {message}"):
+        main(["train", f"run_dir={run}", *args])
+    assert not run.exists() and list(tmp_path.iterdir()) == []
+
+
+# ---------------------------------------------------------------- codraft plot
+
+
+def _plot_error(capsys, run_dir) -> str:
+    with pytest.raises(SystemExit) as e:
+        main(["plot", str(run_dir)])
+    assert capsys.readouterr().out == ""
+    return str(e.value.code)
+
+
+def test_plot_names_a_missing_empty_or_malformed_metrics_file(tmp_path, capsys):
+    run = tmp_path / "run"
+    metrics = run / "metrics.jsonl"
+    assert _plot_error(capsys, run) == f"codraft plot: error: {metrics} does not exist: not a codraft run folder"
+    run.mkdir()
+    metrics.write_text("")
+    assert _plot_error(capsys, run) == f"codraft plot: error: {metrics} is empty: the run logged no step, " \
+                                       "nothing to plot"
+    metrics.write_text(json.dumps({"step": 1, "reward_mean": 0.5}) + "\n{\"step\": 2, \"rew\n")
+    assert _plot_error(capsys, run).startswith(f"codraft plot: error: {metrics}: line 2 is not valid JSON")
+    metrics.write_text("[1, 2]\n")
+    assert _plot_error(capsys, run) == f"codraft plot: error: {metrics}: line 1 is not a metrics row " \
+                                       "(a JSON object with an int \"step\")"
+    metrics.write_text(json.dumps({"step": 1, "something_else": 1}) + "\n")
+    assert _plot_error(capsys, run).startswith("codraft plot: error: nothing to plot: no metrics.jsonl of")
+    assert sorted(p.name for p in run.iterdir()) == ["metrics.jsonl"]  # no plot written
+
+
+def test_plot_of_a_good_run_and_read_metrics_of_an_empty_one(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("")
+    assert read_metrics(run) == []  # the trainer plots even a run that stopped before its first step
+    (run / "metrics.jsonl").write_text("".join(json.dumps({"step": s, "reward_mean": s / 4}) + "\n"
+                                               for s in (1, 2, 3)))
+    main(["plot", str(run)])
+    assert capsys.readouterr().out.strip() == str(run / "reward.png")
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 4, "reward_me')  # a crash cut the last write short: that row is skipped
+    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
