@@ -1,9 +1,55 @@
-"""Mutation test of the losslessness harness: planted bugs in the verify rule and drafts are rejected.
+"""Mutation test of the losslessness harness: planted bugs in the verify rule or a draft are rejected.
 
-(docstring with the power study: filled in below)
+The harness (``spec_harness``; the test of the real code is
+``test_spec_sampling::test_speculative_sampling_is_lossless``, which passes every case at seeds 0, 1, 2):
+a peaky target, sharp bigram drafts, 5 cases (γ 1..4, T 0.8..2, top-k, top-p, both), the first
+γ + 2 tokens of n = 10,000 rows per case, chi-square at alpha = 1e-4, samples in probability-0
+cells failing outright.
+
+Mutants are single planted changes. Verify-rule mutants: ``mutant_verify``, a copy of
+``verify_drafts`` that is bit-identical to it when unmutated (tested), installed through the
+engine's own reference ``codraft.rollout.engine.verify_drafts``. Draft mutants:
+``MisreportingDraft``, which samples x_k from the right row and reports a wrong q_k. Each test runs
+its mutant on one case (* below) at test seed 0 and asserts rejection; an equivalent mutant (a
+valid rule with lower acceptance) must pass.
+
+Power study (``python tests/test_spec_mutations.py [n_seeds]``, a few minutes): every mutant on every
+case at n = 10,000, study seeds 100..104 (not the test seeds). Entry: median of chi2/critical over
+the 5 seeds, then how many of the 5 rejected (inf: samples in probability-0 cells). Power on the
+test's case (*): with lam = mean(chi2) - df the statistic is ~ noncentral chi-square, mean df + lam,
+variance 2 (df + 2 lam); z = (df + lam - crit) / sd, and P(reject) = Phi(z), so z >= 9.1 means
+power > 1 - 1e-19; where every run lands m samples in p = 0 cells, P(reject) >= 1 - exp(-m).
+n99 is the n at which power would fall to 0.99 (lam or m proportional to n, df held fixed): the
+weakest mutant needs ~2,200, so n = 10,000 keeps a 4.5x margin for bugs subtler than these.
+
+                               near-g4    near-g3    near-g2    far-g2     far-g1
+    mutant                     t1         t1.4-k4    t0.8-p0.9  t2-k3-p0.9 t1.3-p0.85 power on *
+    (correct rule)             0.7 0      0.7 0      0.6 0      0.6 0      0.4 0
+    q_treated_as_one_hot (eq.) 0.8 0      0.8 0      0.5 0      0.5 0      0.5 0
+    accept_ignores_q           16.3 5     28.0 5     83.5 5*    26.7 5     6.0 5      z 43.8, n99 123
+    accept_q_prev_position     21.9 5*    8.7 5      11.7 5     1.2 4      0.4 0      z 47.4, n99 206
+    accept_q_other_row         13.5 5     8.9 5      24.6 5     21.8 5     49.4 5*    z 26.7, n99 266
+    bonus_wrong_position       5.6 5*     inf 5      inf 5      inf 5      inf 5      z 21.6, n99 871
+    residual_is_p              5.9 5      5.0 5      14.8 5     20.7 5     17.6 5*    z 15.2, n99 776
+    residual_q_next_position   8.2 5      4.6 5*     13.9 5     42.0 5     0.4 0      z 18.7, n99 1124
+    residual_p_on_support      1.5 5      1.8 5      0.9 1      11.6 5*    7.7 5      z 18.2, n99 756
+    residual_not_renormalised  13.8 5*    inf 5      inf 5      inf 5      inf 5      z 37.0, n99 331
+    residual_unfiltered        0.7 0      inf 5*     inf 5      inf 5      inf 5      1685 in p=0, n99 27
+    untempered_p               0.7 0      4.6 5      inf 5      43.1 5*    9.8 5      z 37.0, n99 198
+    count_not_prefix           25.1 5*    inf 5      inf 5      inf 5      0.4 0      z 50.4, n99 183
+    n_accepted_plus_one        21.3 5     inf 5      inf 5      inf 5      inf 5*     5981 in p=0, n99 8
+    n_accepted_minus_one       3.6 5      3.0 5      5.0 5*     2.5 5      0.5 0      z 9.1, n99 2220
+    q_at_temperature_1         0.7 0      1.8 5      4.1 5      11.1 5*    0.9 2      z 17.4, n99 823
+    q_unfiltered               0.7 0      1.5 5      1.4 5      15.9 5*    1.6 5      z 21.5, n99 558
+    q_prev_position            23.6 5     11.2 5*    13.6 5     7.3 5      0.4 0      z 33.0, n99 414
+
+Reading: the review's weak spots are gone. A draft that reports q at T = 1 is rejected by 3 of 5
+cases (every seed), acceptance that ignores q by all 5, a bonus from the wrong position by all 5
+(at γ = 4 too, by the chi-square alone). The correct rule stays at 0.4-0.7 of the critical value.
 """
 from __future__ import annotations
 
+import math
 import sys
 
 import pytest
@@ -11,7 +57,6 @@ import torch
 
 import codraft.rollout.engine as engine_mod
 from codraft.rollout import Sampler, Verdict, verify_drafts
-from codraft.spec.sampling import filter_logits
 from codraft.spec.verify import residual
 
 from spec_harness import ALPHA, CASES, SEEDS, V, BigramDraft, Harness, chi2_fits, harness
@@ -40,12 +85,16 @@ VERIFY_MUTANTS = [
 
 
 def mutant_verify(mutation: str | None):
-    """``verify_drafts`` (sampling path, dense q) with one planted bug; None reproduces it exactly."""
+    """``verify_drafts`` (sampling path, dense q) with one planted bug; None reproduces it exactly.
+
+    If ``verify_drafts`` changes, ``test_unmutated_copy_is_the_production_rule`` fails until this
+    copy mirrors it again (the mutants must stay single changes of the real rule).
+    """
 
     def verify(target_logits, draft_tokens, draft_probs, sampler: Sampler) -> Verdict:
         assert not sampler.greedy and draft_probs is not None
         b, g = draft_tokens.shape
-        rows = torch.arange(b)
+        rows = torch.arange(b, device=draft_tokens.device)
         logp = sampler.logprobs(target_logits)
         if mutation == "untempered_p":
             logp = Sampler(1.0, sampler.top_p, sampler.top_k).logprobs(target_logits)
@@ -148,7 +197,8 @@ def test_every_mutant_has_a_case():
 
 
 @pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=0.7, top_p=0.8),
-                                      dict(temperature=1.5, top_k=3, top_p=0.9)], ids=["t1", "t0.7-p0.8", "t1.5-k3-p0.9"])
+                                      dict(temperature=1.5, top_k=3, top_p=0.9)],
+                         ids=["t1", "t0.7-p0.8", "t1.5-k3-p0.9"])
 def test_unmutated_copy_is_the_production_rule(settings):
     """mutant_verify(None) is verify_drafts bit for bit (same random draws), so each mutant is one planted change."""
     g = torch.Generator().manual_seed(0)
@@ -220,13 +270,20 @@ def _power_study(seeds: range):
             cols.append(f"{stats[len(stats) // 2] / crit:7.2f} {sum(not r[0] for r in runs)}/{len(runs)}".ljust(19))
             if REJECTED_BY.get(m) == case.id:
                 impossible = sum(r[3] for r in runs) / len(runs)
-                if min(r[3] for r in runs) > 0:
-                    power = f"{impossible:.0f} samples/run in p=0 cells: 1 - exp(-{impossible:.0f})"
+                if min(r[3] for r in runs) > 0:  # n99: m(n) = m n / case.n reaches log(100)
+                    n99 = case.n * math.log(100) / impossible
+                    power = f"{impossible:.0f} samples/run in p=0 cells: 1 - exp(-{impossible:.0f}); n99 {n99:.0f}"
                 else:
                     df = int((exact.flatten() * case.n >= 5).sum())  # kept cells + the pooled one, minus 1
                     lam = max(sum(stats) / len(stats) - df, 0.0)
                     z = (df + lam - crit) / (2 * (df + 2 * lam)) ** 0.5
-                    power = f"df {df}, crit {crit:.0f}, lam {lam:.0f}, z {z:.1f}, power {normal.cdf(torch.tensor(z)).item():.6f}"
+                    # n99: lam(n) = lam n / case.n (df and crit held fixed) with z = 2.326, power 0.99
+                    lo, hi = 0.0, lam
+                    for _ in range(60):
+                        mid = (lo + hi) / 2
+                        lo, hi = (mid, hi) if (df + mid - crit) < 2.326 * (2 * (df + 2 * mid)) ** 0.5 else (lo, mid)
+                    power = (f"df {df}, crit {crit:.0f}, lam {lam:.0f}, z {z:.1f}, "
+                             f"power {normal.cdf(torch.tensor(z)).item():.6f}; n99 {case.n * hi / lam:.0f}")
         print(str(m).ljust(26), *cols, power, flush=True)
 
 
