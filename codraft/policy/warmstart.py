@@ -1,9 +1,9 @@
 """Supervised warm start of the tiny policy on `arith` (`codraft sft`), cached for reuse.
 
 The tiny preset is a ~1 M-parameter character-level Llama trained from scratch on worked
-`arith` solutions for a fixed number of steps (about 1.5 minutes on 2 CPU cores). The size
-is chosen for that budget: a 2.9 M model (hidden 256) costs twice as much per step and
-learns less in the same time. The result is an HF-format folder in the cache, keyed by a
+`arith` solutions for a fixed number of steps, a CPU budget of about a minute (figures in
+docs/experiments.md). The size is chosen for that budget: a 2.9 M model costs twice as much
+per step and learns less in the same time. The result is an HF-format folder in the cache, keyed by a
 hash of everything that determines it, so `codraft train` starts from it without retraining.
 
 Noisy demonstrations (``answer_noise``, default 0.3): that fraction of the SFT targets end
@@ -15,8 +15,9 @@ reward visibly rises. With clean demonstrations the remaining errors are slips i
 and no GRPO setting we tried improves those on this policy in that budget
 (docs/experiments.md).
 
-The lr decays to ``min_lr_ratio`` of its peak rather than to 0: on clean data that alone
-raises held-out accuracy from 62.5 % to 72.5 %.
+The lr decays to ``min_lr_ratio`` of its peak rather than to 0 (docs/experiments.md: it helps
+on clean data). Each step reseeds its batch and noise draws from ``step_seed(seed, step)``, as
+every training loop does; the batch comes from the one packer (its padded view).
 """
 from __future__ import annotations
 
