@@ -13,12 +13,13 @@ engine used for its logprobs, so the two are comparable). The LM head runs only 
 which are the only teacher rows any draft reads (see DraftBatch).
 
 Shared prompts: a GRPO group's n sequences share one prompt, which is ~70 % of the packed row
-on short-completion workloads. ``codraft.train.packing.pack`` also lays the batch out with
-each group's prompt packed once (``SharedPrompts``) and the policy runs on that layout: each
-completion attends to its prompt plus itself, and the prompt's gradient sums over the group. The RL loss reads rows
-through ``SharedPrompts.gather``. The drafts keep the per-sequence layout (their losses pick
-anchors, positions and context per sequence): their taps are expanded per sequence with the
-same gather, which copies detached features only and costs no policy compute.
+on short-completion workloads. ``codraft.train.packing.pack`` also lays the batch out with each
+group's prompt packed once (``SharedPrompts``) and the policy runs on that layout: each
+completion attends to its prompt plus itself, and the prompt's gradient sums over the group.
+The RL loss reads rows through ``SharedPrompts.gather``. The drafts keep the per-sequence
+layout (their losses pick anchors, positions and context per sequence): their taps are expanded
+per sequence with the same gather, which copies detached features only and costs no policy
+compute.
 """
 from __future__ import annotations
 
