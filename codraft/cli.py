@@ -165,10 +165,9 @@ def _check_generate_args(args):
 
 
 def _check_train_draft_args(args):
-    import torch
     from codraft.drafts import available_drafts, draft_kind
     from codraft.tasks import TASKS
-    weighted = [k for k in available_drafts() if issubclass(draft_kind(k).cls, torch.nn.Module)]
+    weighted = [k for k in available_drafts() if draft_kind(k).has_weights]
     if args.kind not in available_drafts():
         raise ValueError(f"--kind {args.kind!r} is not a draft kind; kinds with weights to train: "
                          f"{', '.join(weighted)}")

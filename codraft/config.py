@@ -329,11 +329,12 @@ def _coerce(key: str, value, typ: type, where: str | None = None, column_offset:
     return value
 
 
-def _flatten(d: dict, prefix="") -> dict:
+def flatten(d: dict, prefix="") -> dict:
+    """Nested sections -> {"section.key": value}."""
     out = {}
     for k, v in d.items():
         if isinstance(v, dict):
-            out.update(_flatten(v, f"{prefix}{k}."))
+            out.update(flatten(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
@@ -403,7 +404,7 @@ def load_config(preset_or_file: str | None = None, overrides: list[str] = ()) ->
     """Preset name (e.g. "tiny") or YAML file, then `key=value` overrides, then ``validate``."""
     label, data = _read_source(preset_or_file or "tiny")
     try:
-        cfg = apply(RunConfig(), _flatten(data))
+        cfg = apply(RunConfig(), flatten(data))
     except ConfigError as e:
         raise ConfigError(f"{label}: {e}") from None
     for item in overrides:

@@ -8,6 +8,7 @@ import torch
 from codraft.drafts import available_drafts, build_draft
 from codraft.models import KVCache, ModelConfig, Transformer
 from codraft.rollout import Engine
+from spec_harness import scaled
 
 V = 61
 PROMPTS = [[5, 17, 3], [9, 9, 40, 2, 33, 7, 1, 12, 60], [4]]  # different lengths: right-padded prefill
@@ -18,19 +19,9 @@ def _config(layers=2, **kw):
                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128), **kw})
 
 
-def _random(model, std, seed):
-    """Larger random weights than the default init: decisive argmaxes, non-uniform distributions."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name:
-                p.copy_(torch.randn(p.shape, generator=g) * std)
-    return model.eval()
-
-
 @pytest.fixture(scope="module")
 def target():
-    return _random(Transformer(_config()), 0.3, seed=0)
+    return scaled(Transformer(_config()), 0.3, seed=0)  # decisive argmaxes
 
 
 def _drafts(target):

@@ -31,6 +31,11 @@ class DraftKind:
     options: tuple[str, ...] = ()   # shared options it takes beyond gamma; the others are ignored
     doc: str = ""
 
+    @property
+    def has_weights(self) -> bool:
+        """Whether drafts of this kind have weights to train (and save)."""
+        return issubclass(self.cls, torch.nn.Module)
+
 
 KINDS: dict[str, DraftKind] = {
     "eagle3": DraftKind(eagle3.build, eagle3.Eagle3Draft, doc="EAGLE-3, training-time test over tapped features"),

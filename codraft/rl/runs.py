@@ -21,7 +21,7 @@ from pathlib import Path
 import yaml
 
 from codraft.atomic import atomic_write_text
-from codraft.config import ConfigError, RunConfig, apply, load_config
+from codraft.config import ConfigError, RunConfig, apply, flatten, load_config
 from codraft.rl.logger import read_metrics
 from codraft.train import checkpoint as ckpt
 from codraft.train.run_dir import (
@@ -39,13 +39,6 @@ RESUMABLE = (
     "log.val_every", "log.speedup_every", "log.frozen_probe_every",  # measurement cadences
     "log.checkpoint_every", "log.keep_last",                         # checkpoint cadence and rotation
 )
-
-
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
-    return out
 
 
 def _refuse(run_dir, key: str, detail: str = "") -> ConfigError:
@@ -78,8 +71,8 @@ def resume_config(run_dir: str | Path, overrides: list[str] = ()) -> RunConfig:
 def check_resume(cfg: RunConfig, saved: dict, step: int, run_dir) -> dict:
     """The keys ``cfg`` changes against the checkpoint's config ``saved``, as {key: [old, new]};
     ConfigError for a key outside RESUMABLE, or ``steps`` below the completed ``step``."""
-    old = _flat(apply(RunConfig(), _flat(saved)).to_dict())
-    new = _flat(cfg.to_dict())
+    old = flatten(apply(RunConfig(), flatten(saved)).to_dict())
+    new = flatten(cfg.to_dict())
     changed = {k: [old.get(k), v] for k, v in new.items() if k != "run_dir" and old.get(k) != v}
     for key, (was, now) in changed.items():
         if key not in RESUMABLE:

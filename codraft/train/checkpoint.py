@@ -86,13 +86,7 @@ def _size(path: Path) -> int | None:
 
 def _complete(path: Path) -> bool:
     """The marker reads and every file it names is there with its size (no hashing)."""
-    m = _marker(path)
-    if m is None:
-        return False
-    files = m.get("files")
-    if files is None:  # written before checksums: the files every checkpoint has
-        return all((path / f).is_file() for f in REQUIRED)
-    return all(_size(path / f) == e.get("size") for f, e in files.items())
+    return verify(path, hashes=False) is None
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
@@ -167,8 +161,9 @@ def clean_stale(run_dir: str | Path, *, resumed_step: int | None = None) -> list
     return removed
 
 
-def verify(path: str | Path) -> str | None:
-    """What is wrong with a checkpoint folder (None: every file matches its marker's size and sha256)."""
+def verify(path: str | Path, *, hashes: bool = True) -> str | None:
+    """What is wrong with a checkpoint folder (None: every file matches its marker's size and, with
+    ``hashes``, its sha256 and the marker lists every required file)."""
     path = Path(path)
     m = _marker(path)
     if m is None:
@@ -177,7 +172,7 @@ def verify(path: str | Path) -> str | None:
     if files is None:  # written before checksums: only presence can be checked
         missing = [f for f in REQUIRED if not (path / f).is_file()]
         return f"{missing[0]} is missing" if missing else None
-    unlisted = [f for f in REQUIRED if f not in files]
+    unlisted = [f for f in REQUIRED if f not in files] if hashes else []
     if unlisted:
         return f"{unlisted[0]} is not in the {MARKER} checksums"
     for rel, entry in files.items():
@@ -186,7 +181,7 @@ def verify(path: str | Path) -> str | None:
             return f"{rel} is missing"
         if size != entry.get("size"):
             return f"{rel} is {size} bytes, expected {entry.get('size')} (truncated?)"
-        if _sha256(path / rel) != entry.get("sha256"):
+        if hashes and _sha256(path / rel) != entry.get("sha256"):
             return f"{rel} does not match its sha256 (corrupted)"
     return None
 

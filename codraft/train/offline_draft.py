@@ -162,9 +162,8 @@ def starting_draft(kind: str, init: str, *, policy, tok, task, policy_dir: Path,
 
     Kinds without weights have nothing to train offline: "offline" builds them as they are."""
     if init == "offline":
-        weighted = issubclass(draft_kind(kind).cls, torch.nn.Module)
         init = offline_draft_dir(kind, policy=policy, tok=tok, task=task, policy_dir=policy_dir, gamma=gamma,
-                                 seed=seed, progress=progress) if weighted else "random"
+                                 seed=seed, progress=progress) if draft_kind(kind).has_weights else "random"
     return init_draft(kind, policy, init=init, gamma=gamma, **options)
 
 
