@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import codraft.policy
-import codraft.train.offline_draft
+import codraft.train.feature_cache
 from codraft.cli import main
 from codraft.models import Transformer, load_pretrained, save_pretrained
 from codraft.rollout import Engine
@@ -150,7 +150,7 @@ def test_engine_refuses_bad_sampling_settings(policy_dir, kw, message):
     (["--kind", "dflash", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--kind", "dflash", "--gamma", "0"], "--gamma must be >= 1"),
     (["--kind", "dflash", "--lr", "nan"], "--lr must be > 0 and finite, got nan"),
-    (["--kind", "dflash", "--task", "chess"], "--task must be one of arith, gsm_symbolic, got 'chess'"),
+    (["--kind", "dflash", "--task", "chess"], "--task must be one of arith, chain_sum, gsm_symbolic, got 'chess'"),
 ])
 def test_train_draft_refuses_bad_values_before_loading(tmp_path, monkeypatch, args, message):
     _no_loading(monkeypatch)
@@ -165,7 +165,7 @@ def test_train_draft_failure_leaves_no_empty_folder(tmp_path, policy_dir, monkey
     the command created while they are still empty; a folder that was there already stays."""
     def fail(*a, **k):
         raise RuntimeError("sampling failed")
-    monkeypatch.setattr(codraft.train.offline_draft, "sample_sequences", fail)
+    monkeypatch.setattr(codraft.train.feature_cache, "sample_sequences", fail)
     out = tmp_path / "new" / "d"
     with pytest.raises(RuntimeError, match="sampling failed"):
         main(["train-draft", "--model", str(policy_dir), "--kind", "dflash", "--out", str(out), "--steps", "2"])

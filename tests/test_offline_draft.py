@@ -3,6 +3,8 @@
 run starts from come from the registry for every kind."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -12,6 +14,7 @@ from codraft.policy.warmstart import tiny_model_config
 from codraft.tasks import make_task
 from codraft.tokenizer import CharTokenizer
 from codraft.train import offline_draft
+from codraft.train.feature_cache import FeatureCache
 from codraft.train.offline_draft import starting_draft, train_offline
 
 
@@ -34,18 +37,18 @@ def _train(tiny, out, **kw):
 def test_interrupted_training_resumes_to_the_same_weights(tiny, tmp_path, monkeypatch):
     full = _train(tiny, tmp_path / "full")
     calls = {"n": 0}
-    real = offline_draft.target_batch
+    real = FeatureCache.batch
 
     def stop_at_step_3(*a, **k):  # the 4th batch (step 3): after the step-2 checkpoint
         calls["n"] += 1
         if calls["n"] == 4:
             raise KeyboardInterrupt
         return real(*a, **k)
-    monkeypatch.setattr(offline_draft, "target_batch", stop_at_step_3)
+    monkeypatch.setattr(FeatureCache, "batch", stop_at_step_3)
     with pytest.raises(KeyboardInterrupt):
         _train(tiny, tmp_path / "cut")
     assert (tmp_path / "cut" / "resume" / "state.pt").is_file() and not (tmp_path / "cut" / "draft").exists()
-    monkeypatch.setattr(offline_draft, "target_batch", real)
+    monkeypatch.setattr(FeatureCache, "batch", real)
     resumed = _train(tiny, tmp_path / "cut")
     assert not (tmp_path / "cut" / "resume").exists()
     for (name, a), (_, b) in zip(full.state_dict().items(), resumed.state_dict().items()):
@@ -76,3 +79,24 @@ def test_shared_options_reach_only_the_kinds_that_take_them(tiny, tmp_path):
             assert init_draft(kind, policy, init=tmp_path / kind, num_anchors=9).config.num_anchors == 9
     with pytest.raises(ValueError, match="unknown draft kind .medusa.; valid kinds: eagle3, dflash, dspark, model, ngram"):
         init_draft("medusa", policy)
+
+
+def test_a_draft_for_another_target_tokenizer_or_tap_set_is_refused(tiny, tmp_path):
+    """The record a trained draft keeps of its target: a different tokenizer file, model shape or tap set
+    is an error naming what differs; a draft folder without a record gets the structural checks only."""
+    policy = tiny[0]
+    mine, other = tmp_path / "mine", tmp_path / "other"
+    for folder, text in ((mine, '{"vocab": "abc"}'), (other, '{"vocab": "abd"}')):
+        folder.mkdir()
+        (folder / "tokenizer.json").write_text(text)
+    draft = starting_draft("dflash", "random", policy=policy, tok=None, task=None, policy_dir=None, gamma=3, seed=0)
+    path = draft.save(tmp_path / "d")
+    assert starting_draft("dflash", str(path), policy=policy, tok=None, task=None, policy_dir=mine, gamma=3, seed=0)
+    offline_draft.write_target_record(path, policy, mine, draft.feature_layers)
+    starting_draft("dflash", str(path), policy=policy, tok=None, task=None, policy_dir=mine, gamma=3, seed=0)
+    with pytest.raises(ValueError, match=r"trained for another target: tokenizer '\w+' \(draft\) != '\w+' \(this policy\)"):
+        starting_draft("dflash", str(path), policy=policy, tok=None, task=None, policy_dir=other, gamma=3, seed=0)
+    record = json.loads((path / "target.json").read_text())
+    (path / "target.json").write_text(json.dumps({**record, "hidden_size": 999, "taps": [0, 5]}))
+    with pytest.raises(ValueError, match=r"hidden_size 999 \(draft\) != \d+ \(this policy\); taps \[0, 5\] \(draft\)"):
+        offline_draft.draft_for_command(str(path), policy, None, mine, gamma=3)

@@ -12,6 +12,9 @@ A task hands out `Problem`s (prompt, canonical answer, worked reference solution
 - `gsm_symbolic` — GSM8K-style word problems from `reasoning_gym` for real models; the
   prompt asks for a final line `#### <number>`, the SFT target is the dataset's worked
   solution (it already ends with that line).
+- `chain_sum` — short sums/differences from `reasoning_gym` (2 terms of 1-2 digits by
+  default) for SmolLM2-135M, which scores ~20 % unaided; the answer is the last number in
+  the completion (small models do not keep to a marker format).
 
 Splits never overlap: a prompt's split is a fixed function of its text (a SHA-256 bucket),
 and each split's generator keeps only prompts whose bucket is its own. Generation is
@@ -34,9 +37,10 @@ from typing import Any
 
 from codraft.tasks.arith import ArithTask
 from codraft.tasks.base import SPLITS, Problem, Task, parse_number
+from codraft.tasks.chain_sum import ChainSumTask
 from codraft.tasks.gsm import GsmSymbolicTask
 
-TASKS: dict[str, type[Task]] = {"arith": ArithTask, "gsm_symbolic": GsmSymbolicTask}
+TASKS: dict[str, type[Task]] = {"arith": ArithTask, "chain_sum": ChainSumTask, "gsm_symbolic": GsmSymbolicTask}
 
 
 def make_task(name: str, **knobs: Any) -> Task:
@@ -51,4 +55,4 @@ def make_task(name: str, **knobs: Any) -> Task:
     return cls(**knobs)
 
 
-__all__ = ["SPLITS", "Problem", "Task", "ArithTask", "GsmSymbolicTask", "TASKS", "make_task", "parse_number"]
+__all__ = ["SPLITS", "Problem", "Task", "ArithTask", "ChainSumTask", "GsmSymbolicTask", "TASKS", "make_task", "parse_number"]

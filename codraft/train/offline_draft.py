@@ -1,10 +1,11 @@
 """Offline draft training (`codraft train-draft`) and the drafts a run or a command starts from.
 
-Data comes from the target itself: the rollout engine samples completions for the task's
-training prompts (temperature 1, like RL rollouts), and every training step runs the target
-once over a packed batch of them (no grad) to get the tapped features and teacher logits —
-the same ``DraftBatch`` the co-training step builds, so offline and online training share
-one loss. The result is the starting point of a "frozen" draft and the initial weights for
+Data comes from the target itself, computed once (``codraft.train.feature_cache``): completions
+sampled by the rollout engine on the task's training prompts (temperature 1, like RL rollouts)
+with the target's tapped features and last hidden state. Each training step packs a few of them
+into the same ``DraftBatch`` the co-training step builds (teacher logits = the frozen LM head on
+the cached last hidden state), so offline and online training share one loss and no step runs
+the target. The result is the starting point of a "frozen" draft and the initial weights for
 co-training. Progress is checkpointed (``resume/``, written atomically; each step reseeds from
 ``step_seed``) so an interrupted run continues where it stopped, with the same draws.
 """
@@ -17,6 +18,7 @@ import os
 import random
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -24,42 +26,15 @@ from tqdm import tqdm
 
 from codraft.atomic import atomic_dir
 from codraft.cache import cache_root
-from codraft.drafts import Draft, DraftBatch, available_drafts, draft_kind, init_draft, load_draft
-from codraft.drafts.batch import supervised_rows
-from codraft.rollout import Engine
+from codraft.drafts import Draft, available_drafts, build_draft, draft_kind, init_draft, load_draft
 from codraft.tasks import make_task
 from codraft.tokenizer import CharTokenizer
-from codraft.train.packing import pack
+from codraft.train import feature_cache
+from codraft.train.feature_cache import FeatureCache
 from codraft.train.schedule import warmup_cosine
 from codraft.train.seeding import step_seed
 
-CACHE_VERSION = 2  # bump when the offline recipe changes: cached drafts of older recipes are not reused
-
-
-# ---------------------------------------------------------------- data
-
-
-def sample_sequences(policy, tok, task, *, n_prompts: int, max_new_tokens: int, seed: int,
-                     temperature: float = 1.0, batch: int = 64) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, completion ids) pairs sampled from the target on the task's train prompts."""
-    engine = Engine(policy)
-    problems = task.sample("train", n_prompts, seed=seed + 17)
-    out = []
-    for i in range(0, n_prompts, batch):
-        prompts = [tok.prompt_ids(p.prompt) for p in problems[i:i + batch]]
-        res = engine.generate(prompts, max_new_tokens, temperature=temperature, seed=seed + i, eos_id=tok.eos_id)
-        out += [(p, r.tokens) for p, r in zip(prompts, res)]
-    return out
-
-
-@torch.no_grad()
-def target_batch(policy, sequences, feature_layers) -> DraftBatch:
-    """Pack sequences into one row and run the target once: detached features + teacher logits."""
-    dev = policy.embed_tokens.weight.device
-    p = pack([s[0] for s in sequences], [s[1] for s in sequences], device=dev, share_prompts=False)
-    hidden, feats = policy(p.input_ids, cu_seqlens=p.cu_seqlens, taps=tuple(feature_layers), head=False)
-    rows = supervised_rows(p.completion)  # the only teacher rows a draft reads: the head runs on these alone
-    return DraftBatch(p.input_ids, p.cu_seqlens, p.completion, feats, policy.logits(hidden[0, rows]), rows)
+CACHE_VERSION = 3  # bump when the offline recipe changes: cached drafts of older recipes are not reused
 
 
 # ---------------------------------------------------------------- training
@@ -67,8 +42,12 @@ def target_batch(policy, sequences, feature_layers) -> DraftBatch:
 
 def train_offline(policy, tok, task, draft: Draft, *, out_dir: str | os.PathLike, steps: int = 200,
                   batch_sequences: int = 16, lr: float = 1e-3, n_prompts: int = 512, max_new_tokens: int = 64,
-                  seed: int = 0, checkpoint_every: int = 50, progress: bool = True) -> dict:
-    """Train ``draft`` on target samples; resumes from ``out_dir/resume``; saves ``out_dir/draft``."""
+                  seed: int = 0, checkpoint_every: int = 50, progress: bool = True,
+                  features: FeatureCache | None = None) -> dict:
+    """Train ``draft`` on target samples; resumes from ``out_dir/resume``; saves ``out_dir/draft``.
+
+    features: the cached target data to train from (``feature_cache.cached``); None builds it here,
+    in memory, from ``n_prompts`` completions of up to ``max_new_tokens``."""
     _check_arguments(steps=steps, batch_sequences=batch_sequences, n_prompts=n_prompts,
                      max_new_tokens=max_new_tokens, checkpoint_every=checkpoint_every, lr=lr)
     params = draft.trainable_parameters()
@@ -81,14 +60,17 @@ def train_offline(policy, tok, task, draft: Draft, *, out_dir: str | os.PathLike
     start, history = _restore(out_dir / "resume", draft, opt, sched)
     policy.eval()
     t0 = time.perf_counter()
-    data = sample_sequences(policy, tok, task, n_prompts=n_prompts, max_new_tokens=max_new_tokens, seed=seed)
+    if features is None:
+        features = feature_cache.build(policy, tok, task, layers=draft.feature_layers, n_prompts=n_prompts,
+                                       max_new_tokens=max_new_tokens, seed=seed, ident={}, progress=progress)
     t_data = time.perf_counter() - t0
+    layers = tuple(draft.feature_layers)
     bar = tqdm(range(start, steps), desc="train-draft", initial=start, total=steps, disable=not progress,
                dynamic_ncols=True)
     for step in bar:
         s = step_seed(seed, step)
-        batch = target_batch(policy, random.Random(s).sample(data, min(batch_sequences, len(data))),
-                             draft.feature_layers)
+        batch = features.batch(policy, random.Random(s).sample(range(len(features)), min(batch_sequences, len(features))),
+                               layers)
         torch.manual_seed(s)
         loss, _ = draft.loss(batch)
         opt.zero_grad(set_to_none=True)
@@ -104,7 +86,8 @@ def train_offline(policy, tok, task, draft: Draft, *, out_dir: str | os.PathLike
                             "step": step + 1, "history": history}, tmp / "state.pt")
     draft.save(out_dir / "draft")
     report = {"steps": steps, "final_loss": history[-1] if history else None, "data_seconds": t_data,
-              "train_seconds": time.perf_counter() - t0 - t_data, "sequences": len(data)}
+              "train_seconds": time.perf_counter() - t0 - t_data, "sequences": len(features),
+              "features": features.identity}
     (out_dir / "report.json").write_text(json.dumps(report, indent=2))  # written last: marks complete
     shutil.rmtree(out_dir / "resume", ignore_errors=True)
     return report
@@ -134,8 +117,29 @@ def _restore(folder: Path, draft, opt, sched) -> tuple[int, list[float]]:
 
 
 def default_task_name(tok) -> str:
-    """The task a policy's drafts are trained on offline: arith for the char model, gsm_symbolic otherwise."""
-    return "arith" if isinstance(tok, CharTokenizer) else "gsm_symbolic"
+    """The task a policy's drafts are trained on offline: arith for the char model, chain_sum (the
+    real-model preset's task) otherwise."""
+    return "arith" if isinstance(tok, CharTokenizer) else "chain_sum"
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """How a cached offline draft is trained; part of its cache key."""
+    steps: int
+    batch_sequences: int
+    lr: float
+    n_prompts: int
+    max_new_tokens: int
+
+
+def recipe_for(tok, kind: str) -> Recipe:
+    """The char model: 200 short steps for every kind. Real models: sized to ~12 minutes per kind on
+    2 CPU cores after the shared feature cache (docs/real-preset.md; EAGLE-3's 7 test-time steps
+    make its step the dearest), on completions as long as the real preset's rollouts."""
+    if isinstance(tok, CharTokenizer):
+        return Recipe(steps=200, batch_sequences=16, lr=1e-3, n_prompts=512, max_new_tokens=64)
+    steps = {"eagle3": 100, "dflash": 200, "dspark": 150}.get(kind, 150)
+    return Recipe(steps=steps, batch_sequences=8, lr=1e-3, n_prompts=512, max_new_tokens=128)
 
 
 def _policy_key(policy_dir: Path) -> str:
@@ -144,15 +148,72 @@ def _policy_key(policy_dir: Path) -> str:
     return hashlib.sha256("|".join(sig).encode()).hexdigest()[:10]
 
 
+TARGET_RECORD = "target.json"  # beside a trained draft: the target it was trained for
+
+
+def _tokenizer_key(policy_dir: Path) -> str:
+    """The tokenizer's files (every file named *tokenizer*), hashed: equal ids mean equal tokens."""
+    h = hashlib.sha256()
+    for f in sorted(Path(policy_dir).glob("*tokenizer*")):
+        h.update(f.name.encode() + b"\0" + f.read_bytes())
+    return h.hexdigest()[:12]
+
+
+def target_record(policy, policy_dir: Path, taps) -> dict:
+    c = policy.config
+    return {"vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "num_hidden_layers": c.num_hidden_layers,
+            "tokenizer": _tokenizer_key(policy_dir), "taps": sorted(int(t) for t in taps)}
+
+
+def write_target_record(draft_dir: Path, policy, policy_dir: Path, taps) -> None:
+    (Path(draft_dir) / TARGET_RECORD).write_text(json.dumps(target_record(policy, policy_dir, taps), indent=2))
+
+
+def check_target_record(draft_dir: Path, policy, policy_dir: Path, taps) -> None:
+    """Refuse a trained draft whose record names another target, tokenizer or tap set (what differs,
+    both values). Folders without a record (older saves, other tools) get the structural checks only."""
+    path = Path(draft_dir) / TARGET_RECORD
+    if not path.is_file():
+        return
+    found, here = json.loads(path.read_text()), target_record(policy, policy_dir, taps)
+    differ = [f"{k} {found.get(k)!r} (draft) != {here[k]!r} (this policy)" for k in here if found.get(k) != here[k]]
+    if differ:
+        raise ValueError(f"draft {draft_dir} was trained for another target: " + "; ".join(differ))
+
+
+def shared_layers(target_config) -> list[int]:
+    """Every layer some weighted kind taps by default: one feature cache serves all of them."""
+    with torch.device("meta"):  # only the configs are needed: allocate nothing
+        drafts = [build_draft(k, target_config) for k in available_drafts() if draft_kind(k).has_weights]
+    return sorted({l for d in drafts for l in d.feature_layers})
+
+
+def offline_features(policy, tok, task, *, policy_dir: Path, layers, seed: int, n_prompts: int, max_new_tokens: int,
+                     progress: bool = True) -> FeatureCache:
+    """The cached target data offline drafts of ``policy`` train from (built on first use)."""
+    return feature_cache.cached(policy, tok, task, policy_name=str(Path(policy_dir).resolve()),
+                                policy_key=_policy_key(Path(policy_dir)),
+                                layers=sorted(set(layers) | set(shared_layers(policy.config))),
+                                n_prompts=n_prompts, max_new_tokens=max_new_tokens, seed=seed,
+                                progress=progress)
+
+
 def offline_draft_dir(kind: str, *, policy, tok, task, policy_dir: Path, gamma: int | None, seed: int,
-                      steps: int = 200, progress: bool = True) -> Path:
-    """A cached draft of ``kind`` after ``steps`` of offline training on ``policy``; trained on first use."""
-    key = f"{kind}-g{gamma}-s{steps}-seed{seed}-{_policy_key(Path(policy_dir))}-v{CACHE_VERSION}"
+                      recipe: Recipe | None = None, progress: bool = True) -> Path:
+    """A cached draft of ``kind`` trained offline on ``policy`` by ``recipe``; trained on first use."""
+    r = recipe or recipe_for(tok, kind)
+    key = (f"{kind}-g{gamma}-{task.name}-s{r.steps}x{r.batch_sequences}-p{r.n_prompts}x{r.max_new_tokens}"
+           f"-lr{r.lr:g}-seed{seed}-{_policy_key(Path(policy_dir))}-v{CACHE_VERSION}")
     folder = cache_root() / "drafts" / key
     if not (folder / "report.json").is_file():
         torch.manual_seed(seed)
         draft = init_draft(kind, policy, gamma=gamma)
-        train_offline(policy, tok, task, draft, out_dir=folder, steps=steps, seed=seed, progress=progress)
+        features = offline_features(policy, tok, task, policy_dir=policy_dir, layers=draft.feature_layers,
+                                    seed=seed, n_prompts=r.n_prompts, max_new_tokens=r.max_new_tokens,
+                                    progress=progress)
+        train_offline(policy, tok, task, draft, out_dir=folder, steps=r.steps, batch_sequences=r.batch_sequences,
+                      lr=r.lr, seed=seed, progress=progress, features=features)
+        write_target_record(folder / "draft", policy, policy_dir, draft.feature_layers)
     return folder / "draft"
 
 
@@ -164,7 +225,10 @@ def starting_draft(kind: str, init: str, *, policy, tok, task, policy_dir: Path,
     if init == "offline":
         init = offline_draft_dir(kind, policy=policy, tok=tok, task=task, policy_dir=policy_dir, gamma=gamma,
                                  seed=seed, progress=progress) if draft_kind(kind).has_weights else "random"
-    return init_draft(kind, policy, init=init, gamma=gamma, **options)
+    draft = init_draft(kind, policy, init=init, gamma=gamma, **options)
+    if init != "random" and policy_dir is not None:
+        check_target_record(Path(init), policy, Path(policy_dir), draft.feature_layers)
+    return draft
 
 
 def draft_for_command(spec: str, policy, tok, policy_dir, *, gamma: int = 4, init: str = "offline", seed: int = 0,
@@ -178,4 +242,6 @@ def draft_for_command(spec: str, policy, tok, policy_dir, *, gamma: int = 4, ini
     if not Path(spec).is_dir():
         raise ValueError(f"unknown draft {spec!r}: not a draft folder, and not a kind "
                          f"(valid kinds: {', '.join(available_drafts())})")
-    return load_draft(spec, policy, gamma=gamma)
+    draft = load_draft(spec, policy, gamma=gamma)
+    check_target_record(Path(spec), policy, Path(policy_dir), draft.feature_layers)
+    return draft

@@ -1,0 +1,180 @@
+"""Target features computed once: what offline draft training reads, with no target forward per step.
+
+``build`` samples completions from the target with the rollout engine (temperature 1, like RL
+rollouts), runs the target once over them in packed chunks (no grad) and keeps, for every token,
+the tapped layer outputs and the last layer's output (before the final norm). Teacher logits
+are the frozen, shared LM head applied to that last output: ``batch`` computes them for the rows
+a draft reads only, so the (tokens, vocab) logits are never stored.
+
+A cache records what it was made from (``identity``: policy, task and its knobs, sampling, taps);
+``load`` refuses one made from another policy or task, naming both. ``cached`` builds on first
+use and writes the folder atomically, so an interrupted build leaves nothing that looks done.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from codraft.atomic import atomic_dir
+from codraft.cache import cache_root
+from codraft.drafts import DraftBatch
+from codraft.drafts.batch import supervised_rows
+from codraft.rollout import Engine
+from codraft.train.packing import pack
+
+FORMAT = 1  # bump when the stored layout changes
+
+
+@dataclass
+class FeatureCache:
+    identity: dict                                # what the cache was made from, see ``identity``
+    sequences: list[tuple[list[int], list[int]]]  # (prompt ids, completion ids)
+    features: dict[int, torch.Tensor]             # layer -> (N,H): every token of every sequence, back to back
+    last: torch.Tensor                            # (N,H) the last decoder layer's output, before the final norm
+
+    def __post_init__(self):
+        lens = torch.tensor([len(p) + len(c) for p, c in self.sequences])
+        self.offsets = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])  # (n+1,)
+
+    @property
+    def layers(self) -> tuple[int, ...]:
+        return tuple(sorted(self.features))
+
+    def __len__(self) -> int:
+        return len(self.sequences)
+
+    def batch(self, policy, indices: list[int], layers: tuple[int, ...]) -> DraftBatch:
+        """The ``DraftBatch`` of sequences ``indices`` packed in that order, on the policy's device;
+        teacher logits from ``policy.logits`` (final norm + LM head) on the supervised rows only."""
+        missing = sorted(set(layers) - set(self.features))
+        if missing:
+            raise ValueError(f"the feature cache holds layers {list(self.layers)}, the draft reads {list(layers)} "
+                             f"(missing {missing}): build a cache with its taps")
+        dev = policy.head_weight.device
+        seqs = [self.sequences[i] for i in indices]
+        p = pack([s[0] for s in seqs], [s[1] for s in seqs], device=dev, share_prompts=False)
+        flat = torch.cat([torch.arange(self.offsets[i], self.offsets[i + 1]) for i in indices])
+        rows = supervised_rows(p.completion)
+        with torch.no_grad():
+            teacher = policy.logits(self.last[flat[rows.cpu()]].to(dev))
+        feats = {l: self.features[l][flat][None].to(dev) for l in layers}
+        return DraftBatch(p.input_ids, p.cu_seqlens, p.completion, feats, teacher, rows)
+
+    # ------------------------------------------------------------ disk
+
+    def save(self, folder: str | os.PathLike) -> Path:
+        with atomic_dir(folder) as tmp:
+            torch.save({"sequences": self.sequences, "features": self.features, "last": self.last}, tmp / "tensors.pt")
+            (tmp / "identity.json").write_text(json.dumps(self.identity, indent=2, sort_keys=True))
+        return Path(folder)
+
+    @classmethod
+    def load(cls, folder: str | os.PathLike, expect: dict | None = None) -> "FeatureCache":
+        """Read a saved cache; with ``expect`` (an ``identity``), refuse one made from another policy,
+        task, sampling or format, naming what differs."""
+        folder = Path(folder)
+        if not (folder / "identity.json").is_file():
+            raise FileNotFoundError(f"{folder} is not a feature cache (no identity.json)")
+        identity = json.loads((folder / "identity.json").read_text())
+        if expect is not None:
+            check_identity(identity, expect, folder)
+        state = torch.load(folder / "tensors.pt", weights_only=True)  # never unpickle code from a folder
+        return cls(identity, [(list(p), list(c)) for p, c in state["sequences"]],
+                   {int(l): f for l, f in state["features"].items()}, state["last"])
+
+
+def identity(*, policy_name: str, policy_key: str, task, n_prompts: int, max_new_tokens: int, seed: int,
+             temperature: float, layers) -> dict:
+    """What a cache is made from; two caches with equal identities hold the same data. JSON-normal
+    (tuples as lists), so it compares equal to itself read back from disk."""
+    return json.loads(json.dumps({"format": FORMAT, "policy": policy_name, "policy_key": policy_key, "task": task.name,
+            "task_knobs": task.knobs, "n_prompts": n_prompts, "max_new_tokens": max_new_tokens, "seed": seed,
+            "temperature": temperature, "layers": sorted(int(l) for l in layers)}))
+
+
+def check_identity(found: dict, expect: dict, folder) -> None:
+    """Refuse a cache whose policy, task or recipe differs from the one asked for, naming both."""
+    if (found.get("policy"), found.get("policy_key")) != (expect["policy"], expect["policy_key"]):
+        raise ValueError(f"feature cache {folder} was made from policy {found.get('policy')!r} "
+                         f"(weights {found.get('policy_key')}), not {expect['policy']!r} (weights {expect['policy_key']})")
+    if (found.get("task"), found.get("task_knobs")) != (expect["task"], expect["task_knobs"]):
+        raise ValueError(f"feature cache {folder} was made from task {found.get('task')!r} {found.get('task_knobs')}, "
+                         f"not {expect['task']!r} {expect['task_knobs']}")
+    differ = sorted(k for k in expect if k != "layers" and found.get(k) != expect[k])
+    if differ:
+        raise ValueError(f"feature cache {folder} differs in {', '.join(differ)}: "
+                         + "; ".join(f"{k} {found.get(k)!r} != {expect[k]!r}" for k in differ))
+    missing = sorted(set(expect["layers"]) - set(found.get("layers", [])))
+    if missing:
+        raise ValueError(f"feature cache {folder} holds layers {found.get('layers')}, not {missing}")
+
+
+# ---------------------------------------------------------------- building
+
+
+def sample_sequences(policy, tok, task, *, n_prompts: int, max_new_tokens: int, seed: int,
+                     temperature: float = 1.0, batch: int = 64, progress: bool = True) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, completion ids) pairs sampled from the target on the task's train prompts."""
+    engine = Engine(policy)
+    problems = task.sample("train", n_prompts, seed=seed + 17)
+    out = []
+    for i in tqdm(range(0, n_prompts, batch), desc="sample completions", disable=not progress, dynamic_ncols=True):
+        prompts = [tok.prompt_ids(p.prompt) for p in problems[i:i + batch]]
+        res = engine.generate(prompts, max_new_tokens, temperature=temperature, seed=seed + i, eos_id=tok.eos_id)
+        out += [(p, r.tokens) for p, r in zip(prompts, res)]
+    return out
+
+
+@torch.no_grad()
+def target_features(policy, sequences, layers, *, chunk_tokens: int = 4096,
+                    progress: bool = True) -> tuple[dict[int, torch.Tensor], torch.Tensor]:
+    """The target over the sequences in packed chunks: ({layer: (N,H)}, last (N,H)) on the CPU."""
+    dev = policy.head_weight.device
+    chunks, cur, size = [], [], 0
+    for s in sequences:  # consecutive sequences up to ``chunk_tokens`` per forward
+        n = len(s[0]) + len(s[1])
+        if cur and size + n > chunk_tokens:
+            chunks.append(cur)
+            cur, size = [], 0
+        cur.append(s)
+        size += n
+    chunks += [cur] if cur else []
+    feats: dict[int, list[torch.Tensor]] = {l: [] for l in layers}
+    last = []
+    for chunk in tqdm(chunks, desc="target features", disable=not progress, dynamic_ncols=True):
+        p = pack([s[0] for s in chunk], [s[1] for s in chunk], device=dev, share_prompts=False)
+        hidden, tapped = policy(p.input_ids, cu_seqlens=p.cu_seqlens, taps=tuple(layers), head=False)
+        last.append(hidden[0].cpu())
+        for l in layers:
+            feats[l].append(tapped[l][0].cpu())
+    return {l: torch.cat(f) for l, f in feats.items()}, torch.cat(last)
+
+
+def build(policy, tok, task, *, layers, n_prompts: int, max_new_tokens: int, seed: int, temperature: float = 1.0,
+          ident: dict, progress: bool = True) -> FeatureCache:
+    policy.eval()
+    seqs = sample_sequences(policy, tok, task, n_prompts=n_prompts, max_new_tokens=max_new_tokens, seed=seed,
+                            temperature=temperature, progress=progress)
+    feats, last = target_features(policy, seqs, sorted(layers), progress=progress)
+    return FeatureCache(ident, seqs, feats, last)
+
+
+def cached(policy, tok, task, *, policy_name: str, policy_key: str, layers, n_prompts: int, max_new_tokens: int,
+           seed: int, temperature: float = 1.0, progress: bool = True) -> FeatureCache:
+    """The cache for these settings under ``cache_root()/features``, built and saved on first use."""
+    ident = identity(policy_name=policy_name, policy_key=policy_key, task=task, n_prompts=n_prompts,
+                     max_new_tokens=max_new_tokens, seed=seed, temperature=temperature, layers=layers)
+    key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+    folder = cache_root() / "features" / f"{task.name}-{key}"
+    if (folder / "identity.json").is_file():
+        return FeatureCache.load(folder, expect=ident)
+    cache = build(policy, tok, task, layers=layers, n_prompts=n_prompts, max_new_tokens=max_new_tokens, seed=seed,
+                  temperature=temperature, ident=ident, progress=progress)
+    cache.save(folder)
+    return cache

@@ -1,0 +1,118 @@
+"""Offline draft training from cached target features: a cached batch is the live batch (features,
+teacher logits and every kind's loss, against a target forward written out here), training runs
+no target forward per step, and a cache made from another policy, task or tap set is refused."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from codraft.drafts import DraftBatch, available_drafts, draft_kind, init_draft
+from codraft.drafts.batch import supervised_rows
+from codraft.models import Transformer
+from codraft.policy.warmstart import tiny_model_config
+from codraft.tasks import make_task
+from codraft.tokenizer import CharTokenizer
+from codraft.train import feature_cache
+from codraft.train.feature_cache import FeatureCache, identity
+from codraft.train.offline_draft import shared_layers, train_offline
+from codraft.train.packing import pack
+
+WEIGHTED = [k for k in available_drafts() if draft_kind(k).has_weights]
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    tok = CharTokenizer()
+    torch.manual_seed(0)
+    return Transformer(tiny_model_config(tok)).eval(), tok, make_task("arith")
+
+
+def _ident(task, **kw):
+    base = dict(policy_name="tiny", policy_key="k0", task=task, n_prompts=10, max_new_tokens=12, seed=0,
+                temperature=1.0, layers=[0, 1])
+    return identity(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def cache(tiny):
+    policy, tok, task = tiny
+    layers = shared_layers(policy.config)
+    return feature_cache.build(policy, tok, task, layers=layers, n_prompts=10, max_new_tokens=12, seed=0,
+                               ident=_ident(task, layers=layers), progress=False)
+
+
+@torch.no_grad()
+def live_batch(policy, sequences, layers) -> DraftBatch:
+    """The oracle: the target run over exactly these sequences, as the co-training step does."""
+    p = pack([s[0] for s in sequences], [s[1] for s in sequences], share_prompts=False)
+    hidden, feats = policy(p.input_ids, cu_seqlens=p.cu_seqlens, taps=tuple(layers), head=False)
+    rows = supervised_rows(p.completion)
+    return DraftBatch(p.input_ids, p.cu_seqlens, p.completion, feats, policy.logits(hidden[0, rows]), rows)
+
+
+@pytest.mark.parametrize("kind", WEIGHTED)
+def test_cached_batch_is_the_live_batch(tiny, cache, kind):
+    policy = tiny[0]
+    torch.manual_seed(3)
+    draft = init_draft(kind, policy, gamma=3)
+    idx = [7, 2, 5]
+    got = cache.batch(policy, idx, draft.feature_layers)
+    want = live_batch(policy, [cache.sequences[i] for i in idx], draft.feature_layers)
+    assert torch.equal(got.input_ids, want.input_ids) and torch.equal(got.cu_seqlens, want.cu_seqlens)
+    assert torch.equal(got.loss_mask, want.loss_mask) and torch.equal(got.teacher_rows, want.teacher_rows)
+    assert sorted(got.features) == sorted(draft.feature_layers)
+    for l in draft.feature_layers:
+        torch.testing.assert_close(got.features[l], want.features[l], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.teacher_logits, want.teacher_logits, rtol=1e-5, atol=1e-5)
+    losses = []
+    for batch in (got, want):
+        torch.manual_seed(11)  # same anchor draws for the block drafts
+        losses.append(draft.loss(batch)[0])
+    torch.testing.assert_close(losses[0], losses[1], rtol=1e-5, atol=1e-6)
+
+
+def test_training_runs_no_target_forward(tiny, cache, tmp_path, monkeypatch):
+    policy, tok, task = tiny
+    draft = init_draft("dflash", policy, gamma=3)
+    calls = []
+    monkeypatch.setattr(type(policy), "forward", lambda *a, **k: calls.append(1))
+    report = train_offline(policy, tok, task, draft, out_dir=tmp_path / "d", steps=3, batch_sequences=4,
+                           progress=False, features=cache)
+    assert calls == [] and report["steps"] == 3 and (tmp_path / "d" / "draft").is_dir()
+
+
+def test_save_load_roundtrip_and_identity_checks(tiny, cache, tmp_path):
+    task = tiny[2]
+    folder = cache.save(tmp_path / "fc")
+    back = FeatureCache.load(folder, expect=cache.identity)
+    assert back.sequences == cache.sequences and back.layers == cache.layers
+    assert all(torch.equal(back.features[l], cache.features[l]) for l in cache.layers)
+    assert torch.equal(back.last, cache.last) and torch.equal(back.offsets, cache.offsets)
+    with pytest.raises(ValueError, match=r"made from policy 'tiny' \(weights k0\), not 'smollm2' \(weights k9\)"):
+        FeatureCache.load(folder, expect=_ident(task, policy_name="smollm2", policy_key="k9"))
+    other = make_task("arith", style="steps")
+    with pytest.raises(ValueError, match=r"made from task 'arith' .*'style': 'rewrite'.*not 'arith' .*'style': 'steps'"):
+        FeatureCache.load(folder, expect=_ident(other))
+    with pytest.raises(ValueError, match="differs in max_new_tokens, seed"):
+        FeatureCache.load(folder, expect=_ident(task, layers=cache.layers, seed=1, max_new_tokens=99))
+    with pytest.raises(ValueError, match=r"not \[7\]"):
+        FeatureCache.load(folder, expect=_ident(task, layers=[*cache.layers, 7]))
+    with pytest.raises(FileNotFoundError, match="not a feature cache"):
+        FeatureCache.load(tmp_path)
+
+
+def test_a_draft_reading_layers_the_cache_lacks_is_refused(tiny, cache):
+    with pytest.raises(ValueError, match=r"missing \[9\]"):
+        cache.batch(tiny[0], [0], (cache.layers[0], 9))
+
+
+def test_cached_builds_once(tiny, tmp_path, monkeypatch):
+    policy, tok, task = tiny
+    monkeypatch.setenv("CODRAFT_CACHE", str(tmp_path))
+    kw = dict(policy_name="tiny", policy_key="k0", layers=[0], n_prompts=3, max_new_tokens=5, seed=0, progress=False)
+    first = feature_cache.cached(policy, tok, task, **kw)
+    monkeypatch.setattr(feature_cache, "build", lambda *a, **k: pytest.fail("rebuilt a cached feature set"))
+    again = feature_cache.cached(policy, tok, task, **kw)
+    assert again.sequences == first.sequences and torch.equal(again.last, first.last)
+    folders = list((tmp_path / "features").iterdir())
+    assert len(folders) == 1 and folders[0].name.startswith("arith-")
