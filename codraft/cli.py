@@ -217,10 +217,11 @@ def _cmd_bench(args):
         run(model_name=args.model, rows=[int(r) for r in _csv(args.rows)], threads=args.threads,
             repeats=args.repeats, json_path=args.json)
     elif args.bench == "spec":
-        from codraft.bench.spec import run
+        from codraft.bench.spec import parse_gammas, run
         run(models=_csv(args.models), batches=[int(b) for b in _csv(args.batches)],
             max_new_tokens=args.max_new_tokens, drafts=_csv(args.drafts), gamma=args.gamma, threads=args.threads,
-            repeats=args.repeats, draft_init=args.draft_init, hf=not args.no_hf, json_path=args.json)
+            repeats=args.repeats, draft_init=args.draft_init, hf=not args.no_hf, json_path=args.json,
+            gammas=parse_gammas(args.gammas) if args.gammas else None)
 
 
 def _csv(text: str) -> list[str]:
@@ -283,7 +284,8 @@ def _bench_commands(sub):
     b.add_argument("--drafts", default="ngram,model", help="comma list of draft kinds or saved draft folders")
     b.add_argument("--draft-init", default="auto", choices=("auto", "offline", "random"),
                    help="trained kinds: auto = offline on tiny, random (untrained) on smollm2")
-    b.add_argument("--gamma", type=int, default=4)
+    b.add_argument("--gamma", type=int, default=4, help="the drafts' γ, the most auto drafts per round")
+    b.add_argument("--gammas", help="engine settings to compare per draft, e.g. 2,4,auto (default: --gamma)")
     b.add_argument("--threads", type=int, default=2)
     b.add_argument("--repeats", type=int, default=3, help="timed repetitions per side (median reported)")
     b.add_argument("--no-hf", action="store_true", help="skip the transformers peers")

@@ -13,6 +13,7 @@ import dataclasses
 import difflib
 import math
 import typing
+import warnings
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
@@ -45,7 +46,8 @@ class RolloutConfig:
     max_new_tokens: int = 64
     temperature: float = 1.0
     top_p: float = 1.0
-    speculate: str = "always"       # always | auto: decode plainly while the last measured speedup is < 1
+    draft_length: str = "fixed"     # fixed: draft.gamma tokens every round | auto: 0..draft.gamma per round, by a
+    #                                 calibrated cost model and the measured acceptance (docs/draft-length.md)
 
 
 @dataclass
@@ -205,7 +207,7 @@ RULES: dict[str, Range | OneOf | Text | Device | Flag] = {
     "rollout.max_new_tokens": COUNT,
     "rollout.temperature": Range(0, note="0 = greedy"),
     "rollout.top_p": Range(0, 1, lo_open=True, note="1 = off"),
-    "rollout.speculate": OneOf(("always", "auto")),
+    "rollout.draft_length": OneOf(("fixed", "auto")),
     "grpo.lr": Range(0, note="0 = the policy is not updated"),
     "grpo.warmup_steps": Range(0, note="0 = no warm-up"),
     "grpo.eps_low": Range(0, 1, note="the ratio is clipped below at 1 - eps_low"),
@@ -219,8 +221,8 @@ RULES: dict[str, Range | OneOf | Text | Device | Flag] = {
     "draft.mode": OneOf(("none", "frozen", "cotrain")),
     "draft.kind": OneOf(available_drafts()),
     "draft.init": Text("offline, random or a draft folder"),
-    "draft.gamma": Range(1, note="tokens drafted per round: dflash builds blocks of gamma + 1 >= 2 slots, "
-                                 "dspark blocks of gamma >= 1 slots"),
+    "draft.gamma": Range(1, note="tokens drafted per round, at most with rollout.draft_length=auto: dflash "
+                                 "builds blocks of gamma + 1 >= 2 slots, dspark blocks of gamma >= 1 slots"),
     "draft.lam": NON_NEGATIVE,
     "draft.num_anchors": Range(0, note="0 = the draft's own"),
     "draft.lr": NON_NEGATIVE,
@@ -235,10 +237,10 @@ RULES: dict[str, Range | OneOf | Text | Device | Flag] = {
 }
 
 
-def _auto_needs_speedup(c: RunConfig) -> str | None:
-    if c.rollout.speculate == "auto" and c.log.speedup_every < 1:
-        return ("config key 'log.speedup_every' must be >= 1 with rollout.speculate=auto (it decides from the "
-                f"measured rollout speedup), got {c.log.speedup_every}")
+def _auto_needs_a_draft(c: RunConfig) -> str | None:
+    if c.rollout.draft_length == "auto" and c.draft.mode == "none":
+        return "config key 'rollout.draft_length' must be fixed with draft.mode=none (auto sizes the draft's " \
+               "proposals), got 'auto'"
     return None
 
 
@@ -251,7 +253,7 @@ def _draft_folder_exists(c: RunConfig) -> str | None:
 
 
 # Rules between keys: each returns the error message, or None.
-CROSS_RULES: tuple[Callable[[RunConfig], str | None], ...] = (_auto_needs_speedup, _draft_folder_exists)
+CROSS_RULES: tuple[Callable[[RunConfig], str | None], ...] = (_auto_needs_a_draft, _draft_folder_exists)
 
 
 def validate(cfg: RunConfig) -> RunConfig:
@@ -340,11 +342,18 @@ def flatten(d: dict, prefix="") -> dict:
     return out
 
 
+# Keys that existed once, ignored with a warning so the config.yaml of an older run still loads.
+RETIRED = {"rollout.speculate": "superseded by rollout.draft_length (auto sizes each round's drafts)"}
+
+
 def apply(cfg: RunConfig, flat: dict, *, where: str | None = None, column_offset: int = 0) -> RunConfig:
     """Set each ``key: value`` of ``flat`` (types converted and checked; ranges: ``validate``).
     where/column_offset: the override the values come from, for YAML errors."""
     keys = _all_keys(RunConfig)
     for key, value in flat.items():
+        if key in RETIRED:
+            warnings.warn(f"config key {key!r} is retired ({RETIRED[key]}); ignored", stacklevel=2)
+            continue
         if key not in keys:
             close = difflib.get_close_matches(key, keys, n=3, cutoff=0.5)
             hint = f"; did you mean {', '.join(close)}?" if close else f"; valid keys: {', '.join(sorted(keys))}"

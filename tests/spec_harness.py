@@ -11,10 +11,17 @@ count < 5 pooled into one).
 The drafts here are cheap test doubles: bigram tables (q depends on the previous token and on the
 slot in the round), so that tens of thousands of rows can be drafted quickly. They implement the
 engine's ``Draft`` interface and report the row they really sample from, like every draft kind.
+
+``Case.adaptive``: ``Engine(gamma="auto")`` with the rule replaced by an adversarial function of
+the past (``scrambled_length``: a hash of the round index and the running acceptance estimate, so
+each round's g in 0..γ jumps with what the earlier rounds accepted), the hardest choice the
+engine allows.
 """
 from __future__ import annotations
 
+import copy
 import functools
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -184,6 +191,7 @@ class Case:
     top_k: int = 0
     top_p: float = 1.0
     n: int = 10_000
+    adaptive: bool = False  # gamma="auto" with g per round from ``scrambled_length`` (γ = the maximum)
 
     @property
     def length(self) -> int:
@@ -195,7 +203,7 @@ class Case:
 
     @property
     def id(self) -> str:
-        s = f"{self.draft}-g{self.gamma}-t{self.temperature:g}"
+        s = f"{self.draft}-g{'auto' if self.adaptive else ''}{self.gamma}-t{self.temperature:g}"
         return s + (f"-k{self.top_k}" if self.top_k else "") + (f"-p{self.top_p:g}" if self.top_p < 1 else "")
 
 
@@ -241,18 +249,34 @@ class Harness:
                 first.append(torch.bincount(verdict.n_accepted, minlength=case.gamma + 1) / len(verdict.n_accepted))
             return verdict
 
-        engine = Engine(self.target, draft or self.drafts[case.draft], gamma=case.gamma)
+        draft = draft or self.drafts[case.draft]
+        if case.adaptive:
+            draft = copy.copy(draft)
+            draft.default_gamma = case.gamma  # the most a round drafts
+            engine = Engine(self.target, draft, gamma="auto", cost_model=object())  # the rule ignores costs
+        else:
+            engine = Engine(self.target, draft, gamma=case.gamma)
+        choose = engine_mod.choose
         engine_mod.verify_drafts = spy
+        rounds = itertools.count()
+        engine_mod.choose = (lambda rows, acceptance, cost: scrambled_length(next(rounds), acceptance)) \
+            if case.adaptive else choose
         try:
             results = engine.generate([PROMPT] * (n or case.n), case.length, seed=seed, eos_id=[], **case.settings)
         finally:
-            engine_mod.verify_drafts = rule
+            engine_mod.verify_drafts, engine_mod.choose = rule, choose
         return histogram(results, case.length), first[0]
 
     def check(self, case: Case, seed: int, alpha: float = ALPHA, n: int | None = None,
               draft: Draft | None = None) -> tuple[bool, float, float]:
         """The harness's verdict on one case: (fits, chi-square statistic, critical value)."""
         return chi2_fits(self.sample(case, seed, n, draft)[0], self.exact(case), alpha)
+
+
+def scrambled_length(round_index: int, acceptance: list[float]) -> int:
+    """g in 0..len(acceptance) from a hash of the round's index and the acceptance estimate (a function
+    of every earlier verdict). hash() of ints and floats is the same in every process."""
+    return hash((round_index, *acceptance)) % (len(acceptance) + 1)
 
 
 @functools.cache
@@ -270,3 +294,11 @@ CASES = [
     Case("far", 1, 1.3, top_p=0.85),
 ]
 SEEDS = (0, 1, 2)  # the correct rule must pass every case at every seed (15 tests at ALPHA)
+
+# The same test with a number of drafts that changes every round (0..4), as a function of the
+# past verdicts: at three temperatures, with a top-p and a top-k.
+ADAPTIVE_CASES = [
+    Case("near", 4, 0.7, adaptive=True),
+    Case("near", 4, 1.0, top_p=0.9, adaptive=True),
+    Case("far", 4, 1.5, top_k=4, adaptive=True),
+]

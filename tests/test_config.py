@@ -69,8 +69,8 @@ def test_rules_cover_every_key_and_the_presets_pass():
     ("grpo.grad_clip=0", "config key 'grpo.grad_clip' must be > 0"),
     ("grpo.weight_decay=-1", "config key 'grpo.weight_decay' must be >= 0"),
     ("grpo.max_nonfinite_steps=0", "config key 'grpo.max_nonfinite_steps' must be >= 1, got 0"),
-    ("draft.gamma=0", "config key 'draft.gamma' must be >= 1 (tokens drafted per round: dflash builds blocks of "
-                      "gamma + 1 >= 2 slots"),
+    ("draft.gamma=0", "config key 'draft.gamma' must be >= 1 (tokens drafted per round, at most with "
+                      "rollout.draft_length=auto: dflash builds blocks of gamma + 1 >= 2 slots"),
     ("draft.lam=-1", "config key 'draft.lam' must be >= 0"),
     ("draft.num_anchors=-1", "config key 'draft.num_anchors' must be >= 0 (0 = the draft's own), got -1"),
     ("draft.lr=.nan", "config key 'draft.lr' must be a finite number >= 0"),
@@ -89,10 +89,14 @@ def test_out_of_range_values_are_refused_with_the_key(override, message):
 
 
 def test_rules_between_keys():
-    assert _refused(["rollout.speculate=auto", "log.speedup_every=0"]) == (
-        "config key 'log.speedup_every' must be >= 1 with rollout.speculate=auto (it decides from the measured "
-        "rollout speedup), got 0")
-    load_config(None, ["rollout.speculate=always", "log.speedup_every=0"])
+    assert _refused(["rollout.draft_length=auto", "draft.mode=none"]) == (
+        "config key 'rollout.draft_length' must be fixed with draft.mode=none (auto sizes the draft's proposals), "
+        "got 'auto'")
+    assert load_config(None, ["rollout.draft_length=auto", "draft.mode=frozen"]).rollout.draft_length == "auto"
+    assert _refused(["rollout.draft_length=sometimes"]) == \
+        "config key 'rollout.draft_length' must be one of fixed, auto, got 'sometimes'"
+    with pytest.warns(UserWarning, match="'rollout.speculate' is retired .*; ignored"):  # an older run's config.yaml
+        load_config(None, ["rollout.speculate=auto"])
     assert "config key 'draft.init' must be offline, random or an existing draft folder" in \
         _refused(["draft.init=/no/such/draft"])
     load_config(None, ["draft.mode=none", "draft.init=/no/such/draft"])  # no draft: init unused
@@ -156,7 +160,8 @@ def test_malformed_yaml_file_names_the_file_and_the_line(tmp_path):
 
 def test_config_names_a_preset_or_a_file(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ConfigError, match=r"^unknown preset 'huge' \(presets: smollm2-gsm, tiny\); no file 'huge'"):
+    with pytest.raises(ConfigError,
+                       match=r"^unknown preset 'huge' \(presets: smollm2-chainsum, smollm2-gsm, tiny\); no file 'huge'"):
         load_config("huge")
     with pytest.raises(ConfigError, match=r"^unknown preset 'x.txt' \(presets: .*\); no file 'x.txt' either"):
         load_config("x.txt")
@@ -192,7 +197,8 @@ def test_config_names_a_preset_or_a_file(tmp_path, monkeypatch):
     (["draft.gamma=0"], "config key 'draft.gamma' must be >= 1"),
     (["grpo.lr=-1"], "config key 'grpo.lr' must be >= 0"),
     (["steps=[1"], r"override 'steps=\[1': invalid YAML at line 1, column 9"),
-    (["--config", "x.txt"], r"unknown preset 'x.txt' \(presets: smollm2-gsm, tiny\); no file 'x.txt' either"),
+    (["--config", "x.txt"],
+     r"unknown preset 'x.txt' \(presets: smollm2-chainsum, smollm2-gsm, tiny\); no file 'x.txt' either"),
 ])
 def test_cli_train_refuses_before_any_work(tmp_path, monkeypatch, args, message):
     _no_loading(monkeypatch)

@@ -1,13 +1,17 @@
-"""Rollout engine: greedy speculative == plain greedy, logprobs == a fresh forward's, KV rollback,
-ngram lookup, seeds, stats, and input validation. Tiny random models, CPU, a few seconds."""
+"""Rollout engine: greedy speculative == plain greedy (fixed γ, and a varying number of drafts per
+round for every draft kind), logprobs == a fresh forward's, KV rollback, draft state after
+variable rounds, ngram lookup, seeds, stats, and input validation. Tiny random models, CPU, a few
+seconds."""
+import itertools
 import math
 
 import pytest
 import torch
 
+import codraft.rollout.engine as engine_mod
 from codraft.drafts import available_drafts, build_draft
 from codraft.models import KVCache, ModelConfig, Transformer
-from codraft.rollout import Engine
+from codraft.rollout import Engine, Sampler
 from spec_harness import scaled
 
 V = 61
@@ -135,7 +139,7 @@ def test_kv_rollback_matches_fresh_prefill(target, kind, temperature):
     for _ in range(6):
         run.step()
     assert 0 < run.stats.row_rounds * 3 and run.rows.tolist() == [0, 1, 2]  # no row finished yet
-    assert 0 < sum(run._accepted.tolist()) < run.stats.row_rounds * 3  # acceptances and rejections happened
+    assert 0 < sum(run.stats.accepted_per_position) < run.stats.row_rounds * 3  # acceptances and rejections
     n_out = run.n_out.tolist()
     for b, prompt in enumerate(PROMPTS):
         context = prompt + run.out_tokens[b, :n_out[b]].tolist()
@@ -209,7 +213,8 @@ def test_stats(target):
     assert len(rates) == 3 and all(a >= b for a, b in zip(rates, rates[1:]))
     assert s.acceptance_length == pytest.approx(1 + sum(rates))
     assert s.drafted == 3 * s.row_rounds and s.accepted == sum(s.accepted_per_position) <= s.drafted
-    assert s.emitted_tokens == 60 and s.draft_s > 0 and s.verify_s > 0
+    assert s.drafted_per_position == [s.row_rounds] * 3 and s.gamma_chosen == [0, 0, 0, s.rounds]
+    assert s.mean_gamma == 3 and s.emitted_tokens == 60 and s.draft_s > 0 and s.verify_s > 0
     assert set(s.as_dict()) >= {"acceptance_length", "acceptance_per_position", "tokens_per_s", "bookkeeping_s"}
     engine.generate(PROMPTS[:1], 1, eos_id=[])  # reset per call; 1 token comes from the prefill alone
     assert engine.stats.rounds == 0 and engine.stats.emitted_tokens == 1
@@ -238,6 +243,10 @@ def test_bad_inputs():
     ok = build_draft("ngram", model.config)
     with pytest.raises(ValueError, match="gamma must be an int >= 1"):
         Engine(model, ok, gamma=0)
+    with pytest.raises(ValueError, match='gamma must be an int >= 1 or "auto"'):
+        Engine(model, ok, gamma="4")
+    with pytest.raises(ValueError, match='a cost_model is for gamma="auto"'):
+        Engine(model, ok, gamma=2, cost_model=object())
     with pytest.raises(ValueError, match="without a draft"):
         Engine(model, gamma=2)
     with pytest.raises(ValueError, match=r"draft vocab_size=50 != target vocab_size=61"):
@@ -300,3 +309,71 @@ def test_repeated_prompts_prefill_once(target, kind):
     greedy = engine.generate(GROUPED, 12, temperature=0, eos_id=[])
     for prompt, r in zip(GROUPED, greedy):  # equal to plain greedy on the prompt alone
         assert r.tokens == Engine(target).generate([prompt], 12, temperature=0, eos_id=[])[0].tokens
+
+
+# --------------------------------------------------------------------------- a varying number of drafts per round
+SCHEDULE = (0, 3, 1, 0, 4, 2)
+KINDS = ("eagle3", "dflash", "dspark", "ngram", "model", "model-self")
+
+
+def _draft_of(kind, target, gamma=4):
+    """A draft of ``kind`` built for γ = 4 (dflash: blocks of 5 slots, dspark: 4), bound to ``target``."""
+    torch.manual_seed(1)
+    if kind == "model-self":
+        return build_draft("model", target.config, num_hidden_layers=2, weights=target.state_dict(), gamma=gamma)
+    opts = {"model": dict(num_hidden_layers=1), "ngram": dict(n=3)}.get(kind, {})
+    return build_draft(kind, target.config, target=target, gamma=gamma, **opts)
+
+
+@pytest.fixture
+def scheduled(monkeypatch):
+    """gamma="auto" with the rule replaced by SCHEDULE, cycled: every round's g is forced."""
+    def force(schedule=SCHEDULE):
+        it = itertools.cycle(schedule)
+        monkeypatch.setattr(engine_mod, "choose", lambda rows, acceptance, cost: next(it))
+    return force
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_with_varying_draft_lengths_equals_plain(target, kind, scheduled):
+    """g = 0, 3, 1, 0, 4, 2, … per round (g = 0: a plain step, the draft only commits; g below a
+    block draft's block size): greedy output is plain greedy's, rows stopping at EOS included."""
+    plain = Engine(target).generate(PROMPTS, 20, temperature=0, eos_id=[])
+    eos = plain[0].tokens[9]
+    expect = [r.tokens[:r.tokens.index(eos) + 1] if eos in r.tokens else r.tokens for r in plain]
+    scheduled()
+    engine = Engine(target, _draft_of(kind, target), gamma="auto", cost_model=object())
+    out = engine.generate(PROMPTS, 20, temperature=0, eos_id=eos)
+    assert [r.tokens for r in out] == expect
+    s = engine.stats
+    rounds = [SCHEDULE[i % len(SCHEDULE)] for i in range(s.rounds)]
+    assert s.gamma_chosen == [rounds.count(g) for g in range(5)] and s.rounds >= len(SCHEDULE)
+    assert s.drafted_per_position[0] >= s.drafted_per_position[3] > 0 and sum(s.gamma_chosen) == s.rounds
+    if kind == "model-self":  # a perfect draft: every drafted token accepted, also after g = 0 rounds
+        assert s.accepted_per_position == s.drafted_per_position and s.acceptance_per_position == [1.0] * 4
+
+
+@pytest.mark.parametrize("kind", KINDS[:-1])
+def test_draft_state_after_varying_rounds_equals_a_fresh_begin(target, kind, scheduled):
+    """After rounds of g = 0, 3, 1, 0, 4, 2 drafts at temperature 1, the draft's next proposal
+    (its first q row) equals that of a draft begun afresh on the same contexts with a full
+    target forward's features: every commit, of width 1 too, left the state as begin would."""
+    scheduled()
+    draft = _draft_of(kind, target)
+    run = Engine(target, draft, gamma="auto", cost_model=object()).start(PROMPTS, 40, seed=3, eos_id=[])
+    for _ in range(2 * len(SCHEDULE)):
+        run.step()
+    assert run.rows.tolist() == [0, 1, 2]  # no row finished
+    contexts = [p + run.out_tokens[b, :run.n_out[b]].tolist() for b, p in enumerate(PROMPTS)]
+    t = max(map(len, contexts))
+    ids = torch.tensor([c + [0] * (t - len(c)) for c in contexts])
+    lens = torch.tensor([len(c) for c in contexts])
+
+    def first_q(state):
+        sampler = Sampler(1.0, generator=torch.Generator().manual_seed(0))
+        tokens, q = draft.propose(state, 1, sampler, context_len=t)
+        return tokens if q is None else q[:, 0]
+    with torch.inference_mode():  # as the engine runs the draft
+        _, feats = target(ids, taps=tuple(draft.feature_layers))
+        fresh = draft.begin(ids, lens, feats, max_len=run.cache.max_len)
+        torch.testing.assert_close(first_q(run.draft_state), first_q(fresh), rtol=1e-4, atol=1e-5)

@@ -6,7 +6,6 @@ import signal
 import pytest
 import torch
 
-from codraft.config import ConfigError
 from codraft.models import load_pretrained
 from codraft.rl import trainer as trainer_mod
 from codraft.train.checkpoint import list_checkpoints, load_policy_from
@@ -234,31 +233,3 @@ def test_greedy_first_step_rollouts_same_with_and_without_draft(tmp_path, tiny_p
     assert len(plain) == 4 and any(len(x) > 1 for x in plain)
     assert tokens["cotrain", "dflash"] == plain
     assert tokens["cotrain", "ngram"] == plain
-
-
-# ---------------------------------------------------------------- rollout.speculate=auto
-
-
-def test_speculate_auto_follows_the_measured_speedup(tmp_path, tiny_policy_dir, monkeypatch):
-    """auto decodes plainly after a measurement where speculation was slower, and speculates again
-    after one where it was faster; always speculates on measurement steps; needs speedup_every."""
-    with pytest.raises(ConfigError, match="speedup_every"):
-        Trainer(_cfg(tiny_policy_dir, tmp_path / "bad", 1, extra=["rollout.speculate=auto", "log.speedup_every=0"]),
-                progress=False)
-    cfg = _cfg(tiny_policy_dir, tmp_path / "auto", 6, extra=["rollout.speculate=auto", "log.speedup_every=3"])
-    t = Trainer(cfg, progress=False)
-    plain_s = {"value": 1.0}  # the plain engine's fake timing; the speculative one takes 2 s
-
-    def timed(engine, prompts, seed, temperature=None):
-        out, _ = real(engine, prompts, seed, temperature)
-        return out, plain_s["value"] if engine is t.plain_engine else 2.0
-    real = t._generate
-    monkeypatch.setattr(t, "_generate", timed)
-    rows = []
-    for step in range(6):
-        if step == 3:
-            plain_s["value"] = 3.0  # from the step-3 measurement on, speculation pays
-        rows.append(t.step(step))
-    assert [m["speculative"] for m in rows] == [1, 0, 0, 1, 1, 1]
-    assert [("acceptance_length" in m) for m in rows] == [True, False, False, True, True, True]
-    assert rows[0]["rollout_speedup"] == 0.5 and rows[3]["rollout_speedup"] == 1.5

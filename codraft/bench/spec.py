@@ -5,7 +5,10 @@ SmolLM2-135M-Instruct fp32 on a fixed list of 16 chat instructions) and batch si
 the first B prompts, timed sides:
 
   codraft plain      ``Engine(model)``, greedy
-  codraft spec/<d>   ``Engine(model, draft)``, greedy, for each draft d (ngram, model, ...)
+  codraft spec/<d>   ``Engine(model, draft, gamma)``, greedy, for each draft d (ngram, model, ...);
+                     with several ``gammas`` (ints, or "auto": 0..gamma per round, sized to the
+                     live batch by a cost model calibrated once up front), one side per value,
+                     ``codraft spec/<d> γ=<g>``, whose rows carry the histogram of drafts per round
   hf generate        ``transformers`` ``generate()`` greedy on an HF model built from the same folder
   hf prompt-lookup   ``generate(prompt_lookup_num_tokens=10)`` (transformers supports it at B=1 only)
 
@@ -34,7 +37,7 @@ import torch
 from codraft.bench import CpuMeter, format_table, machine_info, median
 from codraft.bench.bandwidth import decode_bound_s, measure_bandwidth, weight_bytes
 from codraft.policy import load_policy
-from codraft.rollout import Engine
+from codraft.rollout import Engine, load_or_calibrate
 from codraft.tasks import make_task
 from codraft.train.offline_draft import default_task_name, draft_for_command
 
@@ -74,8 +77,20 @@ class Side:
     last: dict = field(default_factory=dict)
 
 
-def _codraft_side(name, model, draft, gamma, max_new):
-    engine = Engine(model, draft, gamma if draft is not None else None)
+def parse_gammas(text: str) -> list[int | str]:
+    """ "2,4,auto" -> [2, 4, "auto"]; each an int >= 1 or auto."""
+    out = []
+    for item in (x.strip() for x in text.split(",") if x.strip()):
+        if item != "auto" and not (item.isdigit() and int(item) >= 1):
+            raise ValueError(f"--gammas: {item!r} is not an int >= 1 or auto")
+        out.append(item if item == "auto" else int(item))
+    if not out:
+        raise ValueError("--gammas is empty; give e.g. 2,4,auto")
+    return out
+
+
+def _codraft_side(name, model, draft, gamma, max_new, cost_model=None):
+    engine = Engine(model, draft, gamma if draft is not None else None, cost_model=cost_model)
 
     def run(prompts, n=max_new, temperature=0.0, eos=(), seed=0):
         res = engine.generate(prompts, n, temperature=temperature, eos_id=list(eos), seed=seed)
@@ -126,7 +141,7 @@ def _match(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def bench_model(model_name: str, *, batches, max_new: int, drafts, gamma: int, repeats: int, draft_init: str,
-                hf: bool = True, log=print) -> dict:
+                hf: bool = True, gammas=None, log=print) -> dict:
     init = MODELS.get(model_name, model_name)
     policy, tok, folder = load_policy(init)
     policy.eval()
@@ -145,7 +160,10 @@ def bench_model(model_name: str, *, batches, max_new: int, drafts, gamma: int, r
             continue
         out["drafts"][spec] = {"init": "-" if spec == "ngram" else d_init, "build_s": perf_counter() - t0,
                                "weight_bytes": weight_bytes(draft) if isinstance(draft, torch.nn.Module) else 0}
-        sides.append(_codraft_side(f"codraft spec/{spec}", policy, draft, gamma, max_new))
+        for g in gammas or [gamma]:
+            cost = load_or_calibrate(policy, draft, draft.default_gamma, max(batches)) if g == "auto" else None
+            sides.append(_codraft_side(f"codraft spec/{spec}" + (f" γ={g}" if gammas else ""), policy, draft, g,
+                                       max_new, cost))
     hf_model = None
     if hf:
         hf_model = _load_hf(folder)
@@ -177,6 +195,7 @@ def bench_model(model_name: str, *, batches, max_new: int, drafts, gamma: int, r
             if st is not None:
                 row["stats_greedy"] = st
                 row["tau_greedy"] = st["acceptance_length"]
+                row["gamma_chosen"] = st["gamma_chosen"]  # rounds that drafted 0, 1, … tokens
                 # target forward + sampling/accept per round: a plain decode step, or one γ+1-token verify
                 row["ms_per_forward"] = 1e3 * st["verify_s"] / max(st["rounds"], 1)
             if s.name.startswith("codraft spec/"):
@@ -184,6 +203,7 @@ def bench_model(model_name: str, *, batches, max_new: int, drafts, gamma: int, r
                 t1 = s.run(prompts, temperature=1.0, eos=[tok.eos_id], seed=1)["stats"]
                 row["tau_t1"] = t1["acceptance_length"]
                 row["acceptance_per_position_t1"] = t1["acceptance_per_position"]
+                row["gamma_chosen_t1"] = t1["gamma_chosen"]
             if ref is not None and s is plain:
                 row["match_hf"] = _match(plain.last["tokens"], ref)
             out["rows"].append(row)
@@ -226,11 +246,12 @@ def print_report(result: dict, log=print):
                   r["tokens_per_s"] / plain[r["batch"]] if r["batch"] in plain else None,
                   r["tokens_per_s"] / hf[r["batch"]] if r["batch"] in hf else None,
                   r.get("tau_greedy"), r.get("tau_t1"), r.get("ms_per_forward"),
+                  r["stats_greedy"]["mean_gamma"] if r["side"].startswith("codraft spec/") else None,
                   {True: "yes", False: "NO"}.get(r.get("identical_to_plain"), "-")] for r in m["rows"]]
         log(f"\n{_label(name)} ({m['parameters'] / 1e6:.1f} M params, fp32), greedy, "
             f"{result['settings']['max_new_tokens']} new tokens/row, median of {result['settings']['repeats']}:")
         log(format_table(table, ["B", "side", "tok/s", "ms/call", "vs plain", "vs hf", "τ greedy", "τ T=1",
-                                 "fwd ms", "= plain"]))
+                                 "fwd ms", "drafts/row", "= plain"]))
     summary = summarize(result)
     if summary:
         log("\nbatch-1 plain decoding vs the memory-bandwidth bound (weight bytes / measured bandwidth):")
@@ -243,7 +264,9 @@ def print_report(result: dict, log=print):
 
 
 def run(models=("tiny", "smollm2"), batches=(1, 4, 16), max_new_tokens=128, drafts=DEFAULT_DRAFTS, gamma=4,
-        threads=2, repeats=3, draft_init="auto", hf=True, json_path=None, log=print) -> dict:
+        threads=2, repeats=3, draft_init="auto", hf=True, json_path=None, gammas=None, log=print) -> dict:
+    """gamma: the drafts' γ (auto's maximum); gammas: engine settings to compare per draft (ints, "auto";
+    None: gamma alone, one side per draft as before)."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
     unknown = [m for m in models if m not in MODELS and not Path(m).is_dir()]
@@ -253,7 +276,8 @@ def run(models=("tiny", "smollm2"), batches=(1, 4, 16), max_new_tokens=128, draf
     torch.manual_seed(0)
     result = {"machine": machine_info(),
               "settings": {"models": list(models), "batches": list(batches), "max_new_tokens": max_new_tokens,
-                           "drafts": list(drafts), "gamma": gamma, "threads": threads, "repeats": repeats,
+                           "drafts": list(drafts), "gamma": gamma, "gammas": gammas, "threads": threads,
+                           "repeats": repeats,
                            "draft_init": draft_init, "decoding": "greedy, EOS disabled (tau_t1: temperature 1, EOS on)",
                            "timing": "median wall time of the whole generate call, sides interleaved"}}
     log(f"bench spec: {threads} threads, torch {torch.__version__}; measuring memory bandwidth ...")
@@ -262,7 +286,7 @@ def run(models=("tiny", "smollm2"), batches=(1, 4, 16), max_new_tokens=128, draf
     for m in models:
         log(f"{m}: loading and building drafts ...")
         result["models"][m] = bench_model(m, batches=batches, max_new=max_new_tokens, drafts=drafts, gamma=gamma,
-                                          repeats=repeats, draft_init=draft_init, hf=hf, log=log)
+                                          repeats=repeats, draft_init=draft_init, hf=hf, gammas=gammas, log=log)
     result["bandwidth_after"] = measure_bandwidth()
     result["summary"] = summarize(result)
     result["machine"]["loadavg"] = os.getloadavg()

@@ -9,6 +9,11 @@ Lifecycle of one ``Engine.generate`` call with a draft::
         state = draft.commit(state, emitted, counts, features)
         state = draft.select(state, rows)                          # when rows finish
 
+γ may change from round to round (``Engine(gamma="auto")``), anywhere in 1..the engine's
+maximum (which may be below a block draft's block size). A round may also draft nothing
+(γ = 0): then ``propose`` is not called, the target takes a plain step over the pending token
+(still tapping ``feature_layers``) and ``commit`` gets that one token (width 1, counts 1).
+
 Context invariant. A row's *context* is its prompt followed by every token emitted so far.
 The target has run over every context token except the last one (the pending token, fed
 at the start of the next verify forward), so target features exist for context positions

@@ -11,6 +11,7 @@ which are kept in ``last2`` and re-fed as a 2-token chunk at the start of every 
 Re-feeding the second-to-last token is what makes "all γ accepted" free: x_γ was never fed
 to the draft, and it is exactly that token. When it was fed, rewriting it at the same
 position stores the same K/V, so the rollback after a rejection is just lowering lengths.
+A round that drafts nothing (γ = 0, no ``propose``) feeds the one token that leaves ``last2``.
 """
 from __future__ import annotations
 
@@ -107,8 +108,10 @@ class ModelDraft(nn.Module, Draft):
     def commit(self, state: ModelDraftState, tokens, counts, features: Features) -> ModelDraftState:
         gamma = tokens.shape[1] - 1
         cache = state.cache
-        # keep context-2 + counts: the old last2 and the accepted x_1..x_{n-1} (n = counts-1)
-        cache.set_lengths(cache.lengths - (gamma + 1) + counts)
+        if gamma == 0:  # no proposal ran: feed the old last2[0], which leaves last2, to keep context-2
+            self.net(state.last2[:, :1], cache=cache, head=False)
+        else:  # keep context-2 + counts: the old last2 and the accepted x_1..x_{n-1} (n = counts-1)
+            cache.set_lengths(cache.lengths - (gamma + 1) + counts)
         ext = torch.cat([state.last2[:, 1:], tokens], 1)  # (B,γ+2) old last token, then the new ones
         last2 = ext.gather(1, torch.stack([counts - 1, counts], 1))
         return ModelDraftState(cache, last2)

@@ -4,9 +4,10 @@ Per step (``Trainer.step``: ``rollout`` -> ``probe`` -> ``score`` -> ``update`` 
 returning a small dataclass):
   1. rollout    the engine (policy θ_t + draft φ_t, lossless speculative decoding) samples
                 `group_size` completions for each of `prompts_per_step` training prompts
-                (`rollout.speculate=auto`: plain decoding while the last measured rollout
-                speedup is < 1, e.g. while a fresh draft is still poor; the draft co-trains
-                either way, since it learns from the rollout tokens, not from its proposals);
+                (`rollout.draft_length=auto`: each round drafts 0..draft.gamma tokens, as many as
+                pay off for the rows still running, none while a fresh draft is still poor; the
+                draft co-trains either way, since it learns from the rollout tokens, not from its
+                proposals); τ and the histogram of drafts per round (`gamma_chosen`) are logged;
   2. reward     the task scores each completion; GRPO advantages per group;
   3. train      one packed policy forward -> L_RL(θ) + λ·L_draft(φ; x, sg(H_θ(x))),
                 one backward, policy and draft optimisers step (draft.mode=cotrain); its phases
@@ -21,7 +22,9 @@ The engine holds references to the live policy and draft modules, so step t+1's 
 uses the weights updated at step t with no copy.
 
 Determinism: every step reseeds from (seed, step), so a resumed run repeats an
-uninterrupted one's rollouts and updates exactly (timings aside).
+uninterrupted one's rollouts and updates exactly (timings aside; with draft_length=auto the
+running acceptance estimate is checkpointed, and the cost model is the one cached on disk for this
+machine, so the same holds on the same machine).
 
 Faults: a reward function that raises scores that sample 0 and is counted (`reward_errors`);
 a step whose loss or grad norm is NaN/inf is skipped (no optimiser step, `skipped_update`),
@@ -60,7 +63,7 @@ from codraft.rl.cotrain import cotrain_loss
 from codraft.rl.grpo import group_advantages
 from codraft.rl.logger import MetricsLogger
 from codraft.rl.plots import plot_run
-from codraft.rollout import Engine
+from codraft.rollout import Engine, load_or_calibrate
 from codraft.tasks import make_task
 from codraft.train import checkpoint as ckpt
 from codraft.train.offline_draft import starting_draft
@@ -118,10 +121,9 @@ class Rollout:
     prompts: list               # their prompt token ids
     out: list                   # the engine's outputs (tokens, logprobs), one per completion
     stats: object               # the engine's statistics of this rollout
-    speculative: bool           # decoded with the draft (False: plain, or no draft)
     seconds: float              # wall time of the rollout
     seed: int                   # the sampling seed (the measurement extras reuse it)
-    metrics: dict = field(default_factory=dict)  # time_rollout, speculative, acceptance_*
+    metrics: dict = field(default_factory=dict)  # time_rollout, acceptance_*, gamma_*
 
 
 @dataclass
@@ -176,10 +178,16 @@ class Trainer:
             d.kind, d.init, policy=self.policy, tok=self.tok, task=self.task, policy_dir=self.policy_dir,
             gamma=d.gamma, seed=cfg.seed, progress=progress, num_anchors=d.num_anchors)
         self.trains_draft = d.mode == "cotrain" and self.draft is not None and bool(self.draft.trainable_parameters())
+        # draft_length=auto: one cost model for every engine, timed now (or read from the cache) for the
+        # largest batch any of them decodes
+        r = cfg.rollout
+        rows = max(r.prompts_per_step * r.group_size, cfg.log.val_size if cfg.log.val_every else 1)
+        self.cost_model = load_or_calibrate(self.policy, self.draft, self.draft.default_gamma, rows) \
+            if self.draft is not None and r.draft_length == "auto" else None
         # log.frozen_probe_every: the initial draft, kept frozen and run on the same prompts as the
         # co-trained one, so staleness is measured against the very same policy (copied before a resume
         # restores the trained draft)
-        self.frozen_engine = Engine(self.policy, copy.deepcopy(self.draft).requires_grad_(False), d.gamma) \
+        self.frozen_engine = self._engine(copy.deepcopy(self.draft).requires_grad_(False)) \
             if cfg.log.frozen_probe_every and self.trains_draft else None
         self.reference = None
         if cfg.grpo.kl_coef > 0:  # KL to the initial policy, also after a resume (not to the checkpoint's)
@@ -194,24 +202,44 @@ class Trainer:
             self.draft_opt = _adamw(self.draft.trainable_parameters(), lr=d.lr, betas=(0.9, 0.95))
             self.draft_sched = torch.optim.lr_scheduler.LambdaLR(self.draft_opt, warmup(d.warmup_steps))
         self.start_step, self.prompts_used, self._stream = 0, 0, None
-        # rollout.speculate=auto: speculate unless the last measured rollout speedup was < 1
-        self.spec_pays = True
-        if found is not None:
+        # the rollout engine; validation (greedy) has its own, so its rounds stay out of the rollouts'
+        # acceptance estimate (draft_length=auto), which checkpoints carry
+        self.engine, self.val_engine, self.plain_engine = self._engine(self.draft), self._engine(self.draft), \
+            Engine(self.policy)
+        if found is not None:  # (a "spec_pays" of checkpoints from before draft_length is ignored)
             state = ckpt.restore(found, draft=self.draft, optimizers=self._optimizers())
             self.start_step, self.prompts_used = state["step"], state["prompts_used"]
-            self.spec_pays = state.get("spec_pays", True)
+            estimates = self._estimates()  # (log.frozen_probe_every may have changed: no frozen probe now)
+            for name, saved in state.get("acceptance", {}).items():
+                if name in estimates:
+                    estimates[name].load_state_dict(saved)
             _follow_schedule(self.sched)  # `steps` may have changed on resume: the lr is the cosine's
-        # steps_done/_done_prompts: the last step whose update is fully applied (what Ctrl-C saves);
-        # _saved: the last step on disk; nonfinite_streak: skipped updates in a row
+        # steps_done/_done_prompts/_done_acceptance: the last step whose update is fully applied (what
+        # Ctrl-C saves); _saved: the last step on disk; nonfinite_streak: skipped updates in a row
         self.steps_done, self._done_prompts, self._saved = self.start_step, self.prompts_used, self.start_step
+        self._done_acceptance = self._acceptance()
         self.nonfinite_streak, self.last_rollout, self.last_stats = 0, None, None
-
-        self.engine = Engine(self.policy, self.draft, d.gamma if self.draft is not None else None)
-        self.plain_engine = Engine(self.policy)
         self.val = self.task.sample("val", cfg.log.val_size, seed=cfg.seed)
         runs.record_start(self.run_dir, cfg, found, changed)  # the first write to the run folder
         self.logger = MetricsLogger(self.run_dir, resume_step=self.start_step if found is not None else None)
         self.plots: list[Path] = []
+
+    def _engine(self, draft) -> Engine:
+        """An engine over the policy and ``draft`` (None: plain), drafting draft.gamma tokens per round
+        or, with rollout.draft_length=auto, up to that many."""
+        if draft is None:
+            return Engine(self.policy)
+        if self.cost_model is None:
+            return Engine(self.policy, draft, self.cfg.draft.gamma)
+        return Engine(self.policy, draft, "auto", cost_model=self.cost_model)
+
+    def _estimates(self) -> dict:
+        """The running acceptance estimates (draft_length=auto) a resume must continue: rollout, frozen probe."""
+        engines = {"rollout": self.engine, "frozen": self.frozen_engine}
+        return {k: e.acceptance for k, e in engines.items() if e is not None and e.acceptance is not None}
+
+    def _acceptance(self) -> dict:
+        return {k: a.state_dict() for k, a in self._estimates().items()}
 
     def _optimizers(self) -> dict:
         return {"policy": self.opt, "policy_sched": self.sched, "draft": self.draft_opt, "draft_sched": self.draft_sched}
@@ -236,7 +264,7 @@ class Trainer:
     def validate(self) -> float:
         self.policy.eval()
         prompts = [self.tok.prompt_ids(p.prompt) for p in self.val]
-        out, _ = self._generate(self.engine, prompts, seed=0, temperature=0.0)
+        out, _ = self._generate(self.val_engine, prompts, seed=0, temperature=0.0)
         return sum(self.task.reward(p, self.tok.decode(o.tokens)) for p, o in zip(self.val, out)) / len(self.val)
 
     def step(self, step: int) -> dict:
@@ -250,26 +278,21 @@ class Trainer:
         return self.observe(step, rollout, probes, scored, update, t_step)
 
     def rollout(self, step: int) -> Rollout:
-        """1. The step's prompts, `group_size` completions each: speculative unless speculate=auto found
-        it slower than plain decoding (a measurement step always speculates, so the decision is
-        re-checked every `log.speedup_every` steps)."""
+        """1. The step's prompts, `group_size` completions each, decoded with the draft (if any)."""
         cfg, r = self.cfg, self.cfg.rollout
         seed = step_seed(cfg.seed, step)
         problems = self._prompts()
         group = [p for p in problems for _ in range(r.group_size)]
         prompts = [self.tok.prompt_ids(p.prompt) for p in group]
         self.policy.eval()
-        speculate = self.draft is not None and (r.speculate == "always" or self._measures(step) or self.spec_pays)
-        engine = self.plain_engine if self.draft is not None and not speculate else self.engine
-        out, seconds = self._generate(engine, prompts, seed)
-        self.last_rollout, self.last_stats = out, engine.stats
+        out, seconds = self._generate(self.engine, prompts, seed)
+        stats = self.last_stats = self.engine.stats
+        self.last_rollout = out
         m = {"time_rollout": seconds}
-        if self.draft is not None:
-            m["speculative"] = int(speculate)
-        if speculate:
-            m.update(acceptance_length=engine.stats.acceptance_length,
-                     acceptance_per_position=engine.stats.acceptance_per_position)
-        return Rollout(group, prompts, out, engine.stats, speculate, seconds, seed, m)
+        if self.draft is not None:  # gamma_chosen[g]: rounds that drafted g tokens; gamma_mean: per row-round
+            m.update(acceptance_length=stats.acceptance_length, acceptance_per_position=stats.acceptance_per_position,
+                     gamma_chosen=stats.gamma_chosen, gamma_mean=stats.mean_gamma)
+        return Rollout(group, prompts, out, stats, seconds, seed, m)
 
     def _measures(self, step: int) -> bool:
         """Does this step measure the rollout speedup (log.speedup_every)?"""
@@ -278,14 +301,13 @@ class Trainer:
 
     def probe(self, step: int, rollout: Rollout) -> Probes:
         """The measurement extras on the rollout's prompts and seed: a plain rollout for the speedup
-        (which also updates the speculate=auto decision) and the frozen initial draft's τ."""
+        and the frozen initial draft's τ."""
         m, seconds = {}, 0.0
         if self._measures(step):
             _, t_plain = self._generate(self.plain_engine, rollout.prompts, rollout.seed)
             m.update(time_rollout_plain=t_plain, rollout_speedup=t_plain / rollout.seconds)
-            self.spec_pays = t_plain >= rollout.seconds
             seconds += t_plain
-        if self.frozen_engine is not None and rollout.speculative and step % self.cfg.log.frozen_probe_every == 0:
+        if self.frozen_engine is not None and step % self.cfg.log.frozen_probe_every == 0:
             _, t_probe = self._generate(self.frozen_engine, rollout.prompts, rollout.seed)
             m["frozen_acceptance_length"] = self.frozen_engine.stats.acceptance_length
             seconds += t_probe
@@ -352,7 +374,8 @@ class Trainer:
             self.sched.step()
             if self.draft_sched is not None:
                 self.draft_sched.step()
-            self.steps_done, self._done_prompts = step + 1, self.prompts_used
+            self.steps_done, self._done_prompts, self._done_acceptance = step + 1, self.prompts_used, \
+                self._acceptance()
 
     def observe(self, step: int, rollout: Rollout, probes: Probes, scored: Scored, update: Update,
                 t_step: float) -> dict:
@@ -379,11 +402,17 @@ class Trainer:
         """Checkpoint the last completed step (`steps_done`)."""
         path = ckpt.save_checkpoint(self.run_dir, self.steps_done, policy=self.policy, draft=self.draft,
                                     optimizers=self._optimizers(),
-                                    state={"prompts_used": self._done_prompts, "spec_pays": self.spec_pays},
+                                    state=self._checkpoint_state(),
                                     config=self.cfg.to_dict(), keep_last=self.cfg.log.keep_last,
                                     extra_files=_tokenizer_files(self.policy_dir))
         self._saved = self.steps_done
         return path
+
+    def _checkpoint_state(self) -> dict:
+        state = {"prompts_used": self._done_prompts}
+        if self._done_acceptance:  # draft_length=auto: a resume continues the same estimates
+            state["acceptance"] = self._done_acceptance
+        return state
 
     def fit(self):
         cfg = self.cfg

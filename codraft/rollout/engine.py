@@ -5,14 +5,16 @@ One ``generate`` call:
      (per-row lengths); the first new token is sampled from each row's last prompt logit.
      A prompt repeated in the batch (a GRPO group) is prefilled once and its cache rows,
      last logit and tapped features are copied to every row that repeats it;
-  2. rounds, until every row has stopped:
-       plain:  feed the pending token (B,1), sample one token;
-       spec:   the draft proposes x_1..x_γ (+ q rows); ONE target forward over
-               [pending, x_1..x_γ] (B,γ+1) written at cache.lengths; ``verify_drafts`` accepts
+  2. rounds, until every row has stopped; each round drafts g tokens (g = γ, or with
+     gamma="auto" a g in 0..γ chosen from the live row count, ``draft_length``):
+       plain:  feed the pending token (B,1), sample one token (g = 0 with a draft: the
+               forward also taps the draft's layers and the draft commits that token);
+       spec:   the draft proposes x_1..x_g (+ q rows); ONE target forward over
+               [pending, x_1..x_g] (B,g+1) written at cache.lengths; ``verify_drafts`` accepts
                n per row and emits n+1 tokens; the cache rolls back per row to
                old + n + 1 (stale slots are masked); the draft commits the same tokens;
-  3. per round one host sync (done flags + the longest cache row): rows that hit EOS or
-     max_new_tokens are dropped from the cache, the draft and the batch.
+  3. per round one host sync (done flags, the longest cache row, the round's acceptance counts):
+     rows that hit EOS or max_new_tokens are dropped from the cache, the draft and the batch.
 Row invariant: the cache holds the row's context except its last (pending) token.
 Outputs accumulate on the device and are copied to the host once at the end.
 """
@@ -27,8 +29,9 @@ import torch
 import torch.nn as nn
 
 from codraft.models import KVCache
-from codraft.spec.sampling import Sampler
+from codraft.rollout.draft_length import AcceptanceEstimate, choose, load_or_calibrate
 from codraft.rollout.stats import SpecStats
+from codraft.spec.sampling import Sampler
 from codraft.spec.verify import verify_drafts
 
 
@@ -40,23 +43,30 @@ class GenerationResult:
 
 
 class Engine:
-    """Rollout engine: ``Engine(model, draft=None, gamma=None, *, max_len=None)``.
+    """Rollout engine: ``Engine(model, draft=None, gamma=None, *, cost_model=None, max_len=None)``.
 
     draft: a ``codraft.drafts.Draft`` (None = plain decoding); gamma: tokens drafted per round
-    (default ``draft.default_gamma``); max_len: longest prompt + new tokens allowed (default
-    ``model.config.max_position_embeddings``); timing_sync: sync the device at every phase
+    (default ``draft.default_gamma``), or "auto": each round drafts 0..``draft.default_gamma``
+    tokens, chosen by ``draft_length.choose`` from the live row count, a running acceptance
+    estimate (``self.acceptance``, kept across calls) and ``cost_model`` (default: calibrated on
+    this device at the first call, cached on disk); max_len: longest prompt + new tokens allowed
+    (default ``model.config.max_position_embeddings``); timing_sync: sync the device at every phase
     boundary so ``stats`` splits time exactly on accelerators (costs extra syncs).
+    ``self.gamma`` is the most tokens a round drafts.
     """
 
-    def __init__(self, model: nn.Module, draft=None, gamma: int | None = None, *,
+    def __init__(self, model: nn.Module, draft=None, gamma: int | str | None = None, *, cost_model=None,
                  max_len: int | None = None, timing_sync: bool = False):
         cfg = model.config
         if draft is None and gamma is not None:
             raise ValueError(f"gamma={gamma} given without a draft")
+        auto = gamma == "auto"
+        if cost_model is not None and not auto:
+            raise ValueError(f'a cost_model is for gamma="auto", got gamma={gamma!r}')
         if draft is not None:
-            gamma = draft.default_gamma if gamma is None else gamma
-            if not isinstance(gamma, int) or gamma < 1:
-                raise ValueError(f"gamma must be an int >= 1, got {gamma!r}")
+            gamma = draft.default_gamma if gamma is None or auto else gamma
+            if not isinstance(gamma, int) or isinstance(gamma, bool) or gamma < 1:
+                raise ValueError(f'gamma must be an int >= 1 or "auto", got {gamma!r}')
             if draft.vocab_size != cfg.vocab_size:
                 raise ValueError(f"draft vocab_size={draft.vocab_size} != target vocab_size={cfg.vocab_size}")
             bad = [i for i in draft.feature_layers if not 0 <= i < cfg.num_hidden_layers]
@@ -66,6 +76,8 @@ class Engine:
         if self.max_len < 2:
             raise ValueError(f"max_len must be >= 2, got {self.max_len}")
         self.model, self.draft, self.gamma = model, draft, gamma or 0
+        self.acceptance = AcceptanceEstimate(self.gamma) if auto else None
+        self.cost_model, self._calibrates = cost_model, auto and cost_model is None
         self.timing_sync = timing_sync
         self.device = next(model.parameters()).device
         if isinstance(draft, nn.Module):
@@ -89,6 +101,8 @@ class Engine:
         """Validate, prefill and return the ``Rollout`` (``generate`` steps it to the end)."""
         self._check(prompts, max_new_tokens)
         _check_sampling(temperature, top_p, top_k, seed)
+        if self._calibrates and (self.cost_model is None or self.cost_model.rows[-1] < len(prompts)):
+            self.cost_model = load_or_calibrate(self.model, self.draft, self.gamma, len(prompts))
         gen = torch.Generator(device=self.device)
         gen.manual_seed(int(torch.randint(2**62, (1,))) if seed is None else seed)
         sampler = Sampler(temperature, top_p, top_k, gen)
@@ -132,10 +146,13 @@ class Rollout:
     @torch.inference_mode()
     def __init__(self, engine: Engine, prompts: list[list[int]], max_new: int, sampler: Sampler, eos: list[int]):
         self.model, self.draft, self.gamma = engine.model, engine.draft, engine.gamma
+        self.acceptance, self.cost_model = engine.acceptance, engine.cost_model
         self.sampler, self.max_new, self.timing_sync = sampler, max_new, engine.timing_sync
         self.taps = tuple(self.draft.feature_layers) if self.draft is not None else ()
         dev = self.device = engine.device
-        self.stats = SpecStats(gamma=self.gamma, accepted_per_position=[0] * self.gamma)
+        self.stats = SpecStats(gamma=self.gamma, accepted_per_position=[0] * self.gamma,
+                               drafted_per_position=[0] * self.gamma,
+                               gamma_chosen=[0] * (self.gamma + 1) if self.draft is not None else [])
         self._t0 = self._t = perf_counter()
         b, t = len(prompts), max(map(len, prompts))
         ids = torch.tensor([p + [0] * (t - len(p)) for p in prompts], device=dev)  # (B,T) right-padded
@@ -149,7 +166,7 @@ class Rollout:
         self.out_tokens = torch.zeros(b, max_new + self.gamma + 1, dtype=torch.long, device=dev)
         self.out_logp = torch.zeros(b, max_new + self.gamma + 1, device=dev)
         self.n_out = torch.zeros(b, dtype=torch.long, device=dev)
-        self._accepted = torch.zeros(self.gamma, dtype=torch.long, device=dev)  # per draft position
+        self._round_accepted = torch.zeros(0, dtype=torch.long, device=dev)  # (g,) rows that accepted >= k
         self.finished = False
 
         logits, feats = self.model(ids[uniq], cache=self.cache, logit_index=lens[uniq] - 1, taps=self.taps)  # (U,1,V)
@@ -170,37 +187,63 @@ class Rollout:
 
     @torch.inference_mode()
     def step(self):
-        """One decode step (plain) or one draft-verify round (speculative), then the host sync."""
+        """One decode step (plain, or g = 0) or one draft-verify round of g drafts, then the host sync."""
         if self.finished:
             return
         b = self.rows.numel()
-        self.stats.rounds += 1
-        self.stats.row_rounds += b
-        if self.draft is None:
-            logits = self.model(self.last[:, None], cache=self.cache)  # (B,1,V)
+        g = self.draft_length(b)
+        if self.draft is None or g == 0:
+            logits, feats = self.model(self.last[:, None], cache=self.cache, taps=self.taps)  # (B,1,V)
             self.last, logp = self.sampler.sample_logits(logits[:, 0])
             self._lap("verify_s")
-            self._emit(self.last[:, None], logp[:, None], torch.ones_like(self.last))
+            ones = torch.ones_like(self.last)
+            self._emit(self.last[:, None], logp[:, None], ones)
+            if self.draft is not None:  # the draft's context grows by the same token
+                self.draft_state = self.draft.commit(self.draft_state, self.last[:, None], ones, feats)
+                self._lap("draft_s")
+            self._round_accepted = self._round_accepted[:0]
         else:
-            g = self.gamma
             x, q = self.draft.propose(self.draft_state, g, self.sampler, context_len=self.cache.span + 1)
             self._lap("draft_s")
             logits, feats = self.model(torch.cat([self.last[:, None], x], 1), cache=self.cache,
-                                       taps=self.taps)  # (B,γ+1,V)
+                                       taps=self.taps)  # (B,g+1,V)
             v = verify_drafts(logits, x, q, self.sampler)
             self._lap("verify_s")
-            # the forward advanced every row by γ+1; keep [pending, x_1..x_n]
+            # the forward advanced every row by g+1; keep [pending, x_1..x_n]
             self.cache.set_lengths(self.cache.lengths - g + v.n_accepted)
             counts = v.n_accepted + 1
             self._emit(v.tokens, v.logprobs, counts)
             self.last = v.tokens.gather(1, v.n_accepted[:, None]).squeeze(1)
-            self._accepted += (v.n_accepted[:, None] > torch.arange(g, device=self.device)).sum(0)
-            self.stats.drafted += b * g
+            self._round_accepted = (v.n_accepted[:, None] > torch.arange(g, device=self.device)).sum(0)
             self._lap("bookkeeping_s")
             self.draft_state = self.draft.commit(self.draft_state, v.tokens, counts, feats)
             self._lap("draft_s")
-        self._sync()
+        accepted = self._sync()
+        self._count(b, g, accepted)
         self._lap("bookkeeping_s")
+
+    def draft_length(self, rows: int) -> int:
+        """g for the next round: fixed γ, or (gamma="auto") the rule over host-side numbers only."""
+        if self.draft is None:
+            return 0
+        if self.acceptance is None:
+            return self.gamma
+        return choose(rows, self.acceptance.values(), self.cost_model)
+
+    def _count(self, rows: int, g: int, accepted: list[int]):
+        """The round in the stats and the acceptance estimate; accepted[k-1]: rows that accepted >= k."""
+        s = self.stats
+        s.rounds += 1
+        s.row_rounds += rows
+        if self.draft is None:
+            return
+        s.gamma_chosen[g] += 1
+        s.drafted += rows * g
+        for k, n in enumerate(accepted):
+            s.drafted_per_position[k] += rows
+            s.accepted_per_position[k] += n
+        if self.acceptance is not None:
+            self.acceptance.observe(rows, accepted)
 
     def _emit(self, tokens: torch.Tensor, logp: torch.Tensor, counts: torch.Tensor):
         """Append tokens[b, :counts[b]] (B,m) to the outputs, cut at EOS and max_new; set self.done."""
@@ -216,11 +259,13 @@ class Rollout:
         self.n_out[rows] = n_out + n_new
         self.done = hit | (n_out + n_new >= self.max_new)
 
-    def _sync(self):
-        """The round's one host sync: done flags and the longest cache row; drop finished rows."""
+    def _sync(self) -> list[int]:
+        """The round's one host sync: done flags, the longest cache row and the round's acceptance
+        counts (returned); drop finished rows."""
         longest = torch.where(self.done, 0, self.cache.lengths).max()  # over the rows that continue
-        flags = torch.cat([self.done.long(), longest[None]]).tolist()
-        done, self.cache.span = flags[:-1], flags[-1]  # exact span: attention reads no further
+        flags = torch.cat([self.done.long(), longest[None], self._round_accepted]).tolist()
+        b = self.done.numel()
+        done, self.cache.span = flags[:b], flags[b]  # exact span: attention reads no further
         if all(done):
             self.finished = True
         elif any(done):
@@ -229,6 +274,7 @@ class Rollout:
             self.cache.select(keep)
             if self.draft is not None:
                 self.draft_state = self.draft.select(self.draft_state, keep)
+        return flags[b + 1:]
 
     def _lap(self, phase: str):
         if self.timing_sync and self.device.type != "cpu":
@@ -242,7 +288,6 @@ class Rollout:
         k = self.max_new
         tokens, logps, n = self.out_tokens[:, :k].tolist(), self.out_logp[:, :k].tolist(), self.n_out.tolist()
         eos = set(self.eos.tolist())
-        self.stats.accepted_per_position = self._accepted.tolist()
         self.stats.accepted = sum(self.stats.accepted_per_position)
         self.stats.emitted_tokens = sum(n)
         self._lap("bookkeeping_s")

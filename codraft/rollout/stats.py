@@ -1,14 +1,19 @@
 """Acceptance and timing statistics of one ``Engine.generate`` call.
 
 Counting conventions:
-  * a *round* is one batched verify forward (plain decoding: one decode step);
-    ``row_rounds`` sums the active rows over rounds (every active row drafts γ tokens);
+  * a *round* is one batched verify forward (plain decoding, or a round that drafts g = 0
+    tokens: one decode step); ``row_rounds`` sums the active rows over rounds; every active
+    row of a round drafts the same g tokens (γ, or with gamma="auto" the round's choice);
+  * ``gamma_chosen[g]`` counts the rounds that drafted g tokens (g = 0..γ; empty without a draft);
+  * ``drafted_per_position[k-1]`` counts the row-rounds that drafted position k (g >= k), and
+    ``accepted_per_position[k-1]`` those among them that accepted at least k tokens;
   * ``accepted`` counts draft tokens accepted by the rule, before any truncation at EOS
     or max_new_tokens (it measures the draft, not the stop criteria);
-  * acceptance_length τ = 1 + accepted / row_rounds: mean tokens a row gains per verify
-    round, bonus/correction included (1.0 for plain decoding);
-  * acceptance_per_position[k-1] = P(draft token k accepted) = fraction of row-rounds with
-    at least k accepted (unconditional, so it is non-increasing and τ = 1 + Σ_k of it);
+  * acceptance_length τ = 1 + accepted / row_rounds: mean tokens a row gains per round,
+    bonus/correction included (1.0 for plain decoding; g = 0 rounds count as 1);
+  * acceptance_per_position[k-1] = P(draft token k accepted) over the row-rounds that drafted
+    position k (unconditional, so non-increasing for a fixed γ, where τ = 1 + Σ_k of it);
+  * mean_gamma = drafted / row_rounds: tokens drafted per row-round;
   * emitted_tokens counts the tokens actually returned (the prefill's first token included);
   * times are host perf_counter seconds. On an accelerator the split between phases is
     only exact with ``Engine(..., timing_sync=True)`` (a device sync per phase); the total
@@ -28,6 +33,8 @@ class SpecStats:
     drafted: int = 0
     accepted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+    gamma_chosen: list[int] = field(default_factory=list)
     emitted_tokens: int = 0
     prefill_s: float = 0.0
     draft_s: float = 0.0
@@ -45,7 +52,11 @@ class SpecStats:
 
     @property
     def acceptance_per_position(self) -> list[float]:
-        return [a / self.row_rounds if self.row_rounds else 0.0 for a in self.accepted_per_position]
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)]
+
+    @property
+    def mean_gamma(self) -> float:
+        return self.drafted / self.row_rounds if self.row_rounds else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -53,7 +64,7 @@ class SpecStats:
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        for name in ("acceptance_length", "acceptance_rate", "acceptance_per_position", "tokens_per_s"):
+        for name in ("acceptance_length", "acceptance_rate", "acceptance_per_position", "mean_gamma", "tokens_per_s"):
             d[name] = getattr(self, name)
         return d
 

@@ -38,9 +38,10 @@ def side_overrides(kind: str, settings, run_dir: Path) -> list[str]:
           f"rollout.max_new_tokens={s.max_new_tokens}", "rollout.temperature=1.0", "rollout.top_p=1.0",
           "grpo.kl_coef=0", f"grpo.lr={s.lr}", "log.val_every=0", f"log.speedup_every={s.speedup_every}",
           "log.checkpoint_every=0", f"draft.gamma={s.gamma}",
-          "rollout.speculate=always", "draft.num_anchors=0"]  # the preset's auto/16: pass as overrides
+          "rollout.draft_length=fixed", "draft.num_anchors=0"]  # the preset's auto/16: pass as overrides
     ov += ["draft.mode=none"] if kind == "none" else ["draft.mode=cotrain", f"draft.kind={kind}", "draft.init=random"]
-    return ov + list(s.overrides)
+    # no draft, nothing to size: an overrides' rollout.draft_length=auto is for the draft sides
+    return ov + list(s.overrides) + (["rollout.draft_length=fixed"] if kind == "none" else [])
 
 
 class CodraftSide:
@@ -81,7 +82,7 @@ class CodraftSide:
                "decode_rounds": stats.rounds,
                "tokens_per_s": _f(m["tokens_per_s"]),
                "acceptance_length": _f(m.get("acceptance_length")),
-               "acceptance_per_position": m.get("acceptance_per_position"),
+               "acceptance_per_position": m.get("acceptance_per_position"), "gamma_chosen": m.get("gamma_chosen"),
                "rollout_plain_s": _f(m.get("time_rollout_plain")), "rollout_speedup": _f(m.get("rollout_speedup")),
                "draft_loss": _f(m.get("draft/loss")), "engine": stats.as_dict(),
                "others_cores": load.get("others_cores"), "torch_threads": torch.get_num_threads()}
