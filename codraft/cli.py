@@ -103,7 +103,7 @@ def _cmd_train_draft(args):
     from codraft.drafts import init_draft
     from codraft.policy import load_policy
     from codraft.tasks import make_task
-    from codraft.train.offline_draft import default_task_name, train_offline
+    from codraft.train.offline_draft import default_task_name, offline_features, train_offline, write_target_record
     _check_train_draft_args(args)
     out = Path(args.out or f"drafts/{args.kind}")
     if out.exists() and not out.is_dir():
@@ -114,8 +114,11 @@ def _cmd_train_draft(args):
     draft = init_draft(args.kind, model, gamma=args.gamma)
     created = next((p for p in reversed([out, *out.parents]) if not p.exists()), None)  # topmost new folder
     try:
+        features = offline_features(model, tok, task, policy_dir=folder, layers=draft.feature_layers, seed=args.seed,
+                                    n_prompts=args.prompts, max_new_tokens=args.max_new_tokens)
         report = train_offline(model, tok, task, draft, out_dir=out, steps=args.steps, lr=args.lr, seed=args.seed,
-                               n_prompts=args.prompts, max_new_tokens=args.max_new_tokens)
+                               n_prompts=args.prompts, max_new_tokens=args.max_new_tokens, features=features)
+        write_target_record(out / "draft", model, folder, draft.feature_layers)
     except BaseException:  # an error or Ctrl-C before anything was saved: leave no empty folder behind
         _remove_empty_folders(out, created)
         raise
@@ -331,7 +334,7 @@ def _tool_commands(sub):
     s.add_argument("--model", required=True, help="policy name (tiny-sft, smollm2-135m) or HF-format folder")
     s.add_argument("--kind", required=True, help="a draft kind with weights (an unknown kind lists the valid ones)")
     s.add_argument("--out", help="output folder (default drafts/KIND); rerun with the same folder to resume")
-    s.add_argument("--task", help="prompt source (default: arith for the tiny model, gsm_symbolic otherwise)")
+    s.add_argument("--task", help="prompt source (default: arith for the tiny model, chain_sum otherwise)")
     s.add_argument("--steps", type=int, default=200)
     s.add_argument("--gamma", type=int, default=7, help="tokens drafted per round the draft is built for")
     s.add_argument("--lr", type=float, default=1e-3)

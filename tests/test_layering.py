@@ -20,7 +20,7 @@ ALLOWED = {
     "kernels": {"models", "attention", "cache"},
     "models": {"attention", "atomic", "cache"},
     "drafts": {"models", "kernels", "attention", "spec", "atomic"},
-    "rollout": {"models", "spec"},
+    "rollout": {"models", "spec", "cache"},
     "train": {"models", "attention", "drafts", "rollout", "tasks", "tokenizer", "atomic", "cache"},
     "policy": {"models", "kernels", "rollout", "tasks", "tokenizer", "train", "atomic", "cache"},
     "config": {"drafts", "tasks"},

@@ -53,7 +53,7 @@ class Checkpoint:
     """A verified checkpoint, read whole into memory (nothing restored yet)."""
     path: Path
     step: int
-    state: dict                 # the marker: prompts_used, spec_pays, step, files
+    state: dict                 # the marker: prompts_used, step, files (+ acceptance under draft_length=auto)
     config: dict                # the run config it was written under
     policy: torch.nn.Module
     draft: dict | None          # the draft's state dict
