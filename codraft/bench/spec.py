@@ -25,6 +25,8 @@ to codraft's and HF's plain decode time per step at batch 1.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 from dataclasses import dataclass, field
@@ -38,6 +40,7 @@ from codraft.bench import CpuMeter, format_table, machine_info, median
 from codraft.bench.bandwidth import decode_bound_s, measure_bandwidth, weight_bytes
 from codraft.policy import load_policy
 from codraft.rollout import Engine, load_or_calibrate
+from codraft.rollout.stats import SpecStats
 from codraft.tasks import make_task
 from codraft.train.offline_draft import default_task_name, draft_for_command
 
@@ -75,6 +78,10 @@ class Side:
     run: Callable[[list[list[int]]], dict]  # prompts -> {"tokens": [[...]], optional "stats"}
     times: list[float] = field(default_factory=list)
     last: dict = field(default_factory=dict)
+    sampled: bool = False  # also timed as a rollout: temperature 1, EOS on (codraft's sides)
+    times_t1: list[float] = field(default_factory=list)
+    tokens_t1: list[int] = field(default_factory=list)
+    stats_t1: list[dict] = field(default_factory=list)
 
 
 def parse_gammas(text: str) -> list[int | str]:
@@ -96,7 +103,7 @@ def _codraft_side(name, model, draft, gamma, max_new, cost_model=None):
         res = engine.generate(prompts, n, temperature=temperature, eos_id=list(eos), seed=seed)
         return {"tokens": [r.tokens for r in res], "stats": engine.stats.as_dict()}
 
-    return Side(name, run)
+    return Side(name, run, sampled=True)
 
 
 def _hf_side(name, hf, pad_id, max_new, lookup: int | None = None):
@@ -123,9 +130,8 @@ def _load_hf(folder):
 
 
 def _prompts(tok, n: int) -> list[list[int]]:
-    if default_task_name(tok) == "arith":  # the char model: arithmetic prompts from the task's val split
-        return [tok.prompt_ids(p.prompt) for p in make_task("arith").sample("val", n, seed=0)]
-    return [tok.prompt_ids(CHAT_PROMPTS[i % len(CHAT_PROMPTS)]) for i in range(n)]
+    """Held-out prompts of the task the model's offline drafts train on (arith / chain_sum, val split)."""
+    return [tok.prompt_ids(p.prompt) for p in make_task(default_task_name(tok)).sample("val", n, seed=0)]
 
 
 def _match(a: list[list[int]], b: list[list[int]]) -> float:
@@ -174,14 +180,20 @@ def bench_model(model_name: str, *, batches, max_new: int, drafts, gamma: int, r
         prompts = all_prompts[:b]
         these = sides + ([pld] if hf and b == 1 else [])
         for s in these:
-            s.times = []
+            s.times, s.times_t1, s.tokens_t1, s.stats_t1 = [], [], [], []
             s.run(prompts, n=min(max_new, 16))  # warm-up: allocator, thread pool, kernels
         meter = CpuMeter()
-        for _ in range(repeats):
+        for rep in range(repeats):
             for s in these:
                 t = perf_counter()
                 s.last = s.run(prompts)
                 s.times.append(perf_counter() - t)
+                if s.sampled:  # as a rollout samples: T = 1, EOS on, one seed per repetition
+                    t = perf_counter()
+                    r = s.run(prompts, temperature=1.0, eos=[tok.eos_id], seed=1 + rep)
+                    s.times_t1.append(perf_counter() - t)
+                    s.tokens_t1.append(sum(map(len, r["tokens"])))
+                    s.stats_t1.append(r["stats"])
         load = meter.read()
         ref = next((s.last["tokens"] for s in these if s.name == "hf generate"), None)
         plain = these[0]
@@ -198,9 +210,14 @@ def bench_model(model_name: str, *, batches, max_new: int, drafts, gamma: int, r
                 row["gamma_chosen"] = st["gamma_chosen"]  # rounds that drafted 0, 1, … tokens
                 # target forward + sampling/accept per round: a plain decode step, or one γ+1-token verify
                 row["ms_per_forward"] = 1e3 * st["verify_s"] / max(st["rounds"], 1)
+            if s.sampled:  # tokens over time summed over the repetitions: their lengths differ
+                row["seconds_t1"] = s.times_t1
+                row["tokens_per_s_t1"] = sum(s.tokens_t1) / sum(s.times_t1)
+                row["speedup_t1"] = row["tokens_per_s_t1"] / (sum(plain.tokens_t1) / sum(plain.times_t1))
             if s.name.startswith("codraft spec/"):
                 row["identical_to_plain"] = s.last["tokens"] == plain.last["tokens"]
-                t1 = s.run(prompts, temperature=1.0, eos=[tok.eos_id], seed=1)["stats"]
+                t1 = _pooled(s.stats_t1)
+                row["stats_t1"] = t1
                 row["tau_t1"] = t1["acceptance_length"]
                 row["acceptance_per_position_t1"] = t1["acceptance_per_position"]
                 row["gamma_chosen_t1"] = t1["gamma_chosen"]
@@ -209,6 +226,14 @@ def bench_model(model_name: str, *, batches, max_new: int, drafts, gamma: int, r
             out["rows"].append(row)
         log(f"  {model_name} batch {b}: done ({load.get('others_cores', float('nan')):.2f} cores busy elsewhere)")
     return out
+
+
+def _pooled(stats: list[dict]) -> dict:
+    """The T = 1 statistics of all repetitions as one: counts and times summed, rates recomputed."""
+    first = stats[0]
+    summed = {f.name: [sum(v) for v in zip(*(st[f.name] for st in stats))] if isinstance(first[f.name], list)
+              else sum(st[f.name] for st in stats) for f in dataclasses.fields(SpecStats) if f.name != "gamma"}
+    return SpecStats(gamma=first["gamma"], **summed).as_dict()
 
 
 def summarize(result: dict) -> list[dict]:
@@ -245,12 +270,12 @@ def print_report(result: dict, log=print):
         table = [[r["batch"], r["side"], r["tokens_per_s"], 1e3 * median(r["seconds"]),
                   r["tokens_per_s"] / plain[r["batch"]] if r["batch"] in plain else None,
                   r["tokens_per_s"] / hf[r["batch"]] if r["batch"] in hf else None,
-                  r.get("tau_greedy"), r.get("tau_t1"), r.get("ms_per_forward"),
+                  r.get("tau_greedy"), r.get("tau_t1"), r.get("speedup_t1"), r.get("ms_per_forward"),
                   r["stats_greedy"]["mean_gamma"] if r["side"].startswith("codraft spec/") else None,
                   {True: "yes", False: "NO"}.get(r.get("identical_to_plain"), "-")] for r in m["rows"]]
         log(f"\n{_label(name)} ({m['parameters'] / 1e6:.1f} M params, fp32), greedy, "
             f"{result['settings']['max_new_tokens']} new tokens/row, median of {result['settings']['repeats']}:")
-        log(format_table(table, ["B", "side", "tok/s", "ms/call", "vs plain", "vs hf", "τ greedy", "τ T=1",
+        log(format_table(table, ["B", "side", "tok/s", "ms/call", "vs plain", "vs hf", "τ greedy", "τ T=1", "T=1 vs plain",
                                  "fwd ms", "drafts/row", "= plain"]))
     summary = summarize(result)
     if summary:
@@ -278,7 +303,8 @@ def run(models=("tiny", "smollm2"), batches=(1, 4, 16), max_new_tokens=128, draf
               "settings": {"models": list(models), "batches": list(batches), "max_new_tokens": max_new_tokens,
                            "drafts": list(drafts), "gamma": gamma, "gammas": gammas, "threads": threads,
                            "repeats": repeats,
-                           "draft_init": draft_init, "decoding": "greedy, EOS disabled (tau_t1: temperature 1, EOS on)",
+                           "draft_init": draft_init, "decoding": "greedy, EOS disabled; *_t1: temperature 1, EOS on, "
+                                                               "seed 1 + repetition (as rollouts sample)",
                            "timing": "median wall time of the whole generate call, sides interleaved"}}
     log(f"bench spec: {threads} threads, torch {torch.__version__}; measuring memory bandwidth ...")
     result["bandwidth"] = measure_bandwidth()
