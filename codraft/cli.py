@@ -214,7 +214,8 @@ def _cmd_bench(args):
         run(steps=args.steps, warmup=args.warmup, draft_kinds=tuple(_csv(args.drafts)), threads=args.threads,
             trl=not args.no_trl, json_path=args.json, max_new_tokens=args.max_new_tokens, prompts=args.prompts,
             group=args.group, gamma=args.gamma, speedup_every=args.speedup_every, interleave=not args.sequential,
-            trl_gradient_checkpointing=args.trl_gradient_checkpointing, overrides=args.overrides)
+            trl_gradient_checkpointing=args.trl_gradient_checkpointing, draft_init=args.draft_init,
+            overrides=args.overrides)
     elif args.bench == "gemv":
         from codraft.bench.gemv import run
         run(model_name=args.model, rows=[int(r) for r in _csv(args.rows)], threads=args.threads,
@@ -243,7 +244,7 @@ def parser() -> argparse.ArgumentParser:
 def _run_commands(sub):
 
     s = sub.add_parser("train", help="the main job: GRPO with speculative rollouts and a co-trained draft")
-    s.add_argument("--config", help="preset name (tiny, smollm2-gsm) or YAML file; default: tiny")
+    s.add_argument("--config", help="preset name (tiny, smollm2-chainsum) or YAML file; default: tiny")
     s.add_argument("--resume", metavar="RUN_DIR", help="continue a run from its latest checkpoint")
     s.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. steps=3 seed=7")
     s.set_defaults(fn=_cmd_train)
@@ -313,6 +314,8 @@ def _bench_commands(sub):
     b.add_argument("--group", type=int, default=4)
     b.add_argument("--gamma", type=int, default=4)
     b.add_argument("--speedup-every", type=int, default=0)
+    b.add_argument("--draft-init", default="offline", choices=("offline", "random"),
+                   help="drafts start from cached offline training (trained on first use) or untrained")
     b.add_argument("--sequential", action="store_true", help="run the sides one after another")
     b.add_argument("--trl-gradient-checkpointing", action="store_true")
     b.add_argument("--json", metavar="FILE")

@@ -26,7 +26,8 @@ def test_e2e_codraft_side_only(tmp_path):
     try:
         out = run(steps=1, warmup=1, draft_kinds=("none", "ngram", "dflash"), threads=1, trl=False,
                   json_path=tmp_path / "e2e.json", max_new_tokens=4, prompts=2, group=2, gamma=2,
-                  policy=str(_tiny_policy_dir(tmp_path / "policy")), task="arith", log=lines.append)
+                  policy=str(_tiny_policy_dir(tmp_path / "policy")), task="arith", draft_init="random",
+                  log=lines.append)
     finally:
         torch.set_num_threads(threads)
     data = json.loads((tmp_path / "e2e.json").read_text())

@@ -154,7 +154,7 @@ def test_frozen_draft_does_not_change(tmp_path, tiny_policy_dir):
 def test_config_validation():
     cfg = load_config(None, ["steps=3", "seed=7", "run_dir=/tmp/r"])
     assert (cfg.steps, cfg.seed, cfg.run_dir) == (3, 7, "/tmp/r")
-    assert load_config("smollm2-gsm", ["steps=1"]).task.name == "gsm_symbolic"
+    assert load_config("smollm2-chainsum", ["steps=1"]).task.name == "chain_sum"
     with pytest.raises(ConfigError, match="did you mean steps"):
         load_config(None, ["stepz=3"])
     with pytest.raises(ConfigError, match="'steps' expects int"):

@@ -1,10 +1,11 @@
 """codraft's side of `codraft bench e2e`: one ``Trainer`` per draft kind, one RL step per ``step()``.
 
-``codraft/<kind>`` is ``codraft.rl.trainer.Trainer`` on the ``smollm2-gsm`` preset with
-``draft.mode=none`` (kind ``none``) or ``draft.mode=cotrain draft.kind=<kind> draft.init=random``:
-the draft is *untrained* (offline draft training on SmolLM2 takes far too long on a CPU), so τ
-is low; co-training starts from scratch at step 0. ``log.*`` extras (validation, checkpoints,
-the plain rollout for the speedup figure unless ``speedup_every``) are off.
+``codraft/<kind>`` is ``codraft.rl.trainer.Trainer`` on the ``smollm2-chainsum`` preset with
+``draft.mode=none`` (kind ``none``) or ``draft.mode=cotrain draft.kind=<kind>
+draft.init=<settings.draft_init>``: ``offline`` (default) starts from the cached offline-trained
+draft (trained on first use, ~12 min per kind on 2 CPU cores), ``random`` from an untrained one.
+``log.*`` extras (validation, checkpoints, the plain rollout for the speedup figure unless
+``speedup_every``) are off.
 
 Timing comes from the step's own metrics: rollout = ``Engine.generate`` (``time_rollout``);
 train = pack + forward + backward + clipping + both optimiser steps (``time_train``); step =
@@ -23,7 +24,7 @@ from codraft.bench import CpuMeter
 from codraft.config import load_config
 from codraft.rl.trainer import Trainer
 
-PRESET = "smollm2-gsm"
+PRESET = "smollm2-chainsum"
 
 
 def _f(x) -> float | None:
@@ -39,7 +40,8 @@ def side_overrides(kind: str, settings, run_dir: Path) -> list[str]:
           "grpo.kl_coef=0", f"grpo.lr={s.lr}", "log.val_every=0", f"log.speedup_every={s.speedup_every}",
           "log.checkpoint_every=0", f"draft.gamma={s.gamma}",
           "rollout.draft_length=fixed", "draft.num_anchors=0"]  # the preset's auto/16: pass as overrides
-    ov += ["draft.mode=none"] if kind == "none" else ["draft.mode=cotrain", f"draft.kind={kind}", "draft.init=random"]
+    ov += ["draft.mode=none"] if kind == "none" else ["draft.mode=cotrain", f"draft.kind={kind}",
+                                                       f"draft.init={s.draft_init}"]
     # no draft, nothing to size: an overrides' rollout.draft_length=auto is for the draft sides
     return ov + list(s.overrides) + (["rollout.draft_length=fixed"] if kind == "none" else [])
 
