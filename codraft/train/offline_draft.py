@@ -202,7 +202,8 @@ def offline_draft_dir(kind: str, *, policy, tok, task, policy_dir: Path, gamma: 
                       recipe: Recipe | None = None, progress: bool = True) -> Path:
     """A cached draft of ``kind`` trained offline on ``policy`` by ``recipe``; trained on first use."""
     r = recipe or recipe_for(tok, kind)
-    key = (f"{kind}-g{gamma}-{task.name}-s{r.steps}x{r.batch_sequences}-p{r.n_prompts}x{r.max_new_tokens}"
+    knobs = hashlib.sha256(json.dumps(task.knobs, sort_keys=True).encode()).hexdigest()[:6]
+    key = (f"{kind}-g{gamma}-{task.name}.{knobs}-s{r.steps}x{r.batch_sequences}-p{r.n_prompts}x{r.max_new_tokens}"
            f"-lr{r.lr:g}-seed{seed}-{_policy_key(Path(policy_dir))}-v{CACHE_VERSION}")
     folder = cache_root() / "drafts" / key
     if not (folder / "report.json").is_file():
