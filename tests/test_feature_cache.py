@@ -116,3 +116,11 @@ def test_cached_builds_once(tiny, tmp_path, monkeypatch):
     assert again.sequences == first.sequences and torch.equal(again.last, first.last)
     folders = list((tmp_path / "features").iterdir())
     assert len(folders) == 1 and folders[0].name.startswith("arith-")
+
+
+def test_reward_knobs_do_not_change_the_cached_data(tiny):
+    """max_chars/format_reward change rewards only: the same problems, so the same cache identity."""
+    task = tiny[2]
+    strict = make_task("arith", max_chars=50, format_reward=0.5)
+    assert _ident(strict) == _ident(task)
+    assert _ident(make_task("arith", style="steps")) != _ident(task)

@@ -11,6 +11,7 @@ from decimal import Decimal, InvalidOperation
 from typing import Any, ClassVar, Iterator
 
 SPLITS = ("train", "val")
+REWARD_KNOBS = ("max_chars", "format_reward")  # knobs every task has that change only its rewards
 
 # A number as a model may write it once spaces, commas and a leading '$' are dropped.
 _NUMBER = re.compile(r"[-+]?(\d+(\.\d*)?|\.\d+)")
@@ -78,6 +79,12 @@ class Task(abc.ABC):
     @property
     def knobs(self) -> dict[str, Any]:
         return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    @property
+    def problem_knobs(self) -> dict[str, Any]:
+        """The knobs that decide which problems come out (not how they are scored): what data
+        computed from a task's problems (a feature cache, an offline draft) depends on."""
+        return {k: v for k, v in self.knobs.items() if k not in REWARD_KNOBS}
 
     # -- problems
 

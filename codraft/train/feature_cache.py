@@ -94,7 +94,7 @@ def identity(*, policy_name: str, policy_key: str, task, n_prompts: int, max_new
     """What a cache is made from; two caches with equal identities hold the same data. JSON-normal
     (tuples as lists), so it compares equal to itself read back from disk."""
     return json.loads(json.dumps({"format": FORMAT, "policy": policy_name, "policy_key": policy_key, "task": task.name,
-            "task_knobs": task.knobs, "n_prompts": n_prompts, "max_new_tokens": max_new_tokens, "seed": seed,
+            "task_knobs": task.problem_knobs, "n_prompts": n_prompts, "max_new_tokens": max_new_tokens, "seed": seed,
             "temperature": temperature, "layers": sorted(int(l) for l in layers)}))
 
 

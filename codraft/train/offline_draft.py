@@ -202,7 +202,7 @@ def offline_draft_dir(kind: str, *, policy, tok, task, policy_dir: Path, gamma: 
                       recipe: Recipe | None = None, progress: bool = True) -> Path:
     """A cached draft of ``kind`` trained offline on ``policy`` by ``recipe``; trained on first use."""
     r = recipe or recipe_for(tok, kind)
-    knobs = hashlib.sha256(json.dumps(task.knobs, sort_keys=True).encode()).hexdigest()[:6]
+    knobs = hashlib.sha256(json.dumps(task.problem_knobs, sort_keys=True).encode()).hexdigest()[:6]
     key = (f"{kind}-g{gamma}-{task.name}.{knobs}-s{r.steps}x{r.batch_sequences}-p{r.n_prompts}x{r.max_new_tokens}"
            f"-lr{r.lr:g}-seed{seed}-{_policy_key(Path(policy_dir))}-v{CACHE_VERSION}")
     folder = cache_root() / "drafts" / key
