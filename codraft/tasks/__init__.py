@@ -13,7 +13,7 @@ A task hands out `Problem`s (prompt, canonical answer, worked reference solution
   prompt asks for a final line `#### <number>`, the SFT target is the dataset's worked
   solution (it already ends with that line).
 - `chain_sum` — short sums/differences from `reasoning_gym` (2 terms of 1-2 digits by
-  default) for SmolLM2-135M, which scores ~20 % unaided; the answer is the last number in
+  default) for SmolLM2-135M, which scores 19 % unaided (greedy); the answer is the last number in
   the completion (small models do not keep to a marker format).
 
 Splits never overlap: a prompt's split is a fixed function of its text (a SHA-256 bucket),
