@@ -1,0 +1,100 @@
+"""The context-parallel process group and its ring exchange, with timeouts that name who hangs.
+
+``CPGroup`` wraps a torch.distributed group (gloo on CPU, NCCL on GPU: the backend is chosen
+from the device when the group is created, see ``init_cp``). A ring step sends the tensor it
+holds to the next rank and receives the previous rank's: ``exchange`` posts both at once and
+returns a handle; ``wait`` blocks at most ``timeout`` seconds and then raises ``CPError`` naming
+this rank, the ring step, what it was waiting for and from which rank. A dead peer (closed
+connection) is reported the same way. One send and one receive per purpose (K/V, dK/dV) are in
+flight at a time, each purpose with its own tag: gloo may hang with several outstanding
+messages to one peer, and NCCL ignores tags, so the order of posting is the same on every rank.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+class CPError(RuntimeError):
+    """A context-parallel peer did not deliver in time (or died)."""
+
+
+@dataclass
+class CPGroup:
+    group: dist.ProcessGroup | None  # None: the default (world) group
+    rank: int
+    size: int
+    timeout: float = 300.0  # seconds a ring step waits for its peer
+
+    @classmethod
+    def world(cls, timeout: float = 300.0) -> "CPGroup":
+        return cls(None, dist.get_rank(), dist.get_world_size(), timeout)
+
+    def global_rank(self, r: int) -> int:
+        return r if self.group is None else dist.get_global_rank(self.group, r)
+
+    @property
+    def next(self) -> int:
+        return (self.rank + 1) % self.size
+
+    @property
+    def prev(self) -> int:
+        return (self.rank - 1) % self.size
+
+    def exchange(self, send: torch.Tensor, recv: torch.Tensor, *, what: str, step: int, tag: int) -> "Pending":
+        """Post send → next rank and recv ← previous rank; ``Pending.wait`` completes both."""
+        works = [dist.isend(send.contiguous(), self.global_rank(self.next), group=self.group, tag=tag),
+                 dist.irecv(recv, self.global_rank(self.prev), group=self.group, tag=tag)]
+        return Pending(self, works, what, step)
+
+    def all_reduce(self, x: torch.Tensor, what: str) -> torch.Tensor:
+        """Sum over the group, in place; a hang surfaces as the group's timeout, named here."""
+        try:
+            dist.all_reduce(x, group=self.group)
+        except RuntimeError as e:
+            raise CPError(f"CP rank {self.rank}/{self.size}: all-reduce of {what} failed: {e}") from e
+        return x
+
+    def all_gather_object(self, obj, what: str) -> list:
+        out = [None] * self.size
+        try:
+            dist.all_gather_object(out, obj, group=self.group)
+        except RuntimeError as e:
+            raise CPError(f"CP rank {self.rank}/{self.size}: all-gather of {what} failed: {e}") from e
+        return out
+
+
+@dataclass
+class Pending:
+    comm: CPGroup
+    works: list
+    what: str
+    step: int
+
+    def wait(self) -> None:
+        c = self.comm
+        try:
+            for w in self.works:
+                w.wait(datetime.timedelta(seconds=c.timeout))
+        except RuntimeError as e:
+            raise CPError(f"CP rank {c.rank}/{c.size}: ring step {self.step + 1} of {c.size} got no {self.what} from "
+                          f"CP rank {c.prev} (or could not send to CP rank {c.next}) within {c.timeout:g} s: {e}") from e
+
+
+def backend_for(device: torch.device | str) -> str:
+    """NCCL for CUDA devices, gloo otherwise."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def init_cp(device: torch.device | str = "cpu", timeout: float = 300.0) -> CPGroup:
+    """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT) once; the
+    whole world is the CP group. A single process without torchrun gets a group of one."""
+    if not dist.is_initialized():
+        if "RANK" not in os.environ:
+            raise CPError("parallel.cp > 1 needs torchrun: torchrun --nproc-per-node C -m codraft train parallel.cp=C")
+        dist.init_process_group(backend_for(device), timeout=datetime.timedelta(seconds=timeout))
+    return CPGroup.world(timeout)
