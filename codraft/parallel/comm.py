@@ -29,6 +29,7 @@ class CPGroup:
     rank: int
     size: int
     timeout: float = 300.0  # seconds a ring step waits for its peer
+    sent_bytes: int = 0     # bytes this rank has sent point-to-point (benchmarks read and reset it)
 
     @classmethod
     def world(cls, timeout: float = 300.0) -> "CPGroup":
@@ -47,6 +48,7 @@ class CPGroup:
 
     def exchange(self, send: torch.Tensor, recv: torch.Tensor, *, what: str, step: int, tag: int) -> "Pending":
         """Post send → next rank and recv ← previous rank; ``Pending.wait`` completes both."""
+        self.sent_bytes += send.numel() * send.element_size()
         works = [dist.isend(send.contiguous(), self.global_rank(self.next), group=self.group, tag=tag),
                  dist.irecv(recv, self.global_rank(self.prev), group=self.group, tag=tag)]
         return Pending(self, works, what, step)
@@ -81,8 +83,9 @@ class Pending:
             for w in self.works:
                 w.wait(datetime.timedelta(seconds=c.timeout))
         except RuntimeError as e:
-            raise CPError(f"CP rank {c.rank}/{c.size}: ring step {self.step + 1} of {c.size} got no {self.what} from "
-                          f"CP rank {c.prev} (or could not send to CP rank {c.next}) within {c.timeout:g} s: {e}") from e
+            raise CPError(f"CP rank {c.rank}/{c.size}: ring step {self.step + 1} of {c.size} got no {self.what} "
+                          f"from CP rank {c.prev} (or could not send to CP rank {c.next}) within {c.timeout:g} s: "
+                          f"{e}") from e
 
 
 def backend_for(device: torch.device | str) -> str:
