@@ -10,7 +10,9 @@ sequence; ``sdpa`` materialises the dense mask and is its reference.
 
 Partial attentions return (O, LSE) and combine exactly with ``merge_lse`` (merge.py);
 ``branch_attention`` (branch.py) runs draft branches (EAGLE-3 TTT diagonal, DFlash/DSpark
-blocks) as a main-prefix part and a local part merged that way.
+blocks) as a main-prefix part and a local part merged that way. ``MainAttention`` (context.py) is
+how the drafts' training losses reach the main sequence: single-process here, a ring under context
+parallelism.
 """
 from codraft.attention.dense import (
     PackedCausal,
@@ -28,8 +30,9 @@ from codraft.attention.branch import (
     branch_main_part,
     dense_branch_reference,
 )
+from codraft.attention.context import MainAttention
 
 __all__ = ["sdpa", "PackedCausal", "varlen_attention", "varlen_causal_mask", "cache_causal_mask", "positions_from_cu_seqlens",
            "attention_with_lse", "merge_lse", "softmax_with_lse",
            "branch_attention", "branch_attention_with_lse", "branch_main_part", "branch_local_part",
-           "dense_branch_reference"]
+           "dense_branch_reference", "MainAttention"]

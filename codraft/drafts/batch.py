@@ -17,12 +17,20 @@ reads: the rows just before completion tokens, which are also the rows the RL lo
 ``teacher_logits`` (R,V) holds the logits of the distinct packed rows ``teacher_rows`` (R,),
 which must include every such row (extra rows are allowed and ignored); the (T,V) tensor over
 the whole row, mostly prompt, is never built. ``teacher_at(rows)`` looks rows up.
+
+Context parallelism: ``main`` (a ``MainAttention``; None = the single-process default) says which
+packed positions this rank's feature rows are. Then ``features[l]`` are the LOCAL rows
+(1, T_l, H), aligned with ``main.rows`` (padding rows included), while ``input_ids``,
+``cu_seqlens``, ``loss_mask`` and the teacher rows/logits stay GLOBAL (every rank's rows): a
+draft reads tokens and teacher rows at global positions and features at local ones.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+from codraft.attention.context import MainAttention
 
 
 def supervised_rows(loss_mask: torch.Tensor) -> torch.Tensor:
@@ -38,6 +46,7 @@ class DraftBatch:
     features: dict[int, torch.Tensor]       # layer -> (1,T,H), detached
     teacher_logits: torch.Tensor            # (R,V), detached: the policy's logits at teacher_rows
     teacher_rows: torch.Tensor              # (R,) long, distinct packed rows ⊇ supervised_rows(loss_mask)
+    main: MainAttention | None = None       # None: single process, features cover the whole row
 
     def __post_init__(self):
         t = self.input_ids.shape[1]
@@ -46,9 +55,13 @@ class DraftBatch:
         for name, x in [("teacher_logits", self.teacher_logits), *((f"features[{l}]", f) for l, f in self.features.items())]:
             if x.requires_grad:
                 raise ValueError(f"DraftBatch.{name} requires grad: draft inputs must be detached (stop-gradient)")
+        if self.main is not None and self.main.length != t:
+            raise ValueError(f"DraftBatch.main describes a packed row of {self.main.length} tokens, input_ids has {t}")
+        t_l = t if self.main is None else len(self.main.rows)
         for l, f in self.features.items():
-            if f.shape[:2] != (1, t):
-                raise ValueError(f"DraftBatch.features[{l}] has shape {tuple(f.shape)}, expected (1, {t}, ...)")
+            if f.shape[:2] != (1, t_l):
+                raise ValueError(f"DraftBatch.features[{l}] has shape {tuple(f.shape)}, expected (1, {t_l}, ...)"
+                                 + ("" if self.main is None else " (the rows of DraftBatch.main)"))
         if self.loss_mask.shape != (1, t):
             raise ValueError(f"DraftBatch.loss_mask has shape {tuple(self.loss_mask.shape)}, expected (1, {t})")
         if self.teacher_rows.dim() != 1 or self.teacher_logits.dim() != 2 \
@@ -57,10 +70,18 @@ class DraftBatch:
                              f"{tuple(self.teacher_logits.shape)} and {tuple(self.teacher_rows.shape)}")
 
     @classmethod
-    def from_full_logits(cls, input_ids, cu_seqlens, loss_mask, features, logits: torch.Tensor) -> "DraftBatch":
-        """Build from logits over the whole row, (1,T,V): keeps only ``supervised_rows(loss_mask)``."""
+    def from_full_logits(cls, input_ids, cu_seqlens, loss_mask, features, logits: torch.Tensor,
+                         main: MainAttention | None = None) -> "DraftBatch":
+        """Build from logits over the whole (global) row, (1,T,V): keeps only ``supervised_rows(loss_mask)``."""
         rows = supervised_rows(loss_mask)
-        return cls(input_ids, cu_seqlens, loss_mask, features, logits[0, rows], rows)
+        return cls(input_ids, cu_seqlens, loss_mask, features, logits[0, rows], rows, main)
+
+    @property
+    def context(self) -> MainAttention:
+        """How the draft attends to the main row: ``main``, or the single-process default."""
+        if self.main is not None:
+            return self.main
+        return MainAttention(self.cu_seqlens.to(self.device, torch.long), self.input_ids.shape[1])
 
     @property
     def device(self) -> torch.device:

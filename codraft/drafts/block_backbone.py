@@ -12,7 +12,7 @@ Data flow (K draft layers, m tapped target layers, block of S slots)::
         └─ h = norm(x)                                               (…,N,S,H)
         └─ logits = h · W_head^T (the target's LM head, frozen)      (…,N,S,V)
 
-Attention of block n (anchor a_n) is the ``branch_attention`` primitive with
+Attention of block n (anchor a_n) is branch attention (codraft.attention.branch) with
 ``local="block", include_anchor=False``: its queries see the context strictly before a_n
 (features at a_n do not exist yet at decode time, the anchor is the pending token) within
 the same packed sequence, and the S keys of their own block bidirectionally. In the notes'
@@ -20,6 +20,11 @@ dense form over keys [context (T) ; blocks (N·S)], for query slot q of block n 
 
     ctx_ok(q, kv)   = kv < T and seq(kv) == seq(a_n) and kv < a_n
     draft_ok(q, kv) = kv ≥ T and (kv − T) // S == n
+
+The two parts are computed apart and merged by LSE: the context part is a ``MainPart``
+callable the layers are given (training: the batch's ``MainAttention.branch``, a ring under
+context parallelism; decoding: ``branch_main_part`` over the cache), the block part is
+``branch_local_part``.
 
 Shared and frozen target parts: ``bind_target(embed_weight, head_weight)`` stores the
 target's token embedding (V,H) and LM head (V,H) by reference (in a plain holder object: not
@@ -39,16 +44,23 @@ len-1..len-2+S against the cache. No host syncs: reads are bounded by the host-k
 
 Training helpers: ``sample_anchors`` (random anchors per packed sequence, notes 2.2),
 ``block_hidden`` (the forward above for N anchors of a packed ``DraftBatch`` row: context K/V
-at per-sequence positions, one ``branch_attention`` per layer over all N·S block queries) and
+at per-sequence positions, one branch attention per layer over all N·S block queries) and
 ``chunked`` (the (N,S,V) head + loss in checkpointed chunks of blocks, so the vocabulary-sized
 logits of only one chunk are alive). Subclasses (dflash.py, dspark.py) define the slot→label
 mapping, the loss and ``propose``.
+
+Context parallelism (``DraftBatch.main``): anchors are drawn from the global row (the same on
+every rank: same loss mask, same generator); each rank runs the blocks whose anchor row it
+holds (``held_blocks``), with context K/V from its local feature rows, and reads labels and
+teacher rows at global positions. The losses sum their numerators over ranks
+(``MainAttention.total``) and divide by global counts, so every rank reports the global loss.
 
 Not here: sliding-window layers, the confidence-driven prefix scheduler, fused kernels.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 from pathlib import Path
@@ -61,11 +73,14 @@ from safetensors.torch import load_file, save_file
 from torch.utils.checkpoint import checkpoint
 
 from codraft.atomic import atomic_dir
-from codraft.attention import branch_attention, positions_from_cu_seqlens
+from codraft.attention import branch_local_part, branch_main_part, merge_lse
 from codraft.drafts.base import Draft, Features
 from codraft.drafts.batch import DraftBatch
 from codraft.models.config import ModelConfig
 from codraft.models.layers import MLP, RMSNorm, apply_rope, linear, rope_cos_sin, rope_inv_freq
+
+# q (B,H,N,S,D), context k/v (B,Hkv,T,D) -> (O (B,H,N,S,D), LSE (B,H,N,S)): blocks over the context
+MainPart = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -179,17 +194,21 @@ class BlockAttention(nn.Module):
         """Injected context: ctx (B,T,H) at positions of cos/sin (B,1,T,D) -> K, V (B,Hkv,T,D)."""
         return self._kv(ctx, cos, sin)
 
-    def forward(self, x, cos, sin, k_main, v_main, anchors, cu_seqlens):
-        """x (B,N,S,H) normed block input, cos/sin (B,1,N·S,D), k/v_main (B,Hkv,T,D) -> (B,N,S,H)."""
+    def forward(self, x, cos, sin, k_main, v_main, main_part: MainPart):
+        """x (B,N,S,H) normed block input, cos/sin (B,1,N·S,D), k/v_main (B,Hkv,T,D) -> (B,N,S,H).
+
+        ``main_part(q, k_main, v_main)`` is the blocks' attention over the context (O, LSE); it is
+        merged with the block's own bidirectional part."""
         b, n, s, _ = x.shape
-        xf = x.reshape(b, n * s, -1)
+        xf = x.reshape(b, n * s, x.shape[-1])  # explicit H: N may be 0 (a CP rank without blocks)
         q = self.q_norm(self.q_proj(xf).view(b, n * s, self.n_heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, cos, sin).reshape(b, self.n_heads, n, s, self.head_dim)  # (B,H,N,S,D)
         k, v = self._kv(xf, cos, sin)
         k = k.reshape(b, self.n_kv, n, s, self.head_dim)  # (B,Hkv,N,S,D)
         v = v.reshape(b, self.n_kv, n, s, self.head_dim)
-        o = branch_attention(q, k, v, k_main, v_main, anchors, local="block", include_anchor=False,
-                             cu_seqlens=cu_seqlens)  # (B,H,N,S,D)
+        om, lm = main_part(q, k_main, v_main)  # (B,H,N,S,D), (B,H,N,S)
+        ob, lb = branch_local_part(q, k, v, local="block")
+        o = merge_lse(om, lm, ob, lb)[0].to(q.dtype)  # (B,H,N,S,D)
         return self.o_proj(o.permute(0, 2, 3, 1, 4).reshape(b, n, s, self.n_heads * self.head_dim))
 
 
@@ -201,8 +220,8 @@ class BlockDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = MLP(c)
 
-    def forward(self, x, cos, sin, k_main, v_main, anchors, cu_seqlens):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_main, v_main, anchors, cu_seqlens)
+    def forward(self, x, cos, sin, k_main, v_main, main_part: MainPart):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_main, v_main, main_part)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -325,15 +344,15 @@ class BlockDraftBase(nn.Module, Draft):
         rest = self.mask_vector().expand(*anchor_tokens.shape, slots - 1, -1)
         return torch.cat([first, rest.to(first.dtype)], dim=2)
 
-    def run_blocks(self, x: torch.Tensor, pos0: torch.Tensor, kv: list, anchors: torch.Tensor,
-                   cu_seqlens: torch.Tensor | None) -> torch.Tensor:
+    def run_blocks(self, x: torch.Tensor, pos0: torch.Tensor, kv: list, main_part: MainPart) -> torch.Tensor:
         """x (B,N,S,H) block inputs, slot 0 at RoPE position pos0 (B,N); kv per-layer (B,Hkv,T,D) context;
-        anchors (B|1,N) packed index of each block's anchor in kv -> final-normed hidden (B,N,S,H)."""
+        main_part(q, k, v) -> (O, LSE): the blocks' part over the context (called once per layer)
+        -> final-normed hidden (B,N,S,H)."""
         b, n, s, _ = x.shape
         positions = (pos0[..., None] + torch.arange(s, device=x.device)).reshape(b, n * s)
         cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)  # (B,1,N·S,D)
         for layer, (k, v) in zip(self.layers, kv):
-            x = layer(x, cos, sin, k, v, anchors, cu_seqlens)
+            x = layer(x, cos, sin, k, v, main_part)
         return self.norm(x)
 
     # ---- training: anchors and the packed forward ----
@@ -364,14 +383,30 @@ class BlockDraftBase(nn.Module, Draft):
         a = chosen[keep].sort().values  # (N,) one host sync: training only
         return Blocks(a, end[a], a - cu[seq[a]])
 
-    def block_hidden(self, batch: DraftBatch, blocks: Blocks, slots: int) -> torch.Tensor:
-        """Training forward: final-normed hidden (1,N,S,H) of the blocks [x_a, MASK…] of ``blocks``."""
-        t = batch.input_ids.shape[1]
-        cu = batch.cu_seqlens.to(batch.device, torch.long)
-        ctx = self.context(batch.features)  # (1,T,H)
-        kv = self.context_kv(ctx, positions_from_cu_seqlens(cu, t)[None])
-        x = self.block_input(batch.input_ids[0, blocks.anchors][None], slots)  # (1,N,S,H)
-        return self.run_blocks(x, blocks.pos[None], kv, blocks.anchors[None], cu)
+    def held_blocks(self, batch: DraftBatch, blocks: Blocks) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks this rank trains, those whose anchor row it holds (all of them without context
+        parallelism): (sel (N_l,) indices into ``blocks``, ascending; their anchors' local rows (N_l,)).
+        One host sync."""
+        local = batch.context.local_index(blocks.anchors.to(batch.device))
+        sel = (local >= 0).nonzero()[:, 0]
+        return sel, local[sel]
+
+    def block_hidden(self, batch: DraftBatch, blocks: Blocks, slots: int,
+                     held: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """Training forward: final-normed hidden (1,N_l,S,H) of the blocks [x_a, MASK…] of ``blocks``
+        (global anchors) that this rank holds, ``held`` (default ``held_blocks``), in that order.
+
+        Context K/V come from the batch's local feature rows at their positions; the blocks' context
+        part is ``batch.context.branch`` (collective under CP: called once per layer on every rank,
+        also with N_l = 0)."""
+        main = batch.context
+        sel, local = self.held_blocks(batch, blocks) if held is None else held
+        ctx = self.context(batch.features)  # (1,T_l,H)
+        kv = self.context_kv(ctx, main.positions().to(batch.device)[None])
+        anchors = blocks.anchors.to(batch.device)[sel]  # (N_l,) global
+        x = self.block_input(batch.input_ids[0, anchors][None], slots)  # (1,N_l,S,H)
+        part = functools.partial(main.branch, anchors=local, include_anchor=False)
+        return self.run_blocks(x, blocks.pos.to(batch.device)[sel][None], kv, part)
 
     def chunked(self, fn: Callable[..., tuple[torch.Tensor, ...]], n: int, *per_block: torch.Tensor):
         """Sum of fn(*slices) over chunks of ``config.loss_chunk_blocks`` blocks (dim 0 of every tensor).
@@ -435,7 +470,8 @@ class BlockDraftBase(nn.Module, Draft):
         kv = [(state.k[i, :, :, :span], state.v[i, :, :, :span]) for i in range(len(self.layers))]
         x = self.block_input(state.pending[:, None], slots)  # (B,1,S,H)
         anchors = state.ctx_len[:, None]  # (B,1): attend to context positions < ctx_len
-        return self.run_blocks(x, anchors, kv, anchors, None)[:, 0]
+        part = functools.partial(branch_main_part, anchors=anchors, include_anchor=False)
+        return self.run_blocks(x, anchors, kv, part)[:, 0]
 
     # ---- save / load ----
 

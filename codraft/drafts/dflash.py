@@ -50,22 +50,32 @@ class DFlashDraft(BlockDraftBase):
     # ---- training ----
 
     def loss(self, batch: DraftBatch, *, generator: torch.Generator | None = None):
-        """-> (scalar loss, metrics {name: detached 0-dim tensor}); see the module docstring."""
+        """-> (scalar loss, metrics {name: detached 0-dim tensor}); see the module docstring.
+
+        Context parallelism (``batch.main``): every rank returns the global loss and metrics, the
+        gradient flowing through the blocks it holds. Collective calls, the same on every rank:
+        ``branch`` × num_hidden_layers (``block_hidden``), then one ``total`` of a (2S,) vector;
+        none when the row has no valid anchor at all.
+        """
         s = self.config.block_size
-        blocks = self.sample_anchors(batch, label_offset=1, generator=generator)
+        blocks = self.sample_anchors(batch, label_offset=1, generator=generator)  # global: same on every rank
         n = blocks.anchors.shape[0]
         if n == 0:
             z = self.zero_loss()
             return z, {"loss": z.detach(), "acc": z.detach(), "num_blocks": z.detach()}
-        h = self.block_hidden(batch, blocks, s)[0]  # (N,S,H)
-        t = batch.input_ids.shape[1]
-        lab_pos = blocks.anchors[:, None] + torch.arange(s, device=h.device)  # (N,S): slot k -> a+k
+        t, dev = batch.input_ids.shape[1], batch.device
+        # labels and masks of every block (global), then the blocks this rank runs
+        lab_pos = blocks.anchors[:, None] + torch.arange(s, device=dev)  # (N,S): slot k -> a+k
         in_seq = lab_pos < blocks.seq_end[:, None]
         lab_pos = lab_pos.clamp(max=t - 1)
         labels = batch.input_ids[0, lab_pos]  # (N,S)
         m = in_seq & batch.loss_mask[0, lab_pos]
         m[:, 0] = False  # slot 0 is the anchor, not a prediction
         m = m.float()
+        count = m.sum(0)  # (S,) global
+        held = self.held_blocks(batch, blocks)
+        sel = held[0]
+        h = self.block_hidden(batch, blocks, s, held)[0]  # (N_l,S,H)
 
         def slot_sums(h_c, labels_c, m_c):
             logits = self.logits(h_c)  # (n,S,V) float32
@@ -73,14 +83,14 @@ class DFlashDraft(BlockDraftBase):
             hit = (logits.argmax(-1) == labels_c).float()
             return (ce * m_c).sum(0), (hit * m_c).sum(0).detach()  # (S,), (S,)
 
-        ce_sum, hit_sum = self.chunked(slot_sums, n, h, labels, m)
-        count = m.sum(0)  # (S,)
-        w = decay_weights(s, self.config.loss_decay, 1, h.device)  # (S,) w_0 = 0
+        ce_sum, hit_sum = self.chunked(slot_sums, sel.shape[0], h, labels[sel], m[sel])
+        ce_sum, hit_sum = batch.context.total(torch.cat([ce_sum, hit_sum])).split(s)  # over ranks
+        w = decay_weights(s, self.config.loss_decay, 1, dev)  # (S,) w_0 = 0
         denom = (w * count).sum().clamp_min(1e-9)
         loss = (w * ce_sum).sum() / denom
         metrics = {"loss": loss.detach(), "acc": ((w * hit_sum).sum() / denom).detach(),
                    "num_blocks": torch.tensor(float(n))}
-        acc = hit_sum / count.clamp_min(1)
+        acc = hit_sum.detach() / count.clamp_min(1)
         for k in range(1, s):
             metrics[f"acc_{k}"] = acc[k]
         return loss, metrics

@@ -100,22 +100,32 @@ class DSparkDraft(BlockDraftBase):
     # ---- training ----
 
     def loss(self, batch: DraftBatch, *, generator: torch.Generator | None = None):
-        """-> (scalar loss, metrics {name: detached 0-dim tensor}); see the module docstring."""
+        """-> (scalar loss, metrics {name: detached 0-dim tensor}); see the module docstring.
+
+        Context parallelism (``batch.main``): every rank returns the global loss and metrics, the
+        gradient flowing through the blocks it holds. Collective calls, the same on every rank:
+        ``branch`` × num_hidden_layers (``block_hidden``), then one ``total`` of a (5S+1,) vector;
+        none when the row has no valid anchor at all.
+        """
         s = self.config.block_size
-        blocks = self.sample_anchors(batch, label_offset=1, generator=generator)
+        blocks = self.sample_anchors(batch, label_offset=1, generator=generator)  # global: same on every rank
         n = blocks.anchors.shape[0]
         if n == 0:
             z = self.zero_loss()
             return z, {"loss": z.detach(), "acc": z.detach(), "num_blocks": z.detach()}
-        h = self.block_hidden(batch, blocks, s)[0]  # (N,S,H)
-        t = batch.input_ids.shape[1]
-        src = blocks.anchors[:, None] + torch.arange(s, device=h.device)  # (N,S) a+k: prev token, teacher row
+        t, dev = batch.input_ids.shape[1], batch.device
+        # labels and masks of every block (global), then the blocks this rank runs
+        src = blocks.anchors[:, None] + torch.arange(s, device=dev)  # (N,S) a+k: prev token, teacher row
         in_seq = src + 1 < blocks.seq_end[:, None]
         src = src.clamp(max=t - 1)
         lab_pos = (src + 1).clamp(max=t - 1)
         ids = batch.input_ids[0]
         labels, prev = ids[lab_pos], ids[src]  # (N,S) x_{a+k+1}, x_{a+k}
         m = (in_seq & batch.loss_mask[0, lab_pos]).float()
+        count = m.sum(0)  # (S,) global
+        held = self.held_blocks(batch, blocks)
+        sel = held[0]
+        h = self.block_hidden(batch, blocks, s, held)[0]  # (N_l,S,H)
 
         def slot_sums(h_c, labels_c, prev_c, src_c, m_c):
             z, e = self.slot_logits(h_c, prev_c)  # (n,S,V), (n,S,r)
@@ -132,18 +142,19 @@ class DSparkDraft(BlockDraftBase):
             return ((ce * m_c).sum(0), (l1 * m_c).sum(0), (bce * m_c).sum(0), (hit * m_c).sum(0).detach(),
                     alpha.sum(0).detach(), tau.detach())
 
-        ce_s, l1_s, bce_s, hit_s, alpha_s, tau_s = self.chunked(slot_sums, n, h, labels, prev, src, m)
-        count = m.sum(0)  # (S,)
-        w = decay_weights(s, self.config.loss_decay, 0, h.device)
+        sums = self.chunked(slot_sums, sel.shape[0], h, labels[sel], prev[sel], src[sel], m[sel])
+        sums = batch.context.total(torch.cat([*sums[:5], sums[5][None]]))  # over ranks
+        ce_s, l1_s, bce_s, hit_s, alpha_s, tau_s = (*sums[:5 * s].split(s), sums[5 * s])
+        w = decay_weights(s, self.config.loss_decay, 0, dev)
         denom = (w * count).sum().clamp_min(1e-9)
         ce, tv, conf = ((w * x).sum() / denom for x in (ce_s, l1_s, bce_s))
         loss = self.ce_weight * ce + self.tv_weight * tv + self.conf_weight * conf
         metrics = {"loss": loss.detach(), "ce": ce.detach(), "tv": tv.detach(), "conf": conf.detach(),
-                   "acc": ((w * hit_s).sum() / denom).detach(), "tau_est": 1 + tau_s / n,
+                   "acc": ((w * hit_s).sum() / denom).detach(), "tau_est": 1 + tau_s.detach() / n,
                    "num_blocks": torch.tensor(float(n))}
         for k in range(s):
-            metrics[f"acc_{k + 1}"] = hit_s[k] / count[k].clamp_min(1)
-            metrics[f"alpha_{k + 1}"] = alpha_s[k] / count[k].clamp_min(1)
+            metrics[f"acc_{k + 1}"] = hit_s[k].detach() / count[k].clamp_min(1)
+            metrics[f"alpha_{k + 1}"] = alpha_s[k].detach() / count[k].clamp_min(1)
         return loss, metrics
 
     # ---- decoding ----

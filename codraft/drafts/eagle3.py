@@ -13,8 +13,11 @@ logits of row t+1+j (DraftBatch convention: row t's teacher logits are over toke
 
 Training, ``loss(batch)``: the training-time-test unroll of ``ttt_steps`` steps. Step 0 is varlen
 causal attention over the packed row; step j > 0 attends to the step-0 keys of its sequence up
-to and including its row plus its own row's steps 1..j (the "diagonal" branch), through
-``codraft.attention.branch`` so the context-parallel ring can reuse it. Per-step soft
+to and including its row (the same causal main part) plus its own row's steps 1..j (the
+"diagonal" branch, ``branch_local_part``), merged by LSE. The main part goes through the batch's
+``MainAttention`` (``batch.context``), so under context parallelism the ring supplies it and
+the unroll runs on the rank's own rows, reading tokens and teacher rows at their global
+positions. Per-step soft
 cross-entropy against softmax(teacher restricted to the draft vocabulary) on positions whose
 predicted token is inside the same sequence, marked by ``loss_mask`` and whose teacher top-1
 is in the draft vocabulary; step weights ``loss_decay``^j (0.8).
@@ -31,8 +34,8 @@ The token embedding (and optionally the head init) is the target's: ``bind_targe
 tensors outside the module (no parameter, not saved, used detached), so no gradient reaches the
 policy. Checkpoints use the public EAGLE-3 layout (``LlamaForCausalLMEagle3``; see ``save``).
 
-Not here: tree drafting, the optional ``fc_norm`` variant, context parallelism (the ring hooks
-into the same branch primitive), vocabulary re-mapping after build.
+Not here: tree drafting, the optional ``fc_norm`` variant, the context-parallel ring itself
+(``codraft.parallel``), vocabulary re-mapping after build.
 """
 from __future__ import annotations
 
@@ -47,8 +50,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from codraft.atomic import atomic_dir
-from codraft.attention import cache_causal_mask, positions_from_cu_seqlens, sdpa
-from codraft.attention.branch import branch_attention, branch_main_part
+from codraft.attention import branch_local_part, cache_causal_mask, merge_lse, sdpa
 from codraft.drafts.base import Draft, Features
 from codraft.drafts.batch import DraftBatch
 from codraft.drafts.eagle3_layer import Eagle3Layer, check_layers, default_layers, vocab_map
@@ -66,12 +68,6 @@ _OVERRIDABLE = ("intermediate_size", "num_attention_heads", "num_key_value_heads
 class Eagle3State(NamedTuple):
     cache: KVCache       # 1 layer; lengths = context length - 1; cache.span = host bound of lengths
     hidden: torch.Tensor  # (B,H) pre-norm midlayer output at the last cached pair (predicts x_1)
-
-
-def _shift(x: torch.Tensor, s: int) -> torch.Tensor:
-    """Shift left by s along dim 1, zero-filled: out[:, t] = x[:, t + s] (0 past the end)."""
-    s = min(s, x.shape[1])
-    return torch.cat([x[:, s:], torch.zeros_like(x[:, :s])], dim=1)
 
 
 class Eagle3Draft(nn.Module, Draft):
@@ -160,34 +156,45 @@ class Eagle3Draft(nn.Module, Draft):
     # ---- training: TTT unroll ----------------------------------------------------------------
 
     def ttt_logits(self, batch: DraftBatch) -> list[torch.Tensor]:
-        """Draft logits (1,T,V_d) of every TTT step j = 0..ttt_steps-1 (row t predicts x_{t+2+j})."""
+        """Draft logits (1,T_l,V_d) of every TTT step j = 0..ttt_steps-1 at the local rows
+        g = ``batch.context.rows`` (row g predicts x_{g+2+j}); T_l = T without context parallelism.
+
+        Collective calls (under CP): ``context.causal`` once per step, in step order.
+        """
         for l, f in batch.features.items():
             if f.requires_grad:
                 raise ValueError(f"features[{l}] requires grad: EAGLE-3 trains on detached target features")
-        ids, cu = batch.input_ids, batch.cu_seqlens
-        t = ids.shape[1]
-        pos = positions_from_cu_seqlens(cu, t)[None]  # (1,T) restarting per sequence
-        hidden = self.fc(self._features(batch.features, t))  # (1,T,H) = g_t
+        main = batch.context
+        ids, g = batch.input_ids[0], main.rows.to(batch.device)  # (T,) global ids, (T_l,) global rows
+        t = ids.shape[0]
+        pos = main.positions().to(batch.device)[None]  # (1,T_l) restarting per sequence
+        hidden = self.fc(self._features(batch.features, g.shape[0]))  # (1,T_l,H) = g_t
         k_main = v_main = None
         ks, vs, logits = [], [], []
         for j in range(self.ttt_steps):
-            # Step j.1: inputs: token x_{t+1+j} (ids shifted left by 1+j), RoPE position pos_t + j
-            emb = self._embed(_shift(ids, 1 + j))  # (1,T,H)
+            # Step j.1: inputs: token x_{g+1+j} (0 past the end of the row and on padding rows),
+            # RoPE position pos_g + j
+            src = g + 1 + j
+            tok = torch.where((g >= 0) & (src < t), ids[src.clamp(0, t - 1)], torch.zeros_like(src))
+            emb = self._embed(tok[None])  # (1,T_l,H)
             cos, sin = rope_cos_sin(self.inv_freq, pos + j, emb.dtype)
-            q, k, v = self.midlayer.qkv(emb, hidden, cos, sin)  # (1,Hq,T,D), (1,Hkv,T,D) x2
-            # Step j.2: attention. Step 0: varlen causal (main keys ≤ t of the same sequence).
-            # Step j > 0: those step-0 keys plus row t's own steps 1..j (diagonal branch).
+            q, k, v = self.midlayer.qkv(emb, hidden, cos, sin)  # (1,Hq,T_l,D), (1,Hkv,T_l,D) x2
+            # Step j.2: attention. Step 0: causal over the main row (keys ≤ g of the same sequence).
+            # Step j > 0: those step-0 keys (the same causal part, queried by step j) plus row g's
+            # own steps 1..j (the diagonal branch), merged by LSE.
             if j == 0:
                 k_main, v_main = k, v
-                o, _ = branch_main_part(q[:, :, :, None], k_main, v_main, None, include_anchor=True, cu_seqlens=cu)
+                o, _ = main.causal(q, k_main, v_main)  # (1,Hq,T_l,D)
             else:
                 ks.append(k)
                 vs.append(v)
-                o = branch_attention(q[:, :, :, None], torch.stack(ks, dim=3), torch.stack(vs, dim=3),  # (1,Hkv,T,j,D)
-                                     k_main, v_main, None, local="diagonal", include_anchor=True, cu_seqlens=cu)
+                om, lm = main.causal(q, k_main, v_main)
+                ob, lb = branch_local_part(q[:, :, :, None], torch.stack(ks, dim=3), torch.stack(vs, dim=3),
+                                           local="diagonal")  # branch k/v (1,Hkv,T_l,j,D)
+                o = merge_lse(om[:, :, :, None], lm[..., None], ob, lb)[0][:, :, :, 0]
             # Step j.3: the rest of the layer; the pre-norm output is the next step's hidden
-            hidden = self.midlayer.finish(o[:, :, :, 0].to(q.dtype), hidden)  # (1,T,H)
-            logits.append(self.head_logits(hidden))  # (1,T,V_d)
+            hidden = self.midlayer.finish(o.to(q.dtype), hidden)  # (1,T_l,H)
+            logits.append(self.head_logits(hidden))  # (1,T_l,V_d)
         return logits
 
     def loss(self, batch: DraftBatch, *, reduction: str = "mean") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -199,7 +206,13 @@ class Eagle3Draft(nn.Module, Draft):
         divides each step by its position count, "sum" does not (for global normalisation
         across micro-batches: metrics carry the counts). Metrics: ``loss``,
         ``step{j}/loss``, ``step{j}/acc`` (top-1 of the draft, mapped through d2t, equals the
-        teacher's over valid loss_mask positions) and ``step{j}/positions``. No host sync.
+        teacher's over valid loss_mask positions) and ``step{j}/positions``. No host sync
+        without context parallelism.
+
+        Context parallelism (``batch.main``): every rank returns the same (global) loss and
+        metrics; the gradient flows through this rank's rows only. Collective calls, the same
+        on every rank: ``causal`` × ttt_steps (``ttt_logits``), then one ``total`` of a
+        (2·ttt_steps,) vector.
         """
         if reduction not in ("mean", "sum"):
             raise ValueError(f'reduction must be "mean" or "sum", got {reduction!r}')
@@ -207,12 +220,15 @@ class Eagle3Draft(nn.Module, Draft):
             raise ValueError(f"teacher_logits have vocab {batch.teacher_logits.shape[-1]}, draft target vocab "
                              f"is {self.vocab_size}")
         step_logits = self.ttt_logits(batch)
+        main = batch.context
         cu, t, dev = batch.cu_seqlens.to(batch.device), batch.input_ids.shape[1], batch.device
         n_seq = cu.numel() - 1
         end = cu[1:][torch.searchsorted(cu[1:], torch.arange(t, device=dev), right=True).clamp(max=n_seq - 1)]
         # (T,) end of t's sequence (cu[-1] for padding: never valid)
         # Only teacher rows r with loss_mask[r+1] are read: step j at row t = r - s (s = 1 + j) reads
-        # teacher row r and predicts x_{r+1}, valid when r+1 lies in t's sequence.
+        # teacher row r and predicts x_{r+1}, valid when r+1 lies in t's sequence. The masks and
+        # counts below are global (every rank computes them alike); the draft row t is local to
+        # one rank only, so the numerators are summed over ranks (``main.total``) before dividing.
         rows = batch.teacher_rows.to(dev)  # (R,)
         teacher = batch.teacher_logits.detach()  # (R,V)
         supervised = (rows + 1 < t) & batch.loss_mask[0, (rows + 1).clamp(max=t - 1)].bool()  # (R,)
@@ -222,24 +238,37 @@ class Eagle3Draft(nn.Module, Draft):
         dt = torch.promote_types(step_logits[0].dtype, torch.float32)  # loss dtype: >= fp32
         p = sub.to(dt).softmax(-1)  # (R,V_d) teacher renormalised over the draft vocab
         used = self.used_ids()
-        total = torch.zeros((), dtype=dt, device=dev)
-        metrics: dict[str, torch.Tensor] = {}
+        ce_sums, hit_sums, n_pos, n_acc = [], [], [], []
         for j, logits in enumerate(step_logits):
             s = 1 + j
-            row = rows - s  # (R,) the draft row trained toward teacher row r
+            row = rows - s  # (R,) the draft row trained toward teacher row r (global)
             acc_mask = supervised & (row >= 0) & (rows + 1 < end[row.clamp_min(0)])  # (R,)
             pos_mask = acc_mask & in_vocab
-            lg = logits[0, row.clamp_min(0)]  # (R,V_d)
-            ce = -(p * lg.to(dt).log_softmax(-1)).sum(-1)  # (R,)
-            n_pos = pos_mask.sum()
-            l_j = (ce * pos_mask).sum()
+            n_pos.append(pos_mask.sum())
+            n_acc.append(acc_mask.sum())
+            loc = main.local_index(row.clamp_min(0))  # (R,) local row, -1 where another rank holds it
+            here = loc >= 0
+            p_j, top_j, pos_j, acc_j = p, top, pos_mask & here, acc_mask & here
+            if main.num_ranks > 1:  # most teacher rows are another rank's: keep this rank's (a host sync)
+                pick = here.nonzero()[:, 0]
+                loc, p_j, top_j, pos_j, acc_j = (x[pick] for x in (loc, p_j, top_j, pos_j, acc_j))
+            lg = logits[0, loc.clamp_min(0)]  # (R_l,V_d)
+            ce = -(p_j * lg.to(dt).log_softmax(-1)).sum(-1)  # (R_l,)
+            ce_sums.append((ce * pos_j).sum())
+            hit_sums.append(((used[lg.argmax(-1)] == top_j) & acc_j).sum().to(dt))
+        # one cross-rank sum for every numerator (hits carry no gradient)
+        steps = len(step_logits)
+        sums = main.total(torch.stack(ce_sums + [h.detach() for h in hit_sums]))
+        total = torch.zeros((), dtype=dt, device=dev)
+        metrics: dict[str, torch.Tensor] = {}
+        for j in range(steps):
+            l_j = sums[j]
             if reduction == "mean":
-                l_j = l_j / n_pos.clamp_min(1)
+                l_j = l_j / n_pos[j].clamp_min(1)
             total = total + self.loss_decay ** j * l_j
-            hit = (used[lg.argmax(-1)] == top) & acc_mask
             metrics[f"step{j}/loss"] = l_j.detach()
-            metrics[f"step{j}/acc"] = hit.sum() / acc_mask.sum().clamp_min(1)
-            metrics[f"step{j}/positions"] = n_pos
+            metrics[f"step{j}/acc"] = sums[steps + j].detach() / n_acc[j].clamp_min(1)
+            metrics[f"step{j}/positions"] = n_pos[j]
         metrics["loss"] = total.detach()
         return total, metrics
 

@@ -49,6 +49,8 @@ class ModelDraft(nn.Module, Draft):
 
         Position t predicts token t+1; it is supervised where token t+1 is a loss target
         (a completion token, always preceded by its own prompt, so never across sequences).
+        The net reads tokens only, so under context parallelism every rank computes the whole
+        loss: each counts 1/num_ranks of it, and the ranks' summed gradients are the gradient.
         """
         rows = batch.teacher_rows  # the net's head runs on these rows only
         t = batch.input_ids.shape[1]
@@ -59,7 +61,8 @@ class ModelDraft(nn.Module, Draft):
         teacher = batch.teacher_logits.float().softmax(-1)
         ce = -(teacher * logits.log_softmax(-1)).sum(-1)  # (R,)
         n = mask.sum().clamp_min(1)
-        loss = (ce * mask).sum() / n
+        ctx = batch.context
+        loss = ctx.total((ce * mask).sum() / n / ctx.num_ranks)
         acc = ((logits.argmax(-1) == teacher.argmax(-1)) & mask).sum() / n
         return loss, {"loss": loss.detach(), "acc": acc.detach()}
 
