@@ -37,9 +37,11 @@ def _cmd_train(args):
     try:
         trainer.fit()
     except KeyboardInterrupt:  # fit checkpointed the last completed step and said where
-        print(trainer.report())
+        if trainer.is_main:
+            print(trainer.report())
         sys.exit(130)
-    print(trainer.report())
+    if trainer.is_main:
+        print(trainer.report())
 
 
 def _cmd_generate(args):
@@ -216,6 +218,11 @@ def _cmd_bench(args):
             group=args.group, gamma=args.gamma, speedup_every=args.speedup_every, interleave=not args.sequential,
             trl_gradient_checkpointing=args.trl_gradient_checkpointing, draft_init=args.draft_init,
             overrides=args.overrides)
+    elif args.bench == "cp":
+        from codraft.bench.cp import run
+        run(lengths=[int(x) for x in _csv(args.lengths)], cps=[int(x) for x in _csv(args.cp)],
+            methods=_csv(args.methods), branches=_csv(args.branch), repeats=args.repeats, warmup=args.warmup,
+            tile=args.tile, seed=args.seed, c1_methods=_csv(args.c1_methods), json_path=args.json)
     elif args.bench == "gemv":
         from codraft.bench.gemv import run
         run(model_name=args.model, rows=[int(r) for r in _csv(args.rows)], threads=args.threads,
@@ -295,6 +302,21 @@ def _bench_commands(sub):
     b.add_argument("--no-hf", action="store_true", help="skip the transformers peers")
     b.add_argument("--json", metavar="FILE", help="write every figure to this JSON file")
     s.set_defaults(fn=_cmd_bench)
+
+    b = bench.add_parser("cp", help="one attention layer fwd+bwd under context parallelism: zigzag vs USP, "
+                                     "plain ring, all-gather (gloo, 1 thread per rank)")
+    b.add_argument("--lengths", default="8192,16384,32768,65536", help="tokens of the packed row, comma list")
+    b.add_argument("--cp", default="1,2,4", help="context-parallel sizes (processes), comma list")
+    b.add_argument("--methods", default="zigzag,usp,ring,allgather",
+                   help="comma list of zigzag, usp, ring, allgather; NAME+tiled tiles the causal diagonal")
+    b.add_argument("--c1-methods", default="single,zigzag",
+                   help="rows at C=1: single (the tiled single-process reference) and methods' own C=1 code")
+    b.add_argument("--branch", default="none,eagle3,dflash", help="draft branch shapes: none, eagle3, dflash")
+    b.add_argument("--repeats", type=int, default=3, help="timed repetitions (median reported)")
+    b.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    b.add_argument("--tile", type=int, default=256, help="rows per diagonal tile for single and +tiled methods")
+    b.add_argument("--seed", type=int, default=0, help="seed of the packings")
+    b.add_argument("--json", metavar="FILE")
 
     b = bench.add_parser("gemv", help="weight streaming speed of few-row products: torch vs the C kernel")
     b.add_argument("--model", default="smollm2", help="tiny, smollm2 or an HF-format folder")

@@ -88,6 +88,12 @@ class LogConfig:
 
 
 @dataclass
+class ParallelConfig:
+    cp: int = 1                     # context-parallel ranks (launch with torchrun --nproc-per-node cp)
+    timeout: float = 300.0          # seconds a rank waits for a peer before failing with its name
+
+
+@dataclass
 class RunConfig:
     seed: int = 0
     steps: int = 30
@@ -99,6 +105,7 @@ class RunConfig:
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)
     log: LogConfig = field(default_factory=LogConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -234,6 +241,8 @@ RULES: dict[str, Range | OneOf | Text | Device | Flag] = {
     "log.frozen_probe_every": EVERY,
     "log.checkpoint_every": EVERY,
     "log.keep_last": Range(0, note="0 = keep every checkpoint"),
+    "parallel.cp": Range(1, note="ranks that split each packed row (zigzag ring); > 1 needs torchrun"),
+    "parallel.timeout": POSITIVE,
 }
 
 
@@ -252,8 +261,16 @@ def _draft_folder_exists(c: RunConfig) -> str | None:
     return None
 
 
+def _cp_has_work_for_every_rank(c: RunConfig) -> str | None:
+    if c.rollout.prompts_per_step < c.parallel.cp:
+        return f"config key 'rollout.prompts_per_step' must be >= parallel.cp={c.parallel.cp} (the CP ranks " \
+               f"split the rollouts by prompt group), got {c.rollout.prompts_per_step}"
+    return None
+
+
 # Rules between keys: each returns the error message, or None.
-CROSS_RULES: tuple[Callable[[RunConfig], str | None], ...] = (_auto_needs_a_draft, _draft_folder_exists)
+CROSS_RULES: tuple[Callable[[RunConfig], str | None], ...] = (_auto_needs_a_draft, _draft_folder_exists,
+                                                               _cp_has_work_for_every_rank)
 
 
 def validate(cfg: RunConfig) -> RunConfig:

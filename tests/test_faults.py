@@ -159,10 +159,10 @@ def test_ctrl_c_mid_step_saves_last_completed_step_and_resumes(tmp_path, tiny_po
     train(_cfg(tiny_policy_dir, tmp_path / "full", 4), progress=False)
     real = Trainer._generate
 
-    def interrupt_step_3(self, engine, prompts, seed, temperature=None):
+    def interrupt_step_3(self, engine, prompts, seed, **kw):
         if self.prompts_used == 8:  # inside step 3: its prompts are drawn, nothing updated yet
             raise KeyboardInterrupt
-        return real(self, engine, prompts, seed, temperature)
+        return real(self, engine, prompts, seed, **kw)
     monkeypatch.setattr(Trainer, "_generate", interrupt_step_3)
     with pytest.raises(KeyboardInterrupt):
         train(_cfg(tiny_policy_dir, tmp_path / "cut", 4), progress=False)

@@ -23,11 +23,14 @@ ALLOWED = {
     "rollout": {"models", "spec", "cache"},
     "train": {"models", "attention", "drafts", "rollout", "tasks", "tokenizer", "atomic", "cache"},
     "policy": {"models", "kernels", "rollout", "tasks", "tokenizer", "train", "atomic", "cache"},
+    "parallel": {"models", "attention", "drafts"},
     "config": {"drafts", "tasks"},
-    "rl": {"models", "kernels", "attention", "drafts", "rollout", "tasks", "policy", "train", "config", "atomic"},
+    "rl": {"models", "kernels", "attention", "drafts", "rollout", "tasks", "policy", "train", "config", "atomic",
+           "parallel"},
     "bench": {"models", "kernels", "drafts", "rollout", "tasks", "policy", "train", "rl", "config", "tokenizer",
-              "attention", "spec"},
-    "cli": {"bench", "config", "drafts", "models", "policy", "rl", "rollout", "tasks", "train"},
+              "attention", "spec", "parallel"},
+    "cli": {"bench", "config", "drafts", "models", "parallel", "policy", "rl", "rollout", "tasks", "train"},
+    "__main__": {"cli"},
 }
 
 

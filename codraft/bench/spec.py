@@ -230,10 +230,8 @@ def bench_model(model_name: str, *, batches, max_new: int, drafts, gamma: int, r
 
 def _pooled(stats: list[dict]) -> dict:
     """The T = 1 statistics of all repetitions as one: counts and times summed, rates recomputed."""
-    first = stats[0]
-    summed = {f.name: [sum(v) for v in zip(*(st[f.name] for st in stats))] if isinstance(first[f.name], list)
-              else sum(st[f.name] for st in stats) for f in dataclasses.fields(SpecStats) if f.name != "gamma"}
-    return SpecStats(gamma=first["gamma"], **summed).as_dict()
+    names = [f.name for f in dataclasses.fields(SpecStats)]
+    return SpecStats.pool([SpecStats(**{n: st[n] for n in names}) for st in stats]).as_dict()
 
 
 def summarize(result: dict) -> list[dict]:

@@ -26,6 +26,8 @@ from __future__ import annotations
 import torch
 
 from codraft.drafts.batch import DraftBatch
+from codraft.parallel.comm import CPGroup
+from codraft.parallel.context import ShardedRow
 from codraft.rl.grpo import entropy_from_logits, grpo_loss, token_logprobs
 from codraft.train.packing import Packed
 
@@ -47,41 +49,70 @@ def policy_hidden(model, batch: Packed, taps: tuple[int, ...] | None):
     return hidden, {l: f[:, sh.gather] for l, f in feats.items()}, lambda pos: sh.gather[pos]
 
 
+class PackedRow:
+    """The single-process view of the packed row (``ShardedRow`` is the context-parallel one):
+    the policy runs on the shared-prompt layout when there is one, every row is held here."""
+    main = None  # the drafts' default MainAttention
+
+    def __init__(self, batch: Packed):
+        self.batch, self.to_policy = batch, None
+
+    def forward(self, model, taps):
+        hidden, feats, self.to_policy = policy_hidden(model, self.batch, taps)
+        return hidden, feats
+
+    def select(self, rows: torch.Tensor):
+        return self.to_policy(rows), None
+
+    def assemble(self, x: torch.Tensor, live) -> torch.Tensor:
+        return x
+
+    def mean(self, m: torch.Tensor, n: int) -> torch.Tensor:
+        return m
+
+
 def cotrain_loss(policy, draft, batch: Packed, advantages: torch.Tensor, *, temperature: float, lam: float,
                  eps_low: float, eps_high: float, norm: str, kl_coef: float = 0.0, reference=None,
-                 train_draft: bool = True, phase=None) -> tuple[torch.Tensor, dict]:
+                 train_draft: bool = True, phase=None, cp: CPGroup | None = None) -> tuple[torch.Tensor, dict]:
     """Total loss and metrics for one packed batch (the caller runs backward and the optimisers).
 
     phase: optional timing hook, a callable returning a context manager (e.g. the trainer's
     ``PhaseTimer``); the draft's loss runs inside ``phase("draft_loss")``.
+    cp: a context-parallel group of more than one rank: every rank calls this with the same batch,
+    runs on its zigzag rows (``codraft.parallel.context.ShardedRow``) and gets the same loss
+    value; the caller sums the gradients over the group (``sync_gradients``).
     """
     taps = tuple(draft.feature_layers) if (draft is not None and train_draft) else None
-    hidden, feats, to_policy = policy_hidden(policy, batch, taps)
+    row = ShardedRow(batch.input_ids, batch.cu_seqlens, cp) if cp is not None and cp.size > 1 else PackedRow(batch)
+    hidden, feats = row.forward(policy, taps)
     # logprob of token t comes from the logits at t-1. Only those rows (one per completion token,
     # ~30 % of the packed row) go through the LM head; they are also the draft's teacher rows.
     t = max(temperature, 1e-6)
     targets = batch.index[batch.index_mask]                    # (R,) packed positions of completion tokens
     rows = (targets - 1).clamp_min(0)                          # (R,)
-    logits = policy.logits(hidden[0, to_policy(rows)])         # (R,V)
+    here, live = row.select(rows)                              # rows of hidden; which of the R are held here
+    logits = policy.logits(hidden[0, here])                    # (R_l,V)
     ids = batch.input_ids[0, targets]
-    logp = _unflatten(token_logprobs(logits / t, ids), batch.index_mask)  # (N,L), 0 where padded
+    ids_here = ids if live is None else ids[live]
+    logp = _unflatten(row.assemble(token_logprobs(logits / t, ids_here), live), batch.index_mask)  # (N,L)
     ref_logp = None
     if reference is not None:
         with torch.no_grad():
-            ref_hidden, _, _ = policy_hidden(reference, batch, None)
-            ref_logits = reference.logits(ref_hidden[0, to_policy(rows)])
-            ref_logp = _unflatten(token_logprobs(ref_logits / t, ids), batch.index_mask)
+            ref_hidden, _ = row.forward(reference, None)
+            ref_logits = reference.logits(ref_hidden[0, here])
+            ref_logp = _unflatten(row.assemble(token_logprobs(ref_logits / t, ids_here), live), batch.index_mask)
     rl_loss, m = grpo_loss(logp, logp.detach(), advantages, batch.index_mask, eps_low=eps_low, eps_high=eps_high,
                            norm=norm, ref_logprobs=ref_logp, kl_coef=kl_coef,
                            rollout_logprobs=batch.rollout_logprobs)
     metrics = {f"policy/{k}": v for k, v in m.items()}
     with torch.no_grad():
-        metrics["policy/entropy"] = entropy_from_logits(logits.detach()[None] / t, torch.ones_like(rows)[None])
+        entropy = entropy_from_logits(logits.detach()[None] / t, torch.ones_like(ids_here)[None])
+        metrics["policy/entropy"] = row.mean(entropy, ids_here.shape[0])
     loss = rl_loss
     if taps is not None:
         db = DraftBatch(input_ids=batch.input_ids, cu_seqlens=batch.cu_seqlens, loss_mask=batch.completion,
                         features={l: f.detach() for l, f in feats.items()},
-                        teacher_logits=logits.detach(), teacher_rows=rows)
+                        teacher_logits=row.assemble(logits.detach(), live), teacher_rows=rows, main=row.main)
         if phase is None:
             draft_loss, dm = draft.loss(db)
         else:

@@ -35,6 +35,7 @@ from codraft.train.run_dir import (
 RESUMABLE = (
     "steps",                     # the run's length, >= the steps completed; the lr cosine follows it
     "device",                    # where it runs (exact repetition holds on one device only)
+    "parallel.cp", "parallel.timeout",  # how it is split: the same math, other float rounding
     "grpo.max_nonfinite_steps",  # fault tolerance, not the update
     "log.val_every", "log.speedup_every", "log.frozen_probe_every",  # measurement cadences
     "log.checkpoint_every", "log.keep_last",                         # checkpoint cadence and rotation

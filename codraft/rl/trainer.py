@@ -56,14 +56,16 @@ import torch
 from tqdm import tqdm
 
 from codraft import kernels
-from codraft.config import RunConfig
+from codraft.config import ConfigError, RunConfig
+from codraft.parallel.comm import init_cp
+from codraft.parallel.context import sync_gradients
 from codraft.policy import load_policy
 from codraft.rl import runs
 from codraft.rl.cotrain import cotrain_loss
 from codraft.rl.grpo import group_advantages
 from codraft.rl.logger import MetricsLogger
 from codraft.rl.plots import plot_run
-from codraft.rollout import Engine, load_or_calibrate
+from codraft.rollout import Engine, SpecStats, load_or_calibrate
 from codraft.tasks import make_task
 from codraft.train import checkpoint as ckpt
 from codraft.train.offline_draft import starting_draft
@@ -158,11 +160,20 @@ class Update:
 class Trainer:
     def __init__(self, cfg: RunConfig, *, resume: str | None = None, progress: bool = True):
         cfg.validate()  # every key's range and the rules between keys (codraft.config.RULES), before any work
-        self.progress = progress
+        # parallel.cp > 1: one process per CP rank (torchrun); every rank trains on the same batch, its
+        # rollout share gathered from all; only rank 0 writes (metrics, plots, checkpoints, progress)
+        self.cp = init_cp(cfg.device, cfg.parallel.timeout) if cfg.parallel.cp > 1 else None
+        if self.cp is not None and self.cp.size != cfg.parallel.cp:
+            raise ConfigError(f"parallel.cp={cfg.parallel.cp} but torchrun started {self.cp.size} processes; "
+                              f"launch with torchrun --nproc-per-node {cfg.parallel.cp}")
+        self.is_main = self.cp is None or self.cp.rank == 0
+        self.progress = progress and self.is_main
         dtype = getattr(torch, cfg.policy.dtype)
         # a fresh run refuses a folder holding a run; a resume reads the newest checkpoint that verifies
         # and refuses changes to keys outside runs.RESUMABLE (nothing is written until record_start)
         cfg, self.run_dir, found, changed = runs.open_run(cfg, resume, dtype)
+        if self.cp is not None:  # every rank has checked the folder before rank 0 writes to it
+            self.cp.all_gather_object(str(self.run_dir), "the run folder")
         self.cfg = cfg
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
@@ -176,7 +187,7 @@ class Trainer:
         d = cfg.draft
         self.draft = None if d.mode == "none" else starting_draft(
             d.kind, d.init, policy=self.policy, tok=self.tok, task=self.task, policy_dir=self.policy_dir,
-            gamma=d.gamma, seed=cfg.seed, progress=progress, num_anchors=d.num_anchors)
+            gamma=d.gamma, seed=cfg.seed, progress=self.progress, num_anchors=d.num_anchors)
         self.trains_draft = d.mode == "cotrain" and self.draft is not None and bool(self.draft.trainable_parameters())
         # draft_length=auto: one cost model for every engine, timed now (or read from the cache) for the
         # largest batch any of them decodes
@@ -220,8 +231,10 @@ class Trainer:
         self._done_acceptance = self._acceptance()
         self.nonfinite_streak, self.last_rollout, self.last_stats = 0, None, None
         self.val = self.task.sample("val", cfg.log.val_size, seed=cfg.seed)
-        runs.record_start(self.run_dir, cfg, found, changed)  # the first write to the run folder
-        self.logger = MetricsLogger(self.run_dir, resume_step=self.start_step if found is not None else None)
+        if self.is_main:
+            runs.record_start(self.run_dir, cfg, found, changed)  # the first write to the run folder
+        self.logger = MetricsLogger(self.run_dir, resume_step=self.start_step if found is not None else None) \
+            if self.is_main else _NoLogger()
         self.plots: list[Path] = []
 
     def _engine(self, draft) -> Engine:
@@ -254,17 +267,31 @@ class Trainer:
         self.prompts_used += n
         return [next(self._stream) for _ in range(n)]
 
-    def _generate(self, engine: Engine, prompts, seed: int, temperature=None):
+    def _generate(self, engine: Engine, prompts, seed: int, temperature=None, group: int = 1):
+        """-> (results for every prompt, seconds, SpecStats). Under CP each rank decodes a contiguous
+        share of whole groups (its own seed) and the shares are gathered in order: the stats are
+        pooled, the time is the slowest rank's (gather included)."""
         r = self.cfg.rollout
         t0 = time.perf_counter()
-        out = engine.generate(prompts, r.max_new_tokens, temperature=r.temperature if temperature is None else temperature,
-                              top_p=r.top_p, seed=seed, eos_id=self.tok.eos_id)
-        return out, time.perf_counter() - t0
+        mine = prompts
+        if self.cp is not None:
+            groups, c = len(prompts) // group, self.cp
+            lo, hi = (groups * c.rank // c.size) * group, (groups * (c.rank + 1) // c.size) * group
+            mine = prompts[lo:hi] if c.rank < c.size - 1 else prompts[lo:]
+            seed = (seed + c.rank * 0x9E3779B97F4A7C15) % 2**63  # a stream per rank
+        out = engine.generate(mine, r.max_new_tokens, temperature=r.temperature if temperature is None else temperature,
+                              top_p=r.top_p, seed=seed, eos_id=self.tok.eos_id) if mine else []
+        stats = engine.stats if mine else SpecStats()
+        if self.cp is not None:
+            shares = self.cp.all_gather_object((out, stats), "the rollout shares")
+            out = [o for share, _ in shares for o in share]
+            stats = SpecStats.pool([st for _, st in shares])
+        return out, time.perf_counter() - t0, stats
 
     def validate(self) -> float:
         self.policy.eval()
         prompts = [self.tok.prompt_ids(p.prompt) for p in self.val]
-        out, _ = self._generate(self.val_engine, prompts, seed=0, temperature=0.0)
+        out, _, _ = self._generate(self.val_engine, prompts, seed=0, temperature=0.0)
         return sum(self.task.reward(p, self.tok.decode(o.tokens)) for p, o in zip(self.val, out)) / len(self.val)
 
     def step(self, step: int) -> dict:
@@ -285,8 +312,8 @@ class Trainer:
         group = [p for p in problems for _ in range(r.group_size)]
         prompts = [self.tok.prompt_ids(p.prompt) for p in group]
         self.policy.eval()
-        out, seconds = self._generate(self.engine, prompts, seed)
-        stats = self.last_stats = self.engine.stats
+        out, seconds, stats = self._generate(self.engine, prompts, seed, group=r.group_size)
+        self.last_stats = stats
         self.last_rollout = out
         m = {"time_rollout": seconds}
         if self.draft is not None:  # gamma_chosen[g]: rounds that drafted g tokens; gamma_mean: per row-round
@@ -304,12 +331,14 @@ class Trainer:
         and the frozen initial draft's τ."""
         m, seconds = {}, 0.0
         if self._measures(step):
-            _, t_plain = self._generate(self.plain_engine, rollout.prompts, rollout.seed)
+            _, t_plain, _ = self._generate(self.plain_engine, rollout.prompts, rollout.seed,
+                                           group=self.cfg.rollout.group_size)
             m.update(time_rollout_plain=t_plain, rollout_speedup=t_plain / rollout.seconds)
             seconds += t_plain
         if self.frozen_engine is not None and step % self.cfg.log.frozen_probe_every == 0:
-            _, t_probe = self._generate(self.frozen_engine, rollout.prompts, rollout.seed)
-            m["frozen_acceptance_length"] = self.frozen_engine.stats.acceptance_length
+            _, t_probe, frozen = self._generate(self.frozen_engine, rollout.prompts, rollout.seed,
+                                                group=self.cfg.rollout.group_size)
+            m["frozen_acceptance_length"] = frozen.acceptance_length
             seconds += t_probe
         return Probes(m, seconds)
 
@@ -331,16 +360,21 @@ class Trainer:
         t_train = time.perf_counter()
         timer = PhaseTimer("train", "loss_forward", "backward", "optimizer")
         self.policy.train()
+        # under CP each completion carries its own prompt copy (codraft.parallel.zigzag says why)
         batch = pack(rollout.prompts, [o.tokens for o in rollout.out], [o.logprobs for o in rollout.out],
-                     device=cfg.device)
+                     device=cfg.device, share_prompts=self.cp is None)
         with timer("loss_forward"):
             loss, lm = cotrain_loss(self.policy, self.draft, batch, scored.advantages.to(cfg.device),
                                     temperature=cfg.rollout.temperature, lam=cfg.draft.lam, eps_low=g.eps_low,
                                     eps_high=g.eps_high, norm=g.norm, kl_coef=g.kl_coef, reference=self.reference,
-                                    train_draft=self.trains_draft, phase=timer)
+                                    train_draft=self.trains_draft, phase=timer, cp=self.cp)
         self._zero_grad()
         with timer("backward"):
             loss.backward()
+            if self.cp is not None:  # each rank holds its share of the gradient: the sum is the gradient
+                sync_gradients(self.policy.parameters(), self.cp, "policy")
+                if self.trains_draft:
+                    sync_gradients(self.draft.trainable_parameters(), self.cp, "draft")
             policy_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), g.grad_clip)
             draft_norm = None if self.draft_opt is None else torch.nn.utils.clip_grad_norm_(
                 self.draft.trainable_parameters(), cfg.draft.grad_clip)
@@ -398,8 +432,11 @@ class Trainer:
         m["tokens_per_s"] = sum(lens) / rollout.seconds
         return m
 
-    def save(self) -> Path:
-        """Checkpoint the last completed step (`steps_done`)."""
+    def save(self) -> Path | None:
+        """Checkpoint the last completed step (`steps_done`); under CP only rank 0 writes."""
+        if not self.is_main:
+            self._saved = self.steps_done
+            return None
         path = ckpt.save_checkpoint(self.run_dir, self.steps_done, policy=self.policy, draft=self.draft,
                                     optimizers=self._optimizers(),
                                     state=self._checkpoint_state(),
@@ -450,12 +487,23 @@ class Trainer:
             raise
         finally:  # never checkpoints: after an error the in-memory state may be bad
             self.logger.close()
-            self.plots = plot_run(self.run_dir)
+            if self.is_main:
+                self.plots = plot_run(self.run_dir)
         return self.run_dir
 
     def report(self) -> str:
         """Where the run is and how it went (what `codraft train` prints at the end and on Ctrl-C)."""
         return runs.report(self.run_dir, self.plots)
+
+
+class _NoLogger:
+    """The metrics logger of CP ranks other than 0: they compute the same rows, rank 0 writes them."""
+
+    def log(self, step, metrics):
+        pass
+
+    def close(self):
+        pass
 
 
 def _follow_schedule(sched):

@@ -62,6 +62,24 @@ class SpecStats:
     def tokens_per_s(self) -> float:
         return self.emitted_tokens / self.total_s if self.total_s > 0 else 0.0
 
+    @classmethod
+    def pool(cls, stats: list["SpecStats"]) -> "SpecStats":
+        """Several runs' statistics as one (repetitions, or the shares of ranks that split a batch):
+        counts and times summed, per-position lists summed elementwise, rates recomputed."""
+        if not stats:
+            return cls()
+        summed = {}
+        for f in dataclasses.fields(cls):
+            if f.name == "gamma":
+                continue
+            vals = [getattr(s, f.name) for s in stats]
+            if isinstance(vals[0], list):
+                width = max(len(v) for v in vals)
+                summed[f.name] = [sum(v[i] for v in vals if i < len(v)) for i in range(width)]
+            else:
+                summed[f.name] = sum(vals)
+        return cls(gamma=max(s.gamma for s in stats), **summed)
+
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
         for name in ("acceptance_length", "acceptance_rate", "acceptance_per_position", "mean_gamma", "tokens_per_s"):

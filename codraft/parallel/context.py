@@ -1,0 +1,131 @@
+"""A co-training step's view of its packed row under context parallelism.
+
+``ShardedRow`` runs the policy on this rank's zigzag rows (ring attention as the model's
+attention function, positions from the shard) and translates between the global rows the
+losses are written in and the local rows the rank holds:
+
+* ``select(rows)``: which of the global rows (e.g. the R rows whose next token is a completion
+  token) are held here, and where;
+* ``assemble(x, live)``: the full (R, ...) tensor from every rank's share, equal on every rank,
+  whose gradient reaches only this rank's entries. A loss written over the full tensor then has
+  the same value everywhere, and summing the ranks' parameter gradients gives its exact
+  gradient, whatever the loss (GRPO's normalisations, the KL term, the metrics) — including the
+  parts that reach other ranks' activations, which the ring's backward carries back to them;
+* ``main``: the drafts' ``MainAttention`` over the same shard (``RingMain``).
+
+``sync_gradients`` sums the ranks' gradients afterwards (one flat all-reduce per model).
+"""
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from codraft.attention.context import MainAttention
+from codraft.parallel.comm import CPError, CPGroup
+from codraft.parallel.ring import RingAttention, ring_attention, ring_branch_attention
+from codraft.parallel.zigzag import ZigzagPlan, ZigzagShard
+
+
+def sum_across(x: torch.Tensor, comm: CPGroup, what: str = "a loss term") -> torch.Tensor:
+    """Σ_ranks x with the gradient flowing to the local x only (value equal on every rank)."""
+    total = comm.all_reduce(x.detach().clone(), what)
+    return x + (total - x.detach())
+
+
+class RingMain(MainAttention):
+    """The drafts' main attention over a zigzag shard: causal and branch parts travel the ring."""
+
+    def __init__(self, shard: ZigzagShard, comm: CPGroup, cu_seqlens: torch.Tensor):
+        super().__init__(cu_seqlens, shard.plan.total)
+        self.shard, self.comm = shard, comm
+        self.rows = shard.index
+        held = (self.rows >= 0).nonzero()[:, 0]
+        self._local = torch.full((self.length,), -1, dtype=torch.long, device=self.rows.device)
+        self._local[self.rows[held]] = held
+
+    @property
+    def num_ranks(self) -> int:
+        return self.comm.size
+
+    def local_index(self, g: torch.Tensor) -> torch.Tensor:
+        return self._local[g]
+
+    def positions(self) -> torch.Tensor:
+        return self.shard.positions()
+
+    def causal(self, q, k, v):
+        return ring_attention(q, k, v, self.shard, self.comm)
+
+    def branch(self, q, k, v, anchors, *, include_anchor: bool):
+        return ring_branch_attention(q, k, v, anchors, self.shard, self.comm, include_anchor=include_anchor)
+
+    def total(self, x: torch.Tensor) -> torch.Tensor:
+        return sum_across(x, self.comm, "a draft loss term")
+
+
+class ShardedRow:
+    """One packed row (``input_ids`` (1,T), ``cu_seqlens``) split over the CP group."""
+
+    def __init__(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, comm: CPGroup):
+        self.comm, self.input_ids, self.cu_seqlens = comm, input_ids, cu_seqlens
+        self.plan = ZigzagPlan.of(cu_seqlens, comm.size, input_ids.shape[1])
+        _check_same_row(self.plan, input_ids, comm)
+        self.shard = ZigzagShard(self.plan, comm.rank, input_ids.device)
+        self.main = RingMain(self.shard, comm, cu_seqlens)
+        self.attention = RingAttention(comm)
+
+    def forward(self, model, taps: tuple[int, ...] | None):
+        """The model's last-layer output (1,T_l,H) and taps {l: (1,T_l,H)} at this rank's rows."""
+        ids = self.plan.shard(self.input_ids, self.comm.rank)
+        out = model(ids, layout=self.shard, attention=self.attention, taps=taps, head=False)
+        return out if taps is not None else (out, {})
+
+    def select(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows (R,) global -> (local rows of those held here (R_l,), live (R,) bool: held here)."""
+        local = self.main.local_index(rows)
+        live = local >= 0
+        return local[live], live
+
+    def assemble(self, x: torch.Tensor, live: torch.Tensor) -> torch.Tensor:
+        """This rank's values x (R_l, ...) of the live rows -> the full (R, ...) (see module doc)."""
+        full = x.new_zeros(live.shape[0], *x.shape[1:])
+        full[live] = x.detach()
+        self.comm.all_reduce(full, "per-token values")  # every row is held by exactly one rank
+        if not x.requires_grad:
+            return full
+        return full.index_put((live.nonzero()[:, 0],), x)
+
+    def mean(self, m: torch.Tensor, n: int) -> torch.Tensor:
+        """The mean over all ranks' rows of this rank's mean ``m`` over its ``n`` rows (metrics)."""
+        both = torch.stack([m.detach().float() * n, torch.tensor(float(n), device=m.device)])
+        self.comm.all_reduce(both, "a metric")
+        return both[0] / both[1].clamp_min(1)
+
+
+def _check_same_row(plan: ZigzagPlan, input_ids: torch.Tensor, comm: CPGroup) -> None:
+    """Every rank must shard the same row: a mismatch is an error naming the ranks, not a hang or
+    silently wrong attention."""
+    digest = hashlib.sha256(input_ids.detach().cpu().numpy().tobytes()).hexdigest()[:16]
+    seen = comm.all_gather_object((plan.bounds, digest), "the packed row's cu_seqlens")
+    for r, (bounds, d) in enumerate(seen):
+        if bounds != plan.bounds:
+            raise CPError(f"CP rank {comm.rank}: CP rank {r} packed a different row: cu_seqlens {list(bounds)} "
+                          f"vs {list(plan.bounds)} here; every CP rank must train on the same batch")
+        if d != digest:
+            raise CPError(f"CP rank {comm.rank}: CP rank {r} packed different tokens (same cu_seqlens); every "
+                          f"CP rank must train on the same batch")
+
+
+def sync_gradients(params, comm: CPGroup, what: str) -> None:
+    """Sum every parameter's gradient over the CP group (missing gradients count as zero)."""
+    params = [p for p in params if p.requires_grad]
+    if comm.size == 1 or not params:
+        return
+    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params])
+    comm.all_reduce(flat, f"{what} gradients")
+    o = 0
+    for p in params:
+        n = p.numel()
+        p.grad = flat[o:o + n].view_as(p).to(p.dtype).clone()
+        o += n

@@ -1,0 +1,78 @@
+"""Context-parallel faults fail loudly and in bounded time, naming the CP rank and ring step:
+a peer that never sends, a peer that dies, ranks that disagree on the packed row."""
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+
+from codraft.parallel.comm import CPError, CPGroup
+from codraft.parallel.context import ShardedRow
+from codraft.parallel.ring import ring_attention
+from codraft.parallel.zigzag import ZigzagPlan, ZigzagShard
+from dist_harness import run_ranks
+
+TIMEOUT = 2.0
+
+
+def _ring_inputs(rank, world):
+    plan = ZigzagPlan.of([0, 16, 40], world)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, plan.local_len, 4) for _ in range(3))
+    return q, k, v, ZigzagShard(plan, rank)
+
+
+def _silent_peer(rank, world):
+    q, k, v, shard = _ring_inputs(rank, world)
+    if rank == 1:  # alive but never joins the ring
+        time.sleep(3 * TIMEOUT)
+        return "idle"
+    t0 = time.monotonic()
+    try:
+        ring_attention(q, k, v, shard, CPGroup.world(timeout=TIMEOUT))
+    except CPError as e:
+        return str(e), time.monotonic() - t0
+    return "no error", time.monotonic() - t0
+
+
+def _dead_peer(rank, world):
+    q, k, v, shard = _ring_inputs(rank, world)
+    if rank == 1:
+        os._exit(3)  # dies before its first ring step
+    t0 = time.monotonic()
+    try:
+        ring_attention(q, k, v, shard, CPGroup.world(timeout=TIMEOUT))
+    except CPError as e:
+        return str(e), time.monotonic() - t0
+    return "no error", time.monotonic() - t0
+
+
+def _mismatched_rows(rank, world):
+    cu = torch.tensor([0, 5, 12] if rank == 0 else [0, 6, 12])
+    try:
+        ShardedRow(torch.zeros(1, 12, dtype=torch.long), cu, CPGroup.world(timeout=TIMEOUT))
+    except CPError as e:
+        return str(e)
+    return "no error"
+
+
+def test_silent_peer_times_out_naming_rank_and_step():
+    results, errors = run_ranks(_silent_peer, 2, expect_failure=True, timeout=60)
+    assert not errors, errors
+    message, seconds = results[0]
+    assert "CP rank 0/2: ring step 1 of 2 got no main K/V from CP rank 1" in message, message
+    assert seconds < 4 * TIMEOUT
+
+
+def test_dead_peer_fails_fast_naming_rank_and_step():
+    results, errors = run_ranks(_dead_peer, 2, expect_failure=True, timeout=60)
+    assert 1 not in results and not errors
+    message, seconds = results[0]
+    assert "CP rank 0/2: ring step 1 of 2" in message and "CP rank 1" in message, message
+    assert seconds < 4 * TIMEOUT
+
+
+def test_mismatched_cu_seqlens_is_a_clear_error():
+    results = run_ranks(_mismatched_rows, 2)
+    assert all("packed a different row: cu_seqlens" in m for m in results), results

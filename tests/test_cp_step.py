@@ -1,0 +1,98 @@
+"""One co-training step under context parallelism equals the single-process step: loss, draft
+loss, metrics, gradient norms and every parameter's gradient, for each draft kind, on real gloo
+groups of 2 and 4 ranks (the single-process step runs in each rank as the reference)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from codraft.drafts import init_draft
+from codraft.models import Transformer
+from codraft.parallel.comm import CPGroup
+from codraft.parallel.context import sync_gradients
+from codraft.policy.warmstart import tiny_model_config
+from codraft.rl.cotrain import cotrain_loss
+from codraft.tokenizer import CharTokenizer
+from codraft.train.packing import pack
+from dist_harness import run_ranks
+
+RTOL = 1e-4
+
+
+def _batch(seed, groups=3, group_size=2):
+    """GRPO-shaped rollouts: groups of completions sharing a prompt, uneven lengths (some long)."""
+    g = torch.Generator().manual_seed(seed)
+    tok = CharTokenizer()
+    prompts, completions, logprobs = [], [], []
+    for i in range(groups):
+        n = int(torch.randint(20, 160, (1,), generator=g))
+        p = tok.prompt_ids("".join(str(int(d)) for d in torch.randint(0, 10, (n,), generator=g)) + "=")
+        for _ in range(group_size):
+            m = int(torch.randint(1, 40, (1,), generator=g))
+            completions.append(torch.randint(3, tok.vocab_size, (m,), generator=g).tolist())
+            logprobs.append((-torch.rand(m, generator=g) * 3).tolist())
+            prompts.append(p)
+    adv = torch.randn(len(prompts), generator=g)
+    return pack(prompts, completions, logprobs), adv
+
+
+def _models(kind):
+    tok = CharTokenizer()
+    cfg = tiny_model_config(tok)
+    torch.manual_seed(0)
+    policy = Transformer(cfg)
+    draft = init_draft(kind, policy, gamma=3, **({"num_anchors": 8} if kind in ("dflash", "dspark") else {}))
+    return policy, draft
+
+
+def _step(policy, draft, batch, adv, cp, reference, kl):
+    policy.zero_grad(set_to_none=True)
+    draft.zero_grad(set_to_none=True)
+    torch.manual_seed(5)  # the block drafts' anchors: the same draw on every rank and in the reference
+    loss, m = cotrain_loss(policy, draft, batch, adv, temperature=1.0, lam=0.7, eps_low=0.2, eps_high=0.28,
+                           norm="token" if kl == 0 else "sequence", kl_coef=kl, reference=reference, cp=cp)
+    loss.backward()
+    dparams = list(draft.trainable_parameters())
+    if cp is not None:
+        sync_gradients(policy.parameters(), cp, "policy")
+        sync_gradients(dparams, cp, "draft")
+    grads = {f"policy.{n}": p.grad.clone() for n, p in policy.named_parameters()}
+    grads.update({f"draft.{i}": p.grad.clone() for i, p in enumerate(dparams)})
+    norms = {"policy": torch.nn.utils.clip_grad_norm_(policy.parameters(), 1e9),
+             "draft": torch.nn.utils.clip_grad_norm_(dparams, 1e9)}
+    return float(loss), {k: float(v) for k, v in m.items() if torch.is_tensor(v) and v.numel() == 1}, grads, norms
+
+
+def _rel(a, b):
+    return float((a - b).abs().max() / b.abs().max().clamp_min(1e-6)) if torch.is_tensor(a) else \
+        abs(a - b) / max(abs(b), 1e-6)
+
+
+def _compare(rank, world, kinds):
+    comm = CPGroup.world(timeout=60)
+    out = {}
+    for kind in kinds:
+        for kl in (0.0, 0.05):
+            policy, draft = _models(kind)
+            reference = None
+            if kl:
+                torch.manual_seed(9)
+                reference = Transformer(policy.config).requires_grad_(False)
+            batch, adv = _batch(seed=3)
+            ref = _step(policy, draft, batch, adv, None, reference, kl)
+            got = _step(policy, draft, batch, adv, comm, reference, kl)
+            errs = {"loss": _rel(got[0], ref[0])}
+            errs.update({f"metric {k}": _rel(got[1][k], v) for k, v in ref[1].items()})
+            errs.update({f"grad {k}": _rel(got[2][k], v) for k, v in ref[2].items()})
+            errs.update({f"norm {k}": _rel(float(got[3][k]), float(v)) for k, v in ref[3].items()})
+            assert set(got[1]) == set(ref[1]) and set(got[2]) == set(ref[2])
+            out[(kind, kl)] = errs
+    return out
+
+
+@pytest.mark.parametrize("world,kinds", [(2, ("eagle3", "dflash", "dspark", "model")), (4, ("eagle3", "dspark"))])
+def test_cp_step_equals_single_process(world, kinds):
+    for rank, res in enumerate(run_ranks(_compare, world, kinds, timeout=300)):
+        for case, errs in res.items():
+            bad = {k: e for k, e in errs.items() if not e <= RTOL}
+            assert not bad, f"C={world} rank {rank} {case}: relative differences above {RTOL}: {bad}"
