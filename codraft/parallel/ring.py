@@ -41,6 +41,7 @@ class Block(NamedTuple):
     q: slice | torch.Tensor  # query rows (slice, or index tensor into the flattened queries)
     k: slice                 # key rows of the shard being visited
     mask: torch.Tensor | None
+    causal: bool = False     # the square lower triangle (the diagonal step); mask must be None
 
 
 Rule = Callable[[int], list[Block]]  # src rank -> the blocks to compute against its K/V
@@ -78,6 +79,7 @@ def _merge_into(o: torch.Tensor, lse: torch.Tensor, sel, ob: torch.Tensor, lb: t
 class _Ring(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, rule: Rule, comm: CPGroup, scale: float, what: str):
+        ctx.set_materialize_grads(False)  # an unused ℓ (the model's attention) gets no dℓ work
         b, h, tq, d = q.shape
         o = q.new_zeros(b, h, tq, d, dtype=torch.float32)
         lse = q.new_full((b, h, tq), float("-inf"), dtype=torch.float32)
@@ -88,7 +90,8 @@ class _Ring(torch.autograd.Function):
                 nxt = torch.empty_like(kv)
                 pending = comm.exchange(kv, nxt, what=f"{what} K/V", step=step, tag=TAG_KV)
             for blk in rule(src):
-                ob, lb = block_forward(_take(q, blk.q), kv[0][:, :, blk.k], kv[1][:, :, blk.k], blk.mask, scale)
+                ob, lb = block_forward(_take(q, blk.q), kv[0][:, :, blk.k], kv[1][:, :, blk.k], blk.mask, scale,
+                                       blk.causal)
                 _merge_into(o, lse, blk.q, ob, lb)
             if step < comm.size - 1:
                 pending.wait()
@@ -101,7 +104,7 @@ class _Ring(torch.autograd.Function):
     def backward(ctx, do, dlse):
         q, k, v, o, lse = ctx.saved_tensors
         comm, rule, scale, what = ctx.comm, ctx.rule, ctx.scale, ctx.what
-        do = do.float() if do is not None else torch.zeros_like(o)
+        do = do.float() if do is not None else torch.zeros_like(o)  # (a branch whose O is unused)
         delta = (do * o).sum(-1)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         kv = torch.stack([k, v]).contiguous()
@@ -115,7 +118,7 @@ class _Ring(torch.autograd.Function):
             for blk in rule(src):
                 g = block_backward(_take(do, blk.q), None if dlse is None else _take(dlse, blk.q), _take(q, blk.q),
                                    kv[0][:, :, blk.k], kv[1][:, :, blk.k], _take(o, blk.q), _take(lse, blk.q),
-                                   blk.mask, scale, delta=_take(delta, blk.q))
+                                   blk.mask, scale, delta=_take(delta, blk.q), causal=blk.causal)
                 _add(dq, blk.q, g[0])
                 dkv[0][:, :, blk.k] += g[1]
                 dkv[1][:, :, blk.k] += g[2]
@@ -146,13 +149,12 @@ def _tril(n: int, device: str) -> torch.Tensor:
 def causal_rule(shard: ZigzagShard) -> Rule:
     """The zigzag step rule for main queries over main keys (see the module docstring)."""
     plan, r = shard.plan, shard.rank
-    dev = str(shard.device)
 
     def rule(src: int) -> list[Block]:
         out = []
         for off, c in zip(plan.offsets, plan.chunks):
             if src == r:
-                out.append(Block(slice(off, off + 2 * c), slice(off, off + 2 * c), _tril(2 * c, dev)))
+                out.append(Block(slice(off, off + 2 * c), slice(off, off + 2 * c), None, causal=True))
             elif src < r:
                 out.append(Block(slice(off, off + 2 * c), slice(off, off + c), None))
             else:
