@@ -46,6 +46,8 @@ class RolloutConfig:
     max_new_tokens: int = 64
     temperature: float = 1.0
     top_p: float = 1.0
+    shards: int = 0                 # decode in this many shards of whole groups, each with its own seed
+    #                                 (0 = one per CP rank); rollouts depend on (seed, shards), not on the ranks
     draft_length: str = "fixed"     # fixed: draft.gamma tokens every round | auto: 0..draft.gamma per round, by a
     #                                 calibrated cost model and the measured acceptance (docs/draft-length.md)
 
@@ -214,6 +216,7 @@ RULES: dict[str, Range | OneOf | Text | Device | Flag] = {
     "rollout.max_new_tokens": COUNT,
     "rollout.temperature": Range(0, note="0 = greedy"),
     "rollout.top_p": Range(0, 1, lo_open=True, note="1 = off"),
+    "rollout.shards": Range(0, note="0 = one per CP rank"),
     "rollout.draft_length": OneOf(("fixed", "auto")),
     "grpo.lr": Range(0, note="0 = the policy is not updated"),
     "grpo.warmup_steps": Range(0, note="0 = no warm-up"),
@@ -262,9 +265,13 @@ def _draft_folder_exists(c: RunConfig) -> str | None:
 
 
 def _cp_has_work_for_every_rank(c: RunConfig) -> str | None:
-    if c.rollout.prompts_per_step < c.parallel.cp:
-        return f"config key 'rollout.prompts_per_step' must be >= parallel.cp={c.parallel.cp} (the CP ranks " \
-               f"split the rollouts by prompt group), got {c.rollout.prompts_per_step}"
+    shards, cp = c.rollout.shards or c.parallel.cp, c.parallel.cp
+    if shards % cp:
+        return f"config key 'rollout.shards' must be 0 or a multiple of parallel.cp={cp} (each CP rank decodes " \
+               f"as many shards), got {c.rollout.shards}"
+    if c.rollout.prompts_per_step < shards:
+        return f"config key 'rollout.prompts_per_step' must be >= the rollout shards ({shards}: rollout.shards, " \
+               f"or parallel.cp), so that every shard has a prompt group; got {c.rollout.prompts_per_step}"
     return None
 
 

@@ -1,6 +1,8 @@
 """`codraft train parallel.cp=2` launched with torchrun equals the single-process run: the same
-rollouts (greedy, so the split cannot change them), losses, draft losses and gradient norms per
-step; rank 0 alone writes the run folder."""
+sampled rollouts (both decode rollout.shards=2 shards, so the split cannot change them), losses,
+draft losses and gradient norms per step; rank 0 alone writes the run folder. (A random policy
+earns no reward, so the GRPO gradient is zero here; tests/test_cp_step.py checks it with
+non-zero advantages.)"""
 from __future__ import annotations
 
 import json
@@ -32,7 +34,7 @@ def _policy_dir(tmp_path):
 def _run(tmp_path, name, cp, kind):
     run_dir = tmp_path / name
     args = [f"policy.init={_policy_dir(tmp_path)}", "steps=2", f"run_dir={run_dir}", "rollout.prompts_per_step=2",
-            "rollout.group_size=2", "rollout.max_new_tokens=24", "rollout.temperature=0", "log.val_every=0",
+            "rollout.group_size=2", "rollout.max_new_tokens=24", "rollout.shards=2", "log.val_every=0",
             "log.speedup_every=0", "log.checkpoint_every=1", f"draft.kind={kind}", "draft.init=random",
             "draft.gamma=3", "grpo.lr=1e-3", f"parallel.cp={cp}", "parallel.timeout=60"]
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={cp}"] \

@@ -268,25 +268,33 @@ class Trainer:
         return [next(self._stream) for _ in range(n)]
 
     def _generate(self, engine: Engine, prompts, seed: int, temperature=None, group: int = 1):
-        """-> (results for every prompt, seconds, SpecStats). Under CP each rank decodes a contiguous
-        share of whole groups (its own seed) and the shares are gathered in order: the stats are
-        pooled, the time is the slowest rank's (gather included)."""
+        """-> (results for every prompt, seconds, SpecStats).
+
+        The prompts are decoded in ``rollout.shards`` shards of whole groups (0: one per CP rank),
+        shard i with its own seed; each CP rank decodes a contiguous run of shards and the results
+        are gathered in order. The rollouts are thus a function of (seed, shards), whatever the
+        number of ranks: cp=1 with shards=2 samples exactly what cp=2 does (with draft.gamma fixed;
+        draft_length=auto adapts to the rows each engine has seen). Stats are pooled; the time is
+        the slowest rank's, the gather included."""
         r = self.cfg.rollout
         t0 = time.perf_counter()
-        mine = prompts
+        ranks, rank = (1, 0) if self.cp is None else (self.cp.size, self.cp.rank)
+        shards = r.shards or ranks
+        groups = len(prompts) // group
+        bounds = [groups * i // shards * group for i in range(shards)] + [len(prompts)]
+        mine = range(shards * rank // ranks, shards * (rank + 1) // ranks)
+        out, stats = [], []
+        for i in mine:
+            part = prompts[bounds[i]:bounds[i + 1]]
+            if part:
+                shard_seed = seed if i == 0 else (seed + i * 0x9E3779B97F4A7C15) % 2**63  # a stream per shard
+                out += engine.generate(part, r.max_new_tokens, temperature=r.temperature if temperature is None
+                                       else temperature, top_p=r.top_p, seed=shard_seed, eos_id=self.tok.eos_id)
+                stats.append(engine.stats)
         if self.cp is not None:
-            groups, c = len(prompts) // group, self.cp
-            lo, hi = (groups * c.rank // c.size) * group, (groups * (c.rank + 1) // c.size) * group
-            mine = prompts[lo:hi] if c.rank < c.size - 1 else prompts[lo:]
-            seed = (seed + c.rank * 0x9E3779B97F4A7C15) % 2**63  # a stream per rank
-        out = engine.generate(mine, r.max_new_tokens, temperature=r.temperature if temperature is None else temperature,
-                              top_p=r.top_p, seed=seed, eos_id=self.tok.eos_id) if mine else []
-        stats = engine.stats if mine else SpecStats()
-        if self.cp is not None:
-            shares = self.cp.all_gather_object((out, stats), "the rollout shares")
-            out = [o for share, _ in shares for o in share]
-            stats = SpecStats.pool([st for _, st in shares])
-        return out, time.perf_counter() - t0, stats
+            shares = self.cp.all_gather_object((out, stats), "the rollout shards")
+            out, stats = [o for share, _ in shares for o in share], [st for _, sts in shares for st in sts]
+        return out, time.perf_counter() - t0, stats[0] if len(stats) == 1 else SpecStats.pool(stats)
 
     def validate(self) -> float:
         self.policy.eval()
