@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import time
+from types import SimpleNamespace
 
 import torch
 
@@ -51,7 +52,8 @@ def _dead_peer(rank, world):
 def _mismatched_rows(rank, world):
     cu = torch.tensor([0, 5, 12] if rank == 0 else [0, 6, 12])
     try:
-        ShardedRow(torch.zeros(1, 12, dtype=torch.long), cu, CPGroup.world(timeout=TIMEOUT))
+        ShardedRow(SimpleNamespace(input_ids=torch.zeros(1, 12, dtype=torch.long), cu_seqlens=cu, shared=None),
+                   CPGroup.world(timeout=TIMEOUT))
     except CPError as e:
         return str(e)
     return "no error"

@@ -13,8 +13,10 @@ from codraft.parallel.zigzag import ZigzagPlan, ZigzagShard
 from dist_harness import run_ranks
 
 TOL = 1e-5
-# uneven lengths, some shorter than 2C (for C = 4: 1, 3, 5), GQA 4 query heads over 2 KV heads
-PACKINGS = [[1, 3, 17, 40, 5], [64], [9, 2, 33]]
+# uneven lengths, some shorter than 2C (for C = 4: 1, 3, 5), GQA 4 query heads over 2 KV heads;
+# with shared prefixes (PackedCausal.prefix: two GRPO groups, prompts of 40 and 9 tokens)
+PACKINGS = [([1, 3, 17, 40, 5], ()), ([64], ()), ([9, 2, 33], ()),
+            ([40, 5, 1, 12, 9, 3, 7], (-1, 0, 0, 0, -1, 4, 4))]
 
 
 def _inputs(lengths, seed, h=4, hkv=2, d=8):
@@ -29,13 +31,17 @@ def _inputs(lengths, seed, h=4, hkv=2, d=8):
     return cu, t, q, k, v, do, dlse
 
 
-def _main_case(rank, world, lengths, seed):
+def _main_case(rank, world, lengths, prefix, seed):
     cu, t, q, k, v, do, dlse = _inputs(lengths, seed)
     # reference: one process, the dense packed causal mask
     qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
-    o_ref, l_ref = attention_with_lse(qr, kr, vr, PackedCausal.of(cu, t).dense())
+    layout = PackedCausal.of(cu, t, prefix)
+    o_ref, l_ref = attention_with_lse(qr, kr, vr, layout.dense())
     ((o_ref * do).sum() + (l_ref * dlse).sum()).backward()
-    plan = ZigzagPlan.of(cu, world, t)
+    plan = ZigzagPlan.of_layout(layout, world)
+    # RoPE positions of the real rows are the layout's
+    real = ZigzagShard(plan, rank).index >= 0
+    assert torch.equal(ZigzagShard(plan, rank).positions()[real], plan.shard(layout.positions()[None], rank)[0, real])
     shard = ZigzagShard(plan, rank)
     comm = CPGroup.world(timeout=60)
     ql, kl, vl = (plan.shard(x, rank, dim=2).requires_grad_() for x in (q, k, v))
@@ -95,12 +101,12 @@ def _branch_case(rank, world, lengths, seed, gq, local, include_anchor):
 
 def _all_cases(rank, world):
     out = {}
-    for i, lengths in enumerate(PACKINGS):
-        out[f"main{i}"] = _main_case(rank, world, lengths, seed=i)
+    for i, (lengths, prefix) in enumerate(PACKINGS):
+        out[f"main{i}"] = _main_case(rank, world, lengths, prefix, seed=i)
     shapes = {"eagle3_diag": (3, "diagonal", True), "dflash_block": (8, "block", False),
               "dspark_block": (4, "block", False)}
     for name, (gq, local, inc) in shapes.items():
-        out[name] = _branch_case(rank, world, PACKINGS[0], 7, gq, local, inc)
+        out[name] = _branch_case(rank, world, PACKINGS[0][0], 7, gq, local, inc)
     return out
 
 

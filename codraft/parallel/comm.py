@@ -63,6 +63,17 @@ class CPGroup:
             raise CPError(f"CP rank {self.rank}/{self.size}: all-reduce of {what} failed: {e}") from e
         return x
 
+    def all_gather(self, x: torch.Tensor, what: str) -> list[torch.Tensor]:
+        """Every rank's ``x`` (same shape on every rank), in rank order."""
+        if self.size == 1:
+            return [x]
+        out = [torch.empty_like(x) for _ in range(self.size)]
+        try:
+            dist.all_gather(out, x, group=self.group)
+        except RuntimeError as e:
+            raise CPError(f"CP rank {self.rank}/{self.size}: all-gather of {what} failed: {e}") from e
+        return out
+
     def all_gather_object(self, obj, what: str) -> list:
         if self.size == 1:
             return [obj]

@@ -14,6 +14,8 @@ losses are written in and the local rows the rank holds:
 * ``main``: the drafts' ``MainAttention`` over the same shard (``RingMain``).
 
 ``sync_gradients`` sums the ranks' gradients afterwards (one flat all-reduce per model).
+Shared prompts stay shared for the policy; the drafts' per-sequence rows are made from its taps
+(``ShardedRow`` says how).
 """
 from __future__ import annotations
 
@@ -21,6 +23,7 @@ import hashlib
 
 import torch
 
+from codraft.attention import PackedCausal
 from codraft.attention.context import MainAttention
 from codraft.parallel.comm import CPError, CPGroup
 from codraft.parallel.ring import RingAttention, ring_attention, ring_branch_attention
@@ -40,9 +43,7 @@ class RingMain(MainAttention):
         super().__init__(cu_seqlens, shard.plan.total)
         self.shard, self.comm = shard, comm
         self.rows = shard.index
-        held = (self.rows >= 0).nonzero()[:, 0]
-        self._local = torch.full((self.length,), -1, dtype=torch.long, device=self.rows.device)
-        self._local[self.rows[held]] = held
+        self._local = _local_index(self.rows, self.length)
 
     @property
     def num_ranks(self) -> int:
@@ -65,25 +66,49 @@ class RingMain(MainAttention):
 
 
 class ShardedRow:
-    """One packed row (``input_ids`` (1,T), ``cu_seqlens``) split over the CP group."""
+    """One packed batch (``codraft.train.packing.Packed``: ids, cu_seqlens, optional shared-prompt
+    layout) split over the CP group.
 
-    def __init__(self, input_ids: torch.Tensor, cu_seqlens: torch.Tensor, comm: CPGroup):
-        self.comm, self.input_ids, self.cu_seqlens = comm, input_ids, cu_seqlens
-        self.plan = ZigzagPlan.of(cu_seqlens, comm.size, input_ids.shape[1])
-        _check_same_row(self.plan, input_ids, comm)
-        self.shard = ZigzagShard(self.plan, comm.rank, input_ids.device)
-        self.main = RingMain(self.shard, comm, cu_seqlens)
+    The policy runs on the shared-prompt layout when there is one (``batch.shared``: each group's
+    prompt once, zigzag.py), the drafts on the per-sequence layout they train on: their taps are
+    all-gathered (detached, (T_shared, H) per tap), expanded per sequence and re-sharded, as the
+    single-process step expands them. Without shared prompts both use one plan and nothing moves.
+    """
+
+    def __init__(self, batch, comm: CPGroup):
+        self.comm, self.batch = comm, batch
+        t, sh, dev = batch.input_ids.shape[1], batch.shared, batch.input_ids.device
+        layout = sh.layout if sh is not None else PackedCausal.of(batch.cu_seqlens, t)
+        self.ids = sh.input_ids if sh is not None else batch.input_ids
+        self.plan = ZigzagPlan.of_layout(layout, comm.size)
+        _check_same_row(self.plan, self.ids, comm)
+        self.shard = ZigzagShard(self.plan, comm.rank, dev)
         self.attention = RingAttention(comm)
+        self.draft_plan = self.plan if sh is None else ZigzagPlan.of(batch.cu_seqlens, comm.size, t)
+        draft_shard = self.shard if sh is None else ZigzagShard(self.draft_plan, comm.rank, dev)
+        self.main = RingMain(draft_shard, comm, batch.cu_seqlens)
+        self._local = _local_index(self.shard.index, self.plan.total)
 
     def forward(self, model, taps: tuple[int, ...] | None):
-        """The model's last-layer output (1,T_l,H) and taps {l: (1,T_l,H)} at this rank's rows."""
-        ids = self.plan.shard(self.input_ids, self.comm.rank)
+        """The model's last-layer output (1,T_l,H) at this rank's rows of the policy's layout, and its
+        taps {l: (1,T_l',H)} at this rank's rows of the drafts' layout."""
+        ids = self.plan.shard(self.ids, self.comm.rank)
         out = model(ids, layout=self.shard, attention=self.attention, taps=taps, head=False)
-        return out if taps is not None else (out, {})
+        hidden, feats = out if taps is not None else (out, {})
+        if self.batch.shared is not None:
+            feats = {l: self._to_draft_rows(f.detach(), l) for l, f in feats.items()}
+        return hidden, feats
+
+    def _to_draft_rows(self, f: torch.Tensor, layer: int) -> torch.Tensor:
+        parts = self.comm.all_gather(f.contiguous(), f"the taps of layer {layer}")
+        full = self.plan.unshard(parts)[:, self.batch.shared.gather]  # (1,T,H) per sequence
+        return self.draft_plan.shard(full, self.comm.rank)
 
     def select(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """rows (R,) global -> (local rows of those held here (R_l,), live (R,) bool: held here)."""
-        local = self.main.local_index(rows)
+        """rows (R,) per-sequence positions -> (local rows of the policy's output for those held here
+        (R_l,), live (R,) bool: held here)."""
+        sh = self.batch.shared
+        local = self._local[sh.gather[rows] if sh is not None else rows]
         live = local >= 0
         return local[live], live
 
@@ -101,6 +126,13 @@ class ShardedRow:
         both = torch.stack([m.detach().float() * n, torch.tensor(float(n), device=m.device)])
         self.comm.all_reduce(both, "a metric")
         return both[0] / both[1].clamp_min(1)
+
+def _local_index(index: torch.Tensor, total: int) -> torch.Tensor:
+    """(total,) local row of each global position, −1 where another rank holds it."""
+    held = (index >= 0).nonzero()[:, 0]
+    out = torch.full((total,), -1, dtype=torch.long, device=index.device)
+    out[index[held]] = held
+    return out
 
 
 def _check_same_row(plan: ZigzagPlan, input_ids: torch.Tensor, comm: CPGroup) -> None:

@@ -147,11 +147,23 @@ def _tril(n: int, device: str) -> torch.Tensor:
 
 
 def causal_rule(shard: ZigzagShard) -> Rule:
-    """The zigzag step rule for main queries over main keys (see the module docstring)."""
+    """The zigzag step rule for main queries over main keys (see the module docstring), plus, for
+    a segment with a shared prefix (``plan.prefix``), all of its rows over the prefix segment's
+    keys at every step (padding keys masked)."""
     plan, r = shard.plan, shard.rank
+    prefixed = [(i, p) for i, p in enumerate(plan.prefix) if p >= 0]
 
     def rule(src: int) -> list[Block]:
         out = []
+        if prefixed:
+            real = plan.padded_positions(src).to(shard.device) < torch.tensor(
+                plan.lengths, device=shard.device)[plan.sequence_ids().to(shard.device)]
+        for i, p in prefixed:
+            off, c, off_p, c_p = plan.offsets[i], plan.chunks[i], plan.offsets[p], plan.chunks[p]
+            keys = slice(off_p, off_p + 2 * c_p)
+            pad = ~real[keys]
+            mask = None if not bool(pad.any()) else (~pad)[None].expand(2 * c, -1)
+            out.append(Block(slice(off, off + 2 * c), keys, mask))
         for off, c in zip(plan.offsets, plan.chunks):
             if src == r:
                 out.append(Block(slice(off, off + 2 * c), slice(off, off + 2 * c), None, causal=True))
@@ -168,7 +180,7 @@ def branch_rule(shard: ZigzagShard, anchors: torch.Tensor, gq: int, include_anch
     their anchor's sequence before (``include_anchor``: up to) the anchor."""
     plan = shard.plan
     seq_of = plan.sequence_ids().to(shard.device)
-    apos = shard.positions()[anchors]  # (N,) padded position of each anchor
+    apos = plan.padded_positions(shard.rank).to(shard.device)[anchors]  # (N,) padded position of each anchor
     aseq = seq_of[anchors]
     per_seq = []
     for i, (off, c, n) in enumerate(zip(plan.offsets, plan.chunks, plan.lengths)):

@@ -12,11 +12,14 @@ s or 2C−1−s of that sequence: ring steps need no index exchange, only the pl
 at the end of their sequence (padded positions ≥ L_i), so causally no real token sees them; they
 map to global position −1 and are dropped by ``unshard``.
 
-Shared prompts (``PackedCausal.prefix``) are expanded under CP: each completion carries its own
-copy of its group's prompt (``pack(..., share_prompts=False)``). Zigzag's balance and its step
-rule rest on self-contained causal sequences, and the drafts' losses are per sequence anyway
-(the last prompt row of a group has one next token per completion). The cost is the prompt's
-compute once per completion; ``docs/long-context.md`` has the figures.
+Shared prompts (``PackedCausal.prefix``: a GRPO group's prompt packed once, each completion
+seeing it whole and then itself causally) stay shared. Every segment — the prompt, each
+completion — is sharded as its own sequence, so zigzag's balance and step rule hold unchanged,
+and ``prefix[i]`` adds to segment i's causal attention the whole of segment ``prefix[i]``: the
+ring visits it anyway, and segment i's rows attend to it at every step (ring.py), which costs
+the same on every rank. Expanding the prompt per completion instead would multiply the long
+part of a long-context batch by the group size. RoPE positions (``positions``) continue after
+the prefix, as in ``PackedCausal.positions()``.
 """
 from __future__ import annotations
 
@@ -28,12 +31,15 @@ import torch
 
 @dataclass(frozen=True)
 class ZigzagPlan:
-    """The sharding of one packed row (``cu_seqlens``, host ints) over ``world`` ranks."""
+    """The sharding of one packed row (``cu_seqlens``, host ints) over ``world`` ranks; ``prefix``
+    as in ``PackedCausal`` (segment i also sees all of segment prefix[i]; empty or -1: nothing)."""
     bounds: tuple[int, ...]
     world: int
+    prefix: tuple[int, ...] = ()
 
     @classmethod
-    def of(cls, cu_seqlens: torch.Tensor | list[int], world: int, total: int | None = None) -> "ZigzagPlan":
+    def of(cls, cu_seqlens: torch.Tensor | list[int], world: int, total: int | None = None,
+           prefix: tuple[int, ...] = ()) -> "ZigzagPlan":
         bounds = tuple(int(x) for x in (cu_seqlens.tolist() if torch.is_tensor(cu_seqlens) else cu_seqlens))
         if world < 1:
             raise ValueError(f"context-parallel size must be >= 1, got {world}")
@@ -42,7 +48,15 @@ class ZigzagPlan:
         if total is not None and bounds[-1] != total:
             raise ValueError(f"zigzag sharding needs a row without a padding tail: cu_seqlens ends at "
                              f"{bounds[-1]}, the row has {total} tokens")
-        return cls(bounds, world)
+        prefix = tuple(int(p) for p in prefix) if any(p >= 0 for p in prefix) else ()
+        if prefix and (len(prefix) != len(bounds) - 1 or any(not -1 <= p < i for i, p in enumerate(prefix))):
+            raise ValueError(f"prefix needs one entry per segment, each -1 or an earlier segment; got {list(prefix)}")
+        return cls(bounds, world, prefix)
+
+    @classmethod
+    def of_layout(cls, layout, world: int) -> "ZigzagPlan":
+        """The plan of a ``PackedCausal`` layout (its segments and shared prefixes)."""
+        return cls.of(layout.cu_seqlens, world, layout.total, layout.prefix)
 
     @property
     def lengths(self) -> list[int]:
@@ -85,6 +99,14 @@ class ZigzagPlan:
             for k in (rank, 2 * self.world - 1 - rank):
                 parts.append(torch.arange(k * c, (k + 1) * c))
         return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+    def rope_positions(self, rank: int) -> torch.Tensor:
+        """(T_l,) RoPE position of each local row: its padded position, after its prefix's length."""
+        pos, seq = self.padded_positions(rank), self.sequence_ids()
+        if not self.prefix:
+            return pos
+        shift = torch.tensor([self.lengths[p] if p >= 0 else 0 for p in self.prefix])
+        return pos + shift[seq]
 
     def sequence_ids(self) -> torch.Tensor:
         """(T_l,) sequence of each local row (the same on every rank)."""
@@ -140,5 +162,5 @@ class ZigzagShard:
         return self.plan.global_index(self.rank).to(self.device)
 
     def positions(self) -> torch.Tensor:
-        """RoPE positions: the padded position inside the sequence (padding rows continue counting)."""
-        return self.plan.padded_positions(self.rank).to(self.device)
+        """RoPE positions: as in the unsharded layout (padding rows continue counting)."""
+        return self.plan.rope_positions(self.rank).to(self.device)

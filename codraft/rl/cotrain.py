@@ -83,7 +83,7 @@ def cotrain_loss(policy, draft, batch: Packed, advantages: torch.Tensor, *, temp
     value; the caller sums the gradients over the group (``sync_gradients``).
     """
     taps = tuple(draft.feature_layers) if (draft is not None and train_draft) else None
-    row = ShardedRow(batch.input_ids, batch.cu_seqlens, cp) if cp is not None and cp.size > 1 else PackedRow(batch)
+    row = ShardedRow(batch, cp) if cp is not None and cp.size > 1 else PackedRow(batch)
     hidden, feats = row.forward(policy, taps)
     # logprob of token t comes from the logits at t-1. Only those rows (one per completion token,
     # ~30 % of the packed row) go through the LM head; they are also the draft's teacher rows.

@@ -368,9 +368,8 @@ class Trainer:
         t_train = time.perf_counter()
         timer = PhaseTimer("train", "loss_forward", "backward", "optimizer")
         self.policy.train()
-        # under CP each completion carries its own prompt copy (codraft.parallel.zigzag says why)
         batch = pack(rollout.prompts, [o.tokens for o in rollout.out], [o.logprobs for o in rollout.out],
-                     device=cfg.device, share_prompts=self.cp is None)
+                     device=cfg.device)
         with timer("loss_forward"):
             loss, lm = cotrain_loss(self.policy, self.draft, batch, scored.advantages.to(cfg.device),
                                     temperature=cfg.rollout.temperature, lam=cfg.draft.lam, eps_low=g.eps_low,
