@@ -114,5 +114,7 @@ def init_cp(device: torch.device | str = "cpu", timeout: float = 300.0) -> CPGro
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             raise CPError("parallel.cp > 1 needs torchrun: torchrun --nproc-per-node C -m codraft train parallel.cp=C")
+        if torch.device(device).type == "cuda":  # one GPU per rank: "cuda" means this rank's
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend_for(device), timeout=datetime.timedelta(seconds=timeout))
     return CPGroup.world(timeout)

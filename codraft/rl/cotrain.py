@@ -105,6 +105,8 @@ def cotrain_loss(policy, draft, batch: Packed, advantages: torch.Tensor, *, temp
                            norm=norm, ref_logprobs=ref_logp, kl_coef=kl_coef,
                            rollout_logprobs=batch.rollout_logprobs)
     metrics = {f"policy/{k}": v for k, v in m.items()}
+    if isinstance(row, ShardedRow):  # padding rows over real tokens, all ranks (zigzag pads to 2·cp)
+        metrics["cp/padding_ratio"] = row.plan.padding_ratio
     with torch.no_grad():
         entropy = entropy_from_logits(logits.detach()[None] / t, torch.ones_like(ids_here)[None])
         metrics["policy/entropy"] = row.mean(entropy, ids_here.shape[0])
