@@ -150,7 +150,7 @@ def test_engine_refuses_bad_sampling_settings(policy_dir, kw, message):
     (["--kind", "dflash", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--kind", "dflash", "--gamma", "0"], "--gamma must be >= 1"),
     (["--kind", "dflash", "--lr", "nan"], "--lr must be > 0 and finite, got nan"),
-    (["--kind", "dflash", "--task", "chess"], "--task must be one of arith, chain_sum, gsm_symbolic, got 'chess'"),
+    (["--kind", "dflash", "--task", "chess"], "--task must be one of arith, arith_haystack, chain_sum, gsm_symbolic, got 'chess'"),
 ])
 def test_train_draft_refuses_bad_values_before_loading(tmp_path, monkeypatch, args, message):
     _no_loading(monkeypatch)

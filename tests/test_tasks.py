@@ -98,7 +98,7 @@ def test_arith_knob_errors():
 
 
 def test_make_task_errors_name_valid_choices():
-    with pytest.raises(ValueError, match="arith, chain_sum, gsm_symbolic"):
+    with pytest.raises(ValueError, match="arith, arith_haystack, chain_sum, gsm_symbolic"):
         make_task("nope")
     with pytest.raises(ValueError, match="unknown knob.*colour.*operands"):
         make_task("arith", colour="red")

@@ -44,6 +44,10 @@ from codraft.tasks import make_task
 from codraft.tokenizer import CharTokenizer
 
 CHAR_TOKENIZER_FILE = "char_tokenizer.json"
+# The position limit a loaded tiny model declares. RoPE has no table, so the saved 512 (part of the
+# warm start's cache key) is nominal; raising it at load lets the engine take the long prompts of
+# `arith_haystack` (up to 32768 chars, docs/long-context.md). Positions past ~64 were never trained.
+TINY_MAX_POSITIONS = 65536
 RECIPE = 2  # part of the cache key: bump when the training loop changes what it produces
 
 
@@ -169,4 +173,6 @@ def warm_start(cfg: SFTConfig | None = None, *, cache_dir: str | os.PathLike | N
 def load_tiny(folder: str | os.PathLike):
     folder = Path(folder)
     alphabet = json.loads((folder / CHAR_TOKENIZER_FILE).read_text())["alphabet"]
-    return load_pretrained(folder), CharTokenizer(alphabet)
+    model = load_pretrained(folder)
+    model.config.max_position_embeddings = max(model.config.max_position_embeddings, TINY_MAX_POSITIONS)
+    return model, CharTokenizer(alphabet)

@@ -9,6 +9,10 @@ A task hands out `Problem`s (prompt, canonical answer, worked reference solution
   default), or the operations listed, `23*4=92;17+92=109;109-8=101#101` (style "steps").
   Usual precedence: every product/quotient term is worked first, left to right, then the
   +/- chain left to right; the final answer follows the last `#`.
+- `arith_haystack` — long `arith` contexts with distractors, for long-context runs: the prompt
+  is `context_chars` characters (default 4096, up to 32768) of worked `arith` problems, one per
+  line, then the `arith` question on the last line (`layout="both"`: also once first). Answer,
+  SFT target and reward are the question's `arith` ones; its split is its question's.
 - `gsm_symbolic` — GSM8K-style word problems from `reasoning_gym` for real models; the
   prompt asks for a final line `#### <number>`, the SFT target is the dataset's worked
   solution (it already ends with that line).
@@ -36,11 +40,13 @@ import dataclasses
 from typing import Any
 
 from codraft.tasks.arith import ArithTask
+from codraft.tasks.arith_haystack import ArithHaystackTask
 from codraft.tasks.base import SPLITS, Problem, Task, parse_number
 from codraft.tasks.chain_sum import ChainSumTask
 from codraft.tasks.gsm import GsmSymbolicTask
 
-TASKS: dict[str, type[Task]] = {"arith": ArithTask, "chain_sum": ChainSumTask, "gsm_symbolic": GsmSymbolicTask}
+TASKS: dict[str, type[Task]] = {"arith": ArithTask, "arith_haystack": ArithHaystackTask, "chain_sum": ChainSumTask,
+                                "gsm_symbolic": GsmSymbolicTask}
 
 
 def make_task(name: str, **knobs: Any) -> Task:
@@ -55,4 +61,5 @@ def make_task(name: str, **knobs: Any) -> Task:
     return cls(**knobs)
 
 
-__all__ = ["SPLITS", "Problem", "Task", "ArithTask", "ChainSumTask", "GsmSymbolicTask", "TASKS", "make_task", "parse_number"]
+__all__ = ["SPLITS", "TASKS", "ArithHaystackTask", "ArithTask", "ChainSumTask", "GsmSymbolicTask", "Problem", "Task", "make_task",
+           "parse_number"]
