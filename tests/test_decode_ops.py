@@ -82,9 +82,9 @@ def test_not_under_autograd():
 
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_model_decode_matches_torch_ops(monkeypatch, qk_norm):
-    """Prefill of right-padded prompts (18 rows: per-op C path), then decode steps of 1 and 3
-    tokens per row (whole layers in C; per-op with Qwen3's q/k norms), against the same on the
-    plain model (C kernels not enabled): logits and caches agree."""
+    """Prefill of right-padded prompts (into the empty cache: SDPA, not the C attention), then
+    decode steps of 1 and 3 tokens per row (whole layers in C; per-op with Qwen3's q/k norms),
+    against the same on the plain model (C kernels not enabled): logits and caches agree."""
     cfg = ModelConfig(vocab_size=50, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=6, num_key_value_heads=2,
                       architectures=["Qwen3ForCausalLM" if qk_norm else "LlamaForCausalLM"])
@@ -108,8 +108,8 @@ def test_model_decode_matches_torch_ops(monkeypatch, qk_norm):
         monkeypatch.setattr(decode_ops, name, lambda *a, _n=name, _f=real: calls.update({_n: calls[_n] + 1}) or _f(*a))
     fast, fast_cache = run(model)
     layers = cfg.num_hidden_layers
-    assert calls == ({"cache_attention": 4 * layers, "decoder_layer": 0} if qk_norm else
-                     {"cache_attention": layers, "decoder_layer": 3 * layers})  # the C paths ran
+    assert calls == ({"cache_attention": 3 * layers, "decoder_layer": 0} if qk_norm else
+                     {"cache_attention": 0, "decoder_layer": 3 * layers})  # the C paths ran
     ran = dict(calls)
     slow, slow_cache = run(plain)
     assert calls == ran  # the plain model stays plain

@@ -4,8 +4,8 @@ forward takes the CPU C path when it applies and otherwise runs the reference co
 When it applies, checked per call as cheaply as a few attribute reads: CPU fp32 tensors that
 need no autograd (``cbuild.fits``); products through ``products.linear`` (the GEMV kernel for few
 rows); RMSNorm in C; into a KV cache with the default ``varlen_attention``, RoPE + cache write +
-attention in C, and a whole decoder layer in one C call for steps of at most ``gemv.KERNEL_ROWS``
-rows without q/k norms. ``SWAPS`` maps each reference class to its subclass; the subclasses add
+attention in C (not for a prefill into an empty cache: SDPA), and a whole decoder layer in one C
+call for steps of at most ``gemv.KERNEL_ROWS`` rows without q/k norms. ``SWAPS`` maps each reference class to its subclass; the subclasses add
 no parameters, buffers or attributes, so only ``type(module)`` changes.
 Not here: the kernels and their build (``gemv``, ``decode_ops``, ``cbuild``), installing these
 (``codraft.kernels.enable``).
@@ -40,7 +40,9 @@ class FastAttention(Attention):
         b, t, _ = x.shape
         q, k, v = self.heads(linear(x, self.q_proj.weight), linear(x, self.k_proj.weight),
                              linear(x, self.v_proj.weight))
-        if cache is not None and attn is varlen_attention and decode_ops.applies(q, k, v, cache.k):
+        # decode and verify steps; a prefill into an empty cache (mask None) is plain causal attention,
+        # which SDPA's flash kernel does in O(T) memory, where this loop over keys is O(T²) per row
+        if cache is not None and mask is not None and attn is varlen_attention and decode_ops.applies(q, k, v, cache.k):
             o = decode_ops.cache_attention(q, k, v, cos, sin, cache.k[layer], cache.v[layer], cache.lengths)
         else:
             o = self.attend(q, k, v, cos, sin, attn, mask, cache, layer, positions, span)

@@ -132,10 +132,13 @@ class Transformer(nn.Module):
         if cache is not None:
             if cu_seqlens is not None or layout is not None:
                 raise ValueError("packed input (cu_seqlens) cannot be decoded into a KV cache")
+            empty = cache.span == 0  # host-known: a prefill into an empty cache
             span = cache.reserve(t)
             positions = cache.lengths[:, None] + torch.arange(t, device=input_ids.device)
-            # additive: SDPA would convert a boolean mask again in every layer
-            mask = torch.zeros((), dtype=self.embed_tokens.weight.dtype, device=input_ids.device).masked_fill(
+            # an empty cache is plain causal attention over the new tokens (flash-capable, no (B,T,T)
+            # mask); otherwise an additive mask: SDPA would convert a boolean one again in every layer
+            mask = None if empty else torch.zeros((), dtype=self.embed_tokens.weight.dtype,
+                                                  device=input_ids.device).masked_fill(
                 ~cache_causal_mask(cache.lengths, t, span), float("-inf"))
         elif cu_seqlens is not None or layout is not None:
             if b != 1:
