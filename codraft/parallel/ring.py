@@ -151,19 +151,23 @@ def causal_rule(shard: ZigzagShard) -> Rule:
     a segment with a shared prefix (``plan.prefix``), all of its rows over the prefix segment's
     keys at every step (padding keys masked)."""
     plan, r = shard.plan, shard.rank
-    prefixed = [(i, p) for i, p in enumerate(plan.prefix) if p >= 0]
+    # the rows of every segment that sees prefix p, as one index: one block per prefix and step
+    groups: dict[int, list[int]] = {}
+    for i, p in enumerate(plan.prefix):
+        if p >= 0:
+            groups.setdefault(p, []).extend(range(plan.offsets[i], plan.offsets[i] + 2 * plan.chunks[i]))
+    rows = {p: torch.tensor(idx, device=shard.device) for p, idx in groups.items()}
 
     def rule(src: int) -> list[Block]:
         out = []
-        if prefixed:
+        if rows:
             real = plan.padded_positions(src).to(shard.device) < torch.tensor(
                 plan.lengths, device=shard.device)[plan.sequence_ids().to(shard.device)]
-        for i, p in prefixed:
-            off, c, off_p, c_p = plan.offsets[i], plan.chunks[i], plan.offsets[p], plan.chunks[p]
-            keys = slice(off_p, off_p + 2 * c_p)
+        for p, q_idx in rows.items():
+            keys = slice(plan.offsets[p], plan.offsets[p] + 2 * plan.chunks[p])
             pad = ~real[keys]
-            mask = None if not bool(pad.any()) else (~pad)[None].expand(2 * c, -1)
-            out.append(Block(slice(off, off + 2 * c), keys, mask))
+            mask = None if not bool(pad.any()) else (~pad)[None].expand(q_idx.numel(), -1)
+            out.append(Block(q_idx, keys, mask))
         for off, c in zip(plan.offsets, plan.chunks):
             if src == r:
                 out.append(Block(slice(off, off + 2 * c), slice(off, off + 2 * c), None, causal=True))
