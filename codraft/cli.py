@@ -222,7 +222,8 @@ def _cmd_bench(args):
         from codraft.bench.cp import run
         run(lengths=[int(x) for x in _csv(args.lengths)], cps=[int(x) for x in _csv(args.cp)],
             methods=_csv(args.methods), branches=_csv(args.branch), repeats=args.repeats, warmup=args.warmup,
-            tile=args.tile, seed=args.seed, c1_methods=_csv(args.c1_methods), json_path=args.json)
+            seed=args.seed, c1_methods=_csv(args.c1_methods), json_path=args.json,
+            append=args.append)
     elif args.bench == "gemv":
         from codraft.bench.gemv import run
         run(model_name=args.model, rows=[int(r) for r in _csv(args.rows)], threads=args.threads,
@@ -308,15 +309,16 @@ def _bench_commands(sub):
     b.add_argument("--lengths", default="8192,16384,32768,65536", help="tokens of the packed row, comma list")
     b.add_argument("--cp", default="1,2,4", help="context-parallel sizes (processes), comma list")
     b.add_argument("--methods", default="zigzag,usp,ring,allgather",
-                   help="comma list of zigzag, usp, ring, allgather; NAME+tiled tiles the causal diagonal")
+                   help="comma list of zigzag, usp, ring, allgather")
     b.add_argument("--c1-methods", default="single,zigzag",
-                   help="rows at C=1: single (the tiled single-process reference) and methods' own C=1 code")
+                   help="rows at C=1: single (the one-process reference) and methods with their own C=1 code")
     b.add_argument("--branch", default="none,eagle3,dflash", help="draft branch shapes: none, eagle3, dflash")
     b.add_argument("--repeats", type=int, default=3, help="timed repetitions (median reported)")
     b.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
-    b.add_argument("--tile", type=int, default=256, help="rows per diagonal tile for single and +tiled methods")
     b.add_argument("--seed", type=int, default=0, help="seed of the packings")
     b.add_argument("--json", metavar="FILE")
+    b.add_argument("--append", action="store_true",
+                   help="merge into an existing --json file (rows measured again replace the old ones)")
 
     b = bench.add_parser("gemv", help="weight streaming speed of few-row products: torch vs the C kernel")
     b.add_argument("--model", default="smollm2", help="tiny, smollm2 or an HF-format folder")

@@ -25,7 +25,6 @@ whose query set is empty.
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 from typing import Callable, NamedTuple
 
 import torch
@@ -139,11 +138,6 @@ class _Ring(torch.autograd.Function):
 
 
 # ---- rules ------------------------------------------------------------------------------------
-
-
-@lru_cache(maxsize=64)
-def _tril(n: int, device: str) -> torch.Tensor:
-    return torch.ones(n, n, dtype=torch.bool, device=device).tril()
 
 
 def causal_rule(shard: ZigzagShard) -> Rule:
