@@ -76,25 +76,28 @@ def _merge_into(o: torch.Tensor, lse: torch.Tensor, sel, ob: torch.Tensor, lb: t
 
 
 class _Ring(torch.autograd.Function):
+    """Buffers: two K/V buffers and (backward) two fp32 dK/dV buffers, swapped every step: one is
+    sent while the other receives, so no step allocates a shard-sized tensor."""
+
     @staticmethod
     def forward(ctx, q, k, v, rule: Rule, comm: CPGroup, scale: float, what: str):
         ctx.set_materialize_grads(False)  # an unused ℓ (the model's attention) gets no dℓ work
         b, h, tq, d = q.shape
         o = q.new_zeros(b, h, tq, d, dtype=torch.float32)
         lse = q.new_full((b, h, tq), float("-inf"), dtype=torch.float32)
-        kv = torch.stack([k, v]).contiguous()  # (2,B,Hkv,T,D): one message per step
+        kv = torch.stack([k, v])  # (2,B,Hkv,T,D): one message per step
+        spare = torch.empty_like(kv) if comm.size > 1 else None
         for step in range(comm.size):
             src = (comm.rank - step) % comm.size
             if step < comm.size - 1:
-                nxt = torch.empty_like(kv)
-                pending = comm.exchange(kv, nxt, what=f"{what} K/V", step=step, tag=TAG_KV)
+                pending = comm.exchange(kv, spare, what=f"{what} K/V", step=step, tag=TAG_KV)
             for blk in rule(src):
                 ob, lb = block_forward(_take(q, blk.q), kv[0][:, :, blk.k], kv[1][:, :, blk.k], blk.mask, scale,
                                        blk.causal)
                 _merge_into(o, lse, blk.q, ob, lb)
             if step < comm.size - 1:
                 pending.wait()
-                kv = nxt
+                kv, spare = spare, kv
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.rule, ctx.comm, ctx.scale, ctx.what = rule, comm, scale, what
         return o, lse
@@ -106,35 +109,36 @@ class _Ring(torch.autograd.Function):
         do = do.float() if do is not None else torch.zeros_like(o)  # (a branch whose O is unused)
         delta = (do * o).sum(-1)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
-        kv = torch.stack([k, v]).contiguous()
-        dkv_in = pending_dkv = None
+        kv = torch.stack([k, v])
+        spare = torch.empty_like(kv) if comm.size > 1 else None
+        dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # the running dK/dV of src's shard
+        dkv_spare = torch.empty_like(dkv) if comm.size > 1 else None
+        pending_dkv = None
         for step in range(comm.size):
             src = (comm.rank - step) % comm.size
             if step < comm.size - 1:
-                nxt = torch.empty_like(kv)
-                pending_kv = comm.exchange(kv, nxt, what=f"{what} K/V (backward)", step=step, tag=TAG_KV)
-            dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-            for blk in rule(src):
-                g = block_backward(_take(do, blk.q), None if dlse is None else _take(dlse, blk.q), _take(q, blk.q),
-                                   kv[0][:, :, blk.k], kv[1][:, :, blk.k], _take(o, blk.q), _take(lse, blk.q),
-                                   blk.mask, scale, delta=_take(delta, blk.q), causal=blk.causal)
-                _add(dq, blk.q, g[0])
-                dkv[0][:, :, blk.k] += g[1]
-                dkv[1][:, :, blk.k] += g[2]
-            if comm.size > 1:
-                if pending_dkv is not None:  # the running dK/dV of src's shard, from the ranks before
-                    pending_dkv.wait()
-                    dkv += dkv_in
-                dkv_in = torch.empty_like(dkv)
-                pending_dkv = comm.exchange(dkv, dkv_in, what=f"{what} dK/dV", step=step, tag=TAG_DKV)
-            else:
-                dkv_in = dkv
+                pending_kv = comm.exchange(kv, spare, what=f"{what} K/V (backward)", step=step, tag=TAG_KV)
+            grads = [(blk, block_backward(
+                _take(do, blk.q), None if dlse is None else _take(dlse, blk.q), _take(q, blk.q),
+                kv[0][:, :, blk.k], kv[1][:, :, blk.k], _take(o, blk.q), _take(lse, blk.q), blk.mask, scale,
+                delta=_take(delta, blk.q), causal=blk.causal)) for blk in rule(src)]
+            if pending_dkv is not None:  # src's running dK/dV from the ranks before; our last send is done
+                pending_dkv.wait()
+                dkv, dkv_spare = dkv_spare, dkv
+            for blk, (gq, gk, gv) in grads:
+                _add(dq, blk.q, gq)
+                dkv[0][:, :, blk.k] += gk
+                dkv[1][:, :, blk.k] += gv
+            del grads
+            if comm.size > 1:  # on to the next rank; after C sends every shard's gradient is home
+                pending_dkv = comm.exchange(dkv, dkv_spare, what=f"{what} dK/dV", step=step, tag=TAG_DKV)
             if step < comm.size - 1:
                 pending_kv.wait()
-                kv = nxt
-        if pending_dkv is not None:  # after C sends, this rank's own shard's gradient is back
+                kv, spare = spare, kv
+        if pending_dkv is not None:
             pending_dkv.wait()
-        return dq.to(q.dtype), dkv_in[0].to(k.dtype), dkv_in[1].to(v.dtype), None, None, None, None
+            dkv = dkv_spare
+        return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
 
 
 # ---- rules ------------------------------------------------------------------------------------
