@@ -12,6 +12,7 @@ from codraft.parallel.comm import CPGroup
 from codraft.parallel.context import sync_gradients
 from codraft.policy.warmstart import tiny_model_config
 from codraft.rl.cotrain import cotrain_loss
+from codraft.tasks import make_task
 from codraft.tokenizer import CharTokenizer
 from codraft.train.packing import pack
 from dist_harness import run_ranks
@@ -19,14 +20,19 @@ from dist_harness import run_ranks
 RTOL = 1e-4
 
 
-def _batch(seed, groups=3, group_size=2):
-    """GRPO-shaped rollouts: groups of completions sharing a prompt, uneven lengths (some long)."""
+def _batch(seed, groups=3, group_size=2, long=False):
+    """GRPO-shaped rollouts: groups of completions sharing a prompt, uneven lengths; ``long``: the
+    prompts of the long-context preset's task (arith_haystack, 0.8-2K characters)."""
     g = torch.Generator().manual_seed(seed)
     tok = CharTokenizer()
     prompts, completions, logprobs = [], [], []
     for i in range(groups):
-        n = int(torch.randint(20, 160, (1,), generator=g))
-        p = tok.prompt_ids("".join(str(int(d)) for d in torch.randint(0, 10, (n,), generator=g)) + "=")
+        if long:
+            chars = int(torch.randint(800, 2000, (1,), generator=g))
+            p = tok.prompt_ids(make_task("arith_haystack", context_chars=chars).sample("train", 1, seed=i)[0].prompt)
+        else:
+            n = int(torch.randint(20, 160, (1,), generator=g))
+            p = tok.prompt_ids("".join(str(int(d)) for d in torch.randint(0, 10, (n,), generator=g)) + "=")
         for _ in range(group_size):
             m = int(torch.randint(1, 40, (1,), generator=g))
             completions.append(torch.randint(3, tok.vocab_size, (m,), generator=g).tolist())
@@ -68,17 +74,17 @@ def _rel(a, b):
         abs(a - b) / max(abs(b), 1e-6)
 
 
-def _compare(rank, world, kinds):
+def _compare(rank, world, kinds, long=False):
     comm = CPGroup.world(timeout=60)
     out = {}
     for kind in kinds:
-        for kl in (0.0, 0.05):
+        for kl in ((0.0,) if long else (0.0, 0.05)):
             policy, draft = _models(kind)
             reference = None
             if kl:
                 torch.manual_seed(9)
                 reference = Transformer(policy.config).requires_grad_(False)
-            batch, adv = _batch(seed=3)
+            batch, adv = _batch(seed=3, groups=2 if long else 3, long=long)
             ref = _step(policy, draft, batch, adv, None, reference, kl)
             got = _step(policy, draft, batch, adv, comm, reference, kl)
             errs = {"loss": _rel(got[0], ref[0])}
@@ -90,9 +96,10 @@ def _compare(rank, world, kinds):
     return out
 
 
-@pytest.mark.parametrize("world,kinds", [(2, ("eagle3", "dflash", "dspark", "model")), (4, ("eagle3", "dspark"))])
-def test_cp_step_equals_single_process(world, kinds):
-    for rank, res in enumerate(run_ranks(_compare, world, kinds, timeout=300)):
+@pytest.mark.parametrize("world,kinds,long", [(2, ("eagle3", "dflash", "dspark", "model"), False),
+                                             (4, ("eagle3", "dspark"), False), (2, ("eagle3", "dspark"), True)])
+def test_cp_step_equals_single_process(world, kinds, long):
+    for rank, res in enumerate(run_ranks(_compare, world, kinds, long, timeout=300)):
         for case, errs in res.items():
             bad = {k: e for k, e in errs.items() if not e <= RTOL}
             assert not bad, f"C={world} rank {rank} {case}: relative differences above {RTOL}: {bad}"

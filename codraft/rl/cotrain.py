@@ -20,6 +20,11 @@ The RL loss reads rows through ``SharedPrompts.gather``. The drafts keep the per
 layout (their losses pick anchors, positions and context per sequence): their taps are expanded
 per sequence with the same gather, which copies detached features only and costs no policy
 compute.
+
+Context parallelism (``cp``): the same step on ``codraft.parallel.context.ShardedRow``, which
+holds this rank's zigzag rows of the same layouts. The losses are written over full per-token
+tensors (``assemble``) whose gradients reach the local entries only, so every rank computes the
+same loss and metrics, and the ranks' summed gradients are the single-process gradient.
 """
 from __future__ import annotations
 
