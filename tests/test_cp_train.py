@@ -58,3 +58,11 @@ def test_torchrun_cp2_equals_single_process(tmp_path, kind):
     # rank 0 wrote the folder once: one metrics row per step, both checkpoints, one report
     assert sorted(p.name for p in run_dir.iterdir() if p.is_dir() and p.name.startswith("step_")) == ["step_1", "step_2"]
     assert stdout.count("metrics.jsonl") <= 1
+    # a CP run's checkpoint resumes in one process (rank 0 saved the whole state)
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "codraft", "train", "--resume", str(run_dir), "steps=3",
+                           "parallel.cp=1"], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-4000:]
+    log = [json.loads(line) for line in (run_dir / "resume_log.jsonl").read_text().splitlines()]
+    assert log[-1]["step"] == 2 and "parallel.cp" in log[-1]["changed"]
+    assert (run_dir / "step_3").is_dir()
