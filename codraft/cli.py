@@ -224,6 +224,11 @@ def _cmd_bench(args):
             methods=_csv(args.methods), branches=_csv(args.branch), repeats=args.repeats, warmup=args.warmup,
             seed=args.seed, c1_methods=_csv(args.c1_methods), json_path=args.json,
             append=args.append)
+    elif args.bench == "tap":
+        from codraft.bench.tap import parse_size, run
+        run(sizes=[parse_size(x) for x in _csv(args.sizes)], methods=_csv(args.methods), producers=args.producers,
+            taps=args.taps, microbatches=args.microbatches, repeats=args.repeats, warmup=args.warmup,
+            json_path=args.json)
     elif args.bench == "gemv":
         from codraft.bench.gemv import run
         run(model_name=args.model, rows=[int(r) for r in _csv(args.rows)], threads=args.threads,
@@ -319,6 +324,17 @@ def _bench_commands(sub):
     b.add_argument("--json", metavar="FILE")
     b.add_argument("--append", action="store_true",
                    help="merge into an existing --json file (rows measured again replace the old ones)")
+
+    b = bench.add_parser("tap", help="TapChannel fan-in of tapped features to the last stage: shared memory vs "
+                                      "point-to-point vs host staging (gloo, 1 thread per process)")
+    b.add_argument("--sizes", default="2048x576,2048x128", help="tokens x hidden per feature, comma list")
+    b.add_argument("--methods", default="shm,p2p,staging", help="comma list of shm, p2p, staging")
+    b.add_argument("--producers", type=int, default=2, help="producer stages (processes), plus one consumer")
+    b.add_argument("--taps", type=int, default=3, help="tapped layers, spread over the producers")
+    b.add_argument("--microbatches", type=int, default=8, help="micro-batches per bandwidth round")
+    b.add_argument("--repeats", type=int, default=5, help="timed rounds (median reported)")
+    b.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    b.add_argument("--json", metavar="FILE")
 
     b = bench.add_parser("gemv", help="weight streaming speed of few-row products: torch vs the C kernel")
     b.add_argument("--model", default="smollm2", help="tiny, smollm2 or an HF-format folder")
