@@ -32,6 +32,11 @@ and `grpo.max_nonfinite_steps` of those in a row stop the run with a RuntimeErro
 checkpoint being written while such a streak lasts; Ctrl-C checkpoints the last completed
 step before re-raising, so `--resume` continues from it.
 
+Context parallelism (``parallel.cp`` > 1, one process per rank under torchrun): the ranks decode
+the rollouts' shards and gather them, every rank then runs the same step on its zigzag rows
+(``cotrain_loss(..., cp=)``) and the gradients are summed over the ranks before clipping, so
+every rank applies the same update; rank 0 alone writes the run folder and shows progress.
+
 Run folder (``runs``, ``codraft.train.run_dir``, ``codraft.train.checkpoint``): a fresh run refuses
 a folder that holds a run; a resume restores the newest checkpoint that verifies (sha256 of
 every file, falling back with a warning), may change only the keys in ``runs.RESUMABLE`` and
