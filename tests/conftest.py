@@ -11,6 +11,16 @@ from codraft.kernels import cbuild, decode_ops, gemv
 torch.set_num_threads(1)
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module, whatever an earlier test left set (restored after): tiny
+    tensors run faster so, and immune to oversubscribed CPUs."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture
 def fresh_kernels():
     """The C kernels looked up again in the test (and after it): for tests that change how they build."""

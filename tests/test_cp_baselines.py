@@ -7,10 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from codraft.attention import PackedCausal, branch_local_part, dense_branch_reference, merge_lse
-from codraft.attention.merge import attention_with_lse
 from codraft.parallel.baselines import METHODS, ContiguousPlan, UspPlan, comm_bytes, reset_comm_bytes, usp_heads
 from codraft.parallel.comm import CPGroup
+from cp_cases import branch_case, inputs, main_case
 from dist_harness import run_ranks
 
 TOL = 1e-5
@@ -18,17 +17,6 @@ TOL = 1e-5
 # shorter than 2C (for C = 4: 1, 3, 5), GQA 4 query heads over 2 KV heads
 PACKINGS = [[1, 3, 17, 40, 5], [64], [9, 2, 33]]
 
-
-def _inputs(lengths, seed, h=4, hkv=2, d=8):
-    g = torch.Generator().manual_seed(seed)
-    t = sum(lengths)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    q = torch.randn(1, h, t, d, generator=g)
-    k = torch.randn(1, hkv, t, d, generator=g)
-    v = torch.randn(1, hkv, t, d, generator=g)
-    do = torch.randn(1, h, t, d, generator=g)
-    dlse = torch.randn(1, h, t, generator=g)
-    return cu, t, q, k, v, do, dlse
 
 # (name, method, plan options); usp with U = C pads the 2 KV heads to 4 at C = 4,
 # usp-u2 at C = 4 is Ulysses 2 x a zigzag ring of 2 on strided subgroups, usp-u1 is a pure zigzag ring
@@ -41,75 +29,10 @@ VARIANTS = [
 ]
 
 
-def _main_case(rank, world, lengths, seed, method, plan_opts):
-    cu, t, q, k, v, do, dlse = _inputs(lengths, seed)
-    qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
-    o_ref, l_ref = attention_with_lse(qr, kr, vr, PackedCausal.of(cu, t).dense())
-    ((o_ref * do).sum() + (l_ref * dlse).sum()).backward()
-    m = METHODS[method]
-    plan = m.plan(cu, world, t, **plan_opts)
-    shard = m.shard(plan, rank)
-    comm = CPGroup.world(timeout=60)
-    ql, kl, vl = (plan.shard(x, rank, dim=2).requires_grad_() for x in (q, k, v))
-    o, lse = m.attention(ql, kl, vl, shard, comm)
-    ((o * plan.shard(do, rank, dim=2)).sum() + (lse * plan.shard(dlse, rank, dim=2)).sum()).backward()
-    real = shard.index >= 0
-    errs = {
-        "o": (o - plan.shard(o_ref.detach(), rank, dim=2))[:, :, real].abs().max(),
-        "lse": (lse - plan.shard(l_ref.detach(), rank, dim=2))[:, :, real].abs().max(),
-        "dq": (ql.grad - plan.shard(qr.grad, rank, dim=2))[:, :, real].abs().max(),
-        "dk": (kl.grad - plan.shard(kr.grad, rank, dim=2))[:, :, real].abs().max(),
-        "dv": (vl.grad - plan.shard(vr.grad, rank, dim=2))[:, :, real].abs().max(),
-        # padding rows: no upstream gradient, never seen by a real query -> exactly zero
-        "pad_grads": max((x.grad[:, :, ~real].abs().max() if (~real).any() else torch.tensor(0.0))
-                         for x in (ql, kl, vl)),
-    }
-    return {name: float(e.detach()) for name, e in errs.items()}
-
-
-def _branch_case(rank, world, method, lengths, seed, gq, local, include_anchor):
-    cu, t, _, k_main, v_main, _, _ = _inputs(lengths, seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    n_anchor = 12
-    anchors = torch.randint(0, t, (n_anchor,), generator=g).sort().values
-    h, hkv, d = 4, 2, 8
-    qb = torch.randn(1, h, n_anchor, gq, d, generator=g)
-    kb = torch.randn(1, hkv, n_anchor, gq, d, generator=g)
-    vb = torch.randn(1, hkv, n_anchor, gq, d, generator=g)
-    do = torch.randn(1, h, n_anchor, gq, d, generator=g)
-    ref_in = [x.clone().requires_grad_() for x in (qb, kb, vb, k_main, v_main)]
-    o_ref, _ = dense_branch_reference(*ref_in, anchors, local=local, include_anchor=include_anchor, cu_seqlens=cu)
-    (o_ref * do).sum().backward()
-    m = METHODS[method]
-    plan = m.plan(cu, world, t)
-    shard = m.shard(plan, rank)
-    index = shard.index
-    local_of = torch.full((t,), -1, dtype=torch.long)
-    local_of[index[index >= 0]] = (index >= 0).nonzero()[:, 0]
-    mine = (local_of[anchors] >= 0).nonzero()[:, 0]
-    q_l, kb_l, vb_l = (x[:, :, mine].clone().requires_grad_() for x in (qb, kb, vb))
-    km, vm = (plan.shard(x, rank, dim=2).requires_grad_() for x in (k_main, v_main))
-    om, lm = m.branch(q_l, km, vm, local_of[anchors[mine]], shard, CPGroup.world(timeout=60),
-                      include_anchor=include_anchor)
-    ob, lb = branch_local_part(q_l, kb_l, vb_l, local=local)
-    o, _ = merge_lse(om, lm, ob, lb)
-    (o * do[:, :, mine]).sum().backward()
-    real = index >= 0
-    zero = torch.tensor(0.0)
-    errs = {
-        "o": (o - o_ref.detach()[:, :, mine]).abs().max() if mine.numel() else zero,
-        "dq": (q_l.grad - ref_in[0].grad[:, :, mine]).abs().max() if mine.numel() else zero,
-        "dk_branch": (kb_l.grad - ref_in[1].grad[:, :, mine]).abs().max() if mine.numel() else zero,
-        "dk_main": (km.grad - plan.shard(ref_in[3].grad, rank, dim=2))[:, :, real].abs().max(),
-        "dv_main": (vm.grad - plan.shard(ref_in[4].grad, rank, dim=2))[:, :, real].abs().max(),
-    }
-    return {name: float(e.detach()) for name, e in errs.items()}, int(mine.numel())
-
-
 def _bytes_case(rank, world):
     """Forward bytes of the zigzag ring (CPGroup counter) and the all-gather (added by the baseline)
     equal the formula (C−1)·2·T_l·Hkv·D·4."""
-    cu, t, q, k, v, _, _ = _inputs(PACKINGS[0], 0)
+    cu, t, q, k, v, _, _ = inputs(PACKINGS[0], 0)
     comm = CPGroup.world(timeout=60)
     out = {}
     for name in ("zigzag", "allgather", "usp"):
@@ -125,11 +48,11 @@ def _all_cases(rank, world):
     out = {}
     for vname, method, plan_opts in VARIANTS:
         for i, lengths in enumerate(PACKINGS):
-            out[f"{vname}/main{i}"] = (_main_case(rank, world, lengths, i, method, plan_opts), None)
+            out[f"{vname}/main{i}"] = (main_case(rank, world, lengths, i, method, plan_opts), None)
     shapes = {"eagle3_diag": (3, "diagonal", True), "dflash_block": (8, "block", False)}
     for method in ("ring", "allgather"):
         for name, (gq, local, inc) in shapes.items():
-            out[f"{method}/{name}"] = _branch_case(rank, world, method, PACKINGS[0], 7, gq, local, inc)
+            out[f"{method}/{name}"] = branch_case(rank, world, method, PACKINGS[0], 7, gq, local, inc)
     out["bytes"] = _bytes_case(rank, world)
     return out
 

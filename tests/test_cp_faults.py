@@ -24,23 +24,14 @@ def _ring_inputs(rank, world):
     return q, k, v, ZigzagShard(plan, rank)
 
 
-def _silent_peer(rank, world):
-    q, k, v, shard = _ring_inputs(rank, world)
-    if rank == 1:  # alive but never joins the ring
-        time.sleep(3 * TIMEOUT)
-        return "idle"
-    t0 = time.monotonic()
-    try:
-        ring_attention(q, k, v, shard, CPGroup.world(timeout=TIMEOUT))
-    except CPError as e:
-        return str(e), time.monotonic() - t0
-    return "no error", time.monotonic() - t0
-
-
-def _dead_peer(rank, world):
+def _faulty_peer(rank, world, fault):
+    """Rank 1 stays alive but never joins the ring ("silent"), or dies before it ("dead")."""
     q, k, v, shard = _ring_inputs(rank, world)
     if rank == 1:
-        os._exit(3)  # dies before its first ring step
+        if fault == "dead":
+            os._exit(3)
+        time.sleep(3 * TIMEOUT)
+        return "idle"
     t0 = time.monotonic()
     try:
         ring_attention(q, k, v, shard, CPGroup.world(timeout=TIMEOUT))
@@ -60,7 +51,7 @@ def _mismatched_rows(rank, world):
 
 
 def test_silent_peer_times_out_naming_rank_and_step():
-    results, errors = run_ranks(_silent_peer, 2, expect_failure=True, timeout=60)
+    results, errors = run_ranks(_faulty_peer, 2, "silent", expect_failure=True, timeout=60)
     assert not errors, errors
     message, seconds = results[0]
     assert "CP rank 0/2: ring step 1 of 2 got no main K/V from CP rank 1" in message, message
@@ -68,7 +59,7 @@ def test_silent_peer_times_out_naming_rank_and_step():
 
 
 def test_dead_peer_fails_fast_naming_rank_and_step():
-    results, errors = run_ranks(_dead_peer, 2, expect_failure=True, timeout=60)
+    results, errors = run_ranks(_faulty_peer, 2, "dead", expect_failure=True, timeout=60)
     assert 1 not in results and not errors
     message, seconds = results[0]
     assert "CP rank 0/2: ring step 1 of 2" in message and "CP rank 1" in message, message

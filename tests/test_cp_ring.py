@@ -5,11 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from codraft.attention import PackedCausal, branch_local_part, dense_branch_reference, merge_lse
-from codraft.attention.merge import attention_with_lse
-from codraft.parallel.comm import CPGroup
-from codraft.parallel.ring import ring_attention, ring_branch_attention
-from codraft.parallel.zigzag import ZigzagPlan, ZigzagShard
+from codraft.parallel.zigzag import ZigzagPlan
+from cp_cases import branch_case, main_case
 from dist_harness import run_ranks
 
 TOL = 1e-5
@@ -19,94 +16,14 @@ PACKINGS = [([1, 3, 17, 40, 5], ()), ([64], ()), ([9, 2, 33], ()),
             ([40, 5, 1, 12, 9, 3, 7], (-1, 0, 0, 0, -1, 4, 4))]
 
 
-def _inputs(lengths, seed, h=4, hkv=2, d=8):
-    g = torch.Generator().manual_seed(seed)
-    t = sum(lengths)
-    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()])
-    q = torch.randn(1, h, t, d, generator=g)
-    k = torch.randn(1, hkv, t, d, generator=g)
-    v = torch.randn(1, hkv, t, d, generator=g)
-    do = torch.randn(1, h, t, d, generator=g)
-    dlse = torch.randn(1, h, t, generator=g)
-    return cu, t, q, k, v, do, dlse
-
-
-def _main_case(rank, world, lengths, prefix, seed):
-    cu, t, q, k, v, do, dlse = _inputs(lengths, seed)
-    # reference: one process, the dense packed causal mask
-    qr, kr, vr = (x.clone().requires_grad_() for x in (q, k, v))
-    layout = PackedCausal.of(cu, t, prefix)
-    o_ref, l_ref = attention_with_lse(qr, kr, vr, layout.dense())
-    ((o_ref * do).sum() + (l_ref * dlse).sum()).backward()
-    plan = ZigzagPlan.of_layout(layout, world)
-    # RoPE positions of the real rows are the layout's
-    real = ZigzagShard(plan, rank).index >= 0
-    assert torch.equal(ZigzagShard(plan, rank).positions()[real], plan.shard(layout.positions()[None], rank)[0, real])
-    shard = ZigzagShard(plan, rank)
-    comm = CPGroup.world(timeout=60)
-    ql, kl, vl = (plan.shard(x, rank, dim=2).requires_grad_() for x in (q, k, v))
-    o, lse = ring_attention(ql, kl, vl, shard, comm)
-    ((o * plan.shard(do, rank, dim=2)).sum() + (lse * plan.shard(dlse, rank, dim=2)).sum()).backward()
-    real = shard.index >= 0
-    errs = {
-        "o": (o - plan.shard(o_ref.detach(), rank, dim=2))[:, :, real].abs().max(),
-        "lse": (lse - plan.shard(l_ref.detach(), rank, dim=2))[:, :, real].abs().max(),
-        "dq": (ql.grad - plan.shard(qr.grad, rank, dim=2))[:, :, real].abs().max(),
-        "dk": (kl.grad - plan.shard(kr.grad, rank, dim=2))[:, :, real].abs().max(),
-        "dv": (vl.grad - plan.shard(vr.grad, rank, dim=2))[:, :, real].abs().max(),
-        # padding rows: no upstream gradient, never seen by a real query -> exactly zero
-        "pad_grads": max((x.grad[:, :, ~real].abs().max() if (~real).any() else torch.tensor(0.0))
-                         for x in (ql, kl, vl)),
-    }
-    return {name: float(e) for name, e in errs.items()}, plan.padding_ratio
-
-
-def _branch_case(rank, world, lengths, seed, gq, local, include_anchor):
-    cu, t, _, k_main, v_main, _, _ = _inputs(lengths, seed)
-    g = torch.Generator().manual_seed(seed + 1)
-    n_anchor = 12
-    anchors = torch.randint(0, t, (n_anchor,), generator=g).sort().values
-    h, hkv, d = 4, 2, 8
-    qb = torch.randn(1, h, n_anchor, gq, d, generator=g)
-    kb = torch.randn(1, hkv, n_anchor, gq, d, generator=g)
-    vb = torch.randn(1, hkv, n_anchor, gq, d, generator=g)
-    do = torch.randn(1, h, n_anchor, gq, d, generator=g)
-    ref_in = [x.clone().requires_grad_() for x in (qb, kb, vb, k_main, v_main)]
-    o_ref, _ = dense_branch_reference(*ref_in, anchors, local=local, include_anchor=include_anchor, cu_seqlens=cu)
-    (o_ref * do).sum().backward()
-    # CP: each branch lives on the rank that owns its anchor; main K/V are sharded
-    plan = ZigzagPlan.of(cu, world, t)
-    shard = ZigzagShard(plan, rank)
-    index = shard.index
-    local_of = torch.full((t,), -1, dtype=torch.long)
-    local_of[index[index >= 0]] = (index >= 0).nonzero()[:, 0]
-    mine = (local_of[anchors] >= 0).nonzero()[:, 0]
-    q_l, kb_l, vb_l = (x[:, :, mine].clone().requires_grad_() for x in (qb, kb, vb))
-    km, vm = (plan.shard(x, rank, dim=2).requires_grad_() for x in (k_main, v_main))
-    om, lm = ring_branch_attention(q_l, km, vm, local_of[anchors[mine]], shard, CPGroup.world(timeout=60),
-                                   include_anchor=include_anchor)
-    ob, lb = branch_local_part(q_l, kb_l, vb_l, local=local)
-    o, _ = merge_lse(om, lm, ob, lb)
-    (o * do[:, :, mine]).sum().backward()
-    real = index >= 0
-    errs = {
-        "o": (o - o_ref.detach()[:, :, mine]).abs().max() if mine.numel() else torch.tensor(0.0),
-        "dq": (q_l.grad - ref_in[0].grad[:, :, mine]).abs().max() if mine.numel() else torch.tensor(0.0),
-        "dk_branch": (kb_l.grad - ref_in[1].grad[:, :, mine]).abs().max() if mine.numel() else torch.tensor(0.0),
-        "dk_main": (km.grad - plan.shard(ref_in[3].grad, rank, dim=2))[:, :, real].abs().max(),
-        "dv_main": (vm.grad - plan.shard(ref_in[4].grad, rank, dim=2))[:, :, real].abs().max(),
-    }
-    return {name: float(e) for name, e in errs.items()}, int(mine.numel())
-
-
 def _all_cases(rank, world):
     out = {}
     for i, (lengths, prefix) in enumerate(PACKINGS):
-        out[f"main{i}"] = _main_case(rank, world, lengths, prefix, seed=i)
+        out[f"main{i}"] = (main_case(rank, world, lengths, i, prefix=prefix), None)
     shapes = {"eagle3_diag": (3, "diagonal", True), "dflash_block": (8, "block", False),
               "dspark_block": (4, "block", False)}
     for name, (gq, local, inc) in shapes.items():
-        out[name] = _branch_case(rank, world, PACKINGS[0][0], 7, gq, local, inc)
+        out[name] = branch_case(rank, world, "zigzag", PACKINGS[0][0], 7, gq, local, inc)
     return out
 
 

@@ -24,13 +24,7 @@ from test_spec_sampling import (  # noqa: F401  (target, exact are fixtures)
 KINDS = {"dflash": dflash, "dspark": dspark}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: one intra-op thread is faster, and immune to oversubscribed CPUs (restored after)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _cfg(**kw) -> ModelConfig:

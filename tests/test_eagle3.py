@@ -32,13 +32,7 @@ from test_spec_sampling import N_NEW, PROMPT, V, _histogram, _scaled, chi2_fits,
 F64 = torch.float64
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: intra-op threads only add overhead (and stall badly on a busy machine)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _cfg(vocab=48, layers=4, heads=4, kv=2, hidden=32) -> ModelConfig:

@@ -37,12 +37,7 @@ from codraft.attention.dense import positions_from_cu_seqlens
 from codraft.drafts.batch import DraftBatch
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 # ---- an explicitly masked attention over the global row (the oracle the test contexts use) --------

@@ -55,16 +55,11 @@ Figures per (method, C, length, branch):
 from __future__ import annotations
 
 import ctypes
-import datetime
 import gc
 import json
-import multiprocessing as mp
 import os
-import queue
-import socket
 import statistics
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
@@ -74,6 +69,7 @@ from codraft.bench import CpuMeter, format_table, machine_info
 from codraft.parallel.baselines import (METHODS, ContiguousPlan, ContiguousShard, comm_bytes, plain_ring_attention,
                                         plain_ring_branch_attention, reset_comm_bytes)
 from codraft.parallel.comm import CPGroup
+from codraft.parallel.spawn import raise_errors, spawn_ranks
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64  # tiny_model_config's attention shape
 TTT_STEPS = 3
@@ -249,50 +245,10 @@ def _limit_malloc() -> None:
         pass
 
 
-def _worker(rank, world, port, cfg, out):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    _limit_malloc()
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=cfg["timeout"]))
-        out.put((rank, True, _rank_main(rank, world, cfg)))
-    except BaseException:
-        out.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(world: int, cfg: dict) -> list[list[dict]]:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, cfg, out), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    results, errors = {}, {}
-    try:
-        for _ in range(world):
-            try:
-                rank, ok, value = out.get(timeout=cfg["deadline"])
-            except queue.Empty:
-                raise RuntimeError(f"bench cp: C={world} ranks did not finish within {cfg['deadline']} s") from None
-            (results if ok else errors)[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    if errors:
-        raise RuntimeError("bench cp failed:\n"
-                           + "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(errors.items())))
+    results, errors = spawn_ranks(_rank_main, world, cfg, timeout=cfg["deadline"], pg_timeout=cfg["timeout"],
+                                  setup=_limit_malloc)
+    raise_errors(errors, "bench cp")
     return [results[r] for r in range(world)]
 
 

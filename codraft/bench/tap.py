@@ -22,20 +22,16 @@ With more processes than cores (P + 1 > cores) the figures include scheduling: t
 """
 from __future__ import annotations
 
-import datetime
 import json
-import multiprocessing as mp
 import os
-import queue
-import socket
 import statistics
 import time
-import traceback
 
 import torch
 import torch.distributed as dist
 
 from codraft.bench import machine_info
+from codraft.parallel.spawn import raise_errors, spawn_ranks
 from codraft.parallel.tapchannel import TapSpec, open_tap_channel
 
 METHODS = ("shm", "p2p", "staging")
@@ -108,45 +104,9 @@ def _rank_main(rank, world, cfg):
     return rows
 
 
-def _worker(rank, world, port, cfg, out):
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    try:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=cfg["timeout"]))
-        out.put((rank, True, _rank_main(rank, world, cfg)))
-    except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
-        out.put((rank, False, traceback.format_exc()))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
-
-
 def _spawn(world: int, cfg: dict) -> list:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = [ctx.Process(target=_worker, args=(r, world, port, cfg, out), daemon=True) for r in range(world)]
-    for p in procs:
-        p.start()
-    results, errors = {}, {}
-    try:
-        for _ in range(world):
-            try:
-                rank, ok, value = out.get(timeout=cfg["deadline"])
-            except queue.Empty:
-                raise RuntimeError(f"bench tap: ranks did not finish within {cfg['deadline']} s") from None
-            (results if ok else errors)[rank] = value
-    finally:
-        for p in procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
-    if errors:
-        raise RuntimeError("bench tap failed:\n" + "\n".join(f"--- rank {r} ---\n{tb}"
-                                                             for r, tb in sorted(errors.items())))
+    results, errors = spawn_ranks(_rank_main, world, cfg, timeout=cfg["deadline"], pg_timeout=cfg["timeout"])
+    raise_errors(errors, "bench tap")
     return results[world - 1]
 
 

@@ -68,9 +68,9 @@ from typing import Callable, NamedTuple
 import torch
 import torch.distributed as dist
 
-from codraft.parallel.blocks import block_backward, block_forward
 from codraft.parallel.comm import CPGroup
-from codraft.parallel.ring import Block, Rule, _merge_into, _Ring, _take, ring_attention, ring_branch_attention
+from codraft.parallel.ring import (Block, Rule, _Ring, add_block_grads, attend_blocks, block_grads, ring_attention,
+                                   ring_branch_attention)
 from codraft.parallel.zigzag import ZigzagPlan, ZigzagShard
 
 _Z, _ZS = ZigzagPlan.__dict__, ZigzagShard.__dict__
@@ -380,10 +380,7 @@ class _AllGatherAttention(torch.autograd.Function):
         o = q.new_zeros(b, h, tq, d, dtype=torch.float32)
         lse = q.new_full((b, h, tq), float("-inf"), dtype=torch.float32)
         kv = _all_gather_kv(k, v, comm, order)
-        for blk in blocks:
-            ob, lb = block_forward(_take(q, blk.q), kv[0][:, :, blk.k], kv[1][:, :, blk.k], blk.mask, scale,
-                                   blk.causal)
-            _merge_into(o, lse, blk.q, ob, lb)
+        attend_blocks(q, kv, blocks, o, lse, scale)
         del kv
         ctx.save_for_backward(q, k, v, o, lse)
         ctx.blocks, ctx.order, ctx.comm, ctx.scale = blocks, order, comm, scale
@@ -397,16 +394,7 @@ class _AllGatherAttention(torch.autograd.Function):
         kv = _all_gather_kv(k, v, ctx.comm, ctx.order)
         dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
         dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
-        for blk in ctx.blocks:
-            g = block_backward(_take(do, blk.q), None if dlse is None else _take(dlse, blk.q), _take(q, blk.q),
-                               kv[0][:, :, blk.k], kv[1][:, :, blk.k], _take(o, blk.q), _take(lse, blk.q),
-                               blk.mask, ctx.scale, delta=_take(delta, blk.q), causal=blk.causal)
-            if isinstance(blk.q, slice):
-                dq[:, :, blk.q] += g[0]
-            else:
-                dq.index_add_(2, blk.q, g[0])
-            dkv[0][:, :, blk.k] += g[1]
-            dkv[1][:, :, blk.k] += g[2]
+        add_block_grads(block_grads(do, dlse, q, kv, o, lse, delta, ctx.blocks, ctx.scale), dq, dkv)
         del kv
         dkv = _reduce_scatter_kv(dkv, ctx.comm, ctx.order)
         return dq.to(q.dtype), dkv[0].to(k.dtype), dkv[1].to(v.dtype), None, None, None, None
@@ -501,26 +489,17 @@ def _heads_to_seq(x: torch.Tensor, comm: CPGroup) -> torch.Tensor:
     return got.transpose(0, 1).reshape(b, hu * u, ut // u, *rest)
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _Relayout(torch.autograd.Function):
+    """An all-to-all layout change (``there``) whose gradient is the inverse change (``back``)."""
+
     @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return _seq_to_heads(x, comm)
+    def forward(ctx, x, comm, there, back):
+        ctx.comm, ctx.back = comm, back
+        return there(x, comm)
 
     @staticmethod
     def backward(ctx, g):
-        return _heads_to_seq(g.contiguous(), ctx.comm), None
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, comm):
-        ctx.comm = comm
-        return _heads_to_seq(x, comm)
-
-    @staticmethod
-    def backward(ctx, g):
-        return _seq_to_heads(g.contiguous(), ctx.comm), None
+        return ctx.back(g.contiguous(), ctx.comm), None, None, None
 
 
 _USP_GROUPS: dict = {}  # (id(group), size, U) -> (Ulysses CPGroup, ring CPGroup) made by dist.new_group
@@ -590,11 +569,11 @@ def usp_attention(q, k, v, shard: UspShard, comm: CPGroup, scale: float | None =
     scale = _scale(q, scale)
     order = shard.ring_order
     back = torch.argsort(order)
-    qa, ka, va = (_SeqToHeads.apply(_pad_heads(x, n), ucomm).index_select(2, order)
+    qa, ka, va = (_Relayout.apply(_pad_heads(x, n), ucomm, _seq_to_heads, _heads_to_seq).index_select(2, order)
                   for x, n in ((q, hp), (k, hkvp), (v, hkvp)))
     o, lse = ring_attention(qa, ka, va, shard.ring_shard, rcomm, scale)
-    o = _HeadsToSeq.apply(o.index_select(2, back), ucomm)
-    lse = _HeadsToSeq.apply(lse.index_select(2, back), ucomm)
+    o = _Relayout.apply(o.index_select(2, back), ucomm, _heads_to_seq, _seq_to_heads)
+    lse = _Relayout.apply(lse.index_select(2, back), ucomm, _heads_to_seq, _seq_to_heads)
     return o[:, :h], lse[:, :h]
 
 

@@ -25,6 +25,7 @@ whose query set is empty.
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from typing import Callable, NamedTuple
 
 import torch
@@ -75,6 +76,29 @@ def _merge_into(o: torch.Tensor, lse: torch.Tensor, sel, ob: torch.Tensor, lb: t
     _put(o, sel, (wa[..., None] * oa + wb[..., None] * ob) / tot.clamp_min(1e-38)[..., None])
 
 
+def attend_blocks(q, kv, blocks: list[Block], o, lse, scale: float) -> None:
+    """Merge each block's attention of ``q`` over ``kv`` (2,B,Hkv,T,D) into the running (o, lse)."""
+    for blk in blocks:
+        ob, lb = block_forward(_take(q, blk.q), kv[0][:, :, blk.k], kv[1][:, :, blk.k], blk.mask, scale, blk.causal)
+        _merge_into(o, lse, blk.q, ob, lb)
+
+
+def block_grads(do, dlse, q, kv, o, lse, delta, blocks: list[Block], scale: float) -> list:
+    """[(block, (dQ, dK, dV))] of each block, from the final O, ℓ (see blocks.py)."""
+    return [(blk, block_backward(
+        _take(do, blk.q), None if dlse is None else _take(dlse, blk.q), _take(q, blk.q),
+        kv[0][:, :, blk.k], kv[1][:, :, blk.k], _take(o, blk.q), _take(lse, blk.q), blk.mask, scale,
+        delta=_take(delta, blk.q), causal=blk.causal)) for blk in blocks]
+
+
+def add_block_grads(grads: list, dq, dkv) -> None:
+    """Accumulate ``block_grads`` into dq (B,H,T,D) and dkv (2,B,Hkv,T,D)."""
+    for blk, (gq, gk, gv) in grads:
+        _add(dq, blk.q, gq)
+        dkv[0][:, :, blk.k] += gk
+        dkv[1][:, :, blk.k] += gv
+
+
 class _Ring(torch.autograd.Function):
     """Buffers: two K/V buffers and (backward) two fp32 dK/dV buffers, swapped every step: one is
     sent while the other receives, so no step allocates a shard-sized tensor."""
@@ -91,10 +115,7 @@ class _Ring(torch.autograd.Function):
             src = (comm.rank - step) % comm.size
             if step < comm.size - 1:
                 pending = comm.exchange(kv, spare, what=f"{what} K/V", step=step, tag=TAG_KV)
-            for blk in rule(src):
-                ob, lb = block_forward(_take(q, blk.q), kv[0][:, :, blk.k], kv[1][:, :, blk.k], blk.mask, scale,
-                                       blk.causal)
-                _merge_into(o, lse, blk.q, ob, lb)
+            attend_blocks(q, kv, rule(src), o, lse, scale)
             if step < comm.size - 1:
                 pending.wait()
                 kv, spare = spare, kv
@@ -118,17 +139,11 @@ class _Ring(torch.autograd.Function):
             src = (comm.rank - step) % comm.size
             if step < comm.size - 1:
                 pending_kv = comm.exchange(kv, spare, what=f"{what} K/V (backward)", step=step, tag=TAG_KV)
-            grads = [(blk, block_backward(
-                _take(do, blk.q), None if dlse is None else _take(dlse, blk.q), _take(q, blk.q),
-                kv[0][:, :, blk.k], kv[1][:, :, blk.k], _take(o, blk.q), _take(lse, blk.q), blk.mask, scale,
-                delta=_take(delta, blk.q), causal=blk.causal)) for blk in rule(src)]
+            grads = block_grads(do, dlse, q, kv, o, lse, delta, rule(src), scale)
             if pending_dkv is not None:  # src's running dK/dV from the ranks before; our last send is done
                 pending_dkv.wait()
                 dkv, dkv_spare = dkv_spare, dkv
-            for blk, (gq, gk, gv) in grads:
-                _add(dq, blk.q, gq)
-                dkv[0][:, :, blk.k] += gk
-                dkv[1][:, :, blk.k] += gv
+            add_block_grads(grads, dq, dkv)
             del grads
             if comm.size > 1:  # on to the next rank; after C sends every shard's gradient is home
                 pending_dkv = comm.exchange(dkv, dkv_spare, what=f"{what} dK/dV", step=step, tag=TAG_DKV)
@@ -144,10 +159,12 @@ class _Ring(torch.autograd.Function):
 # ---- rules ------------------------------------------------------------------------------------
 
 
+@lru_cache(maxsize=8)
 def causal_rule(shard: ZigzagShard) -> Rule:
     """The zigzag step rule for main queries over main keys (see the module docstring), plus, for
     a segment with a shared prefix (``plan.prefix``), all of its rows over the prefix segment's
-    keys at every step (padding keys masked)."""
+    keys at every step (padding keys masked). Built once per shard and source rank: every layer,
+    forward and backward, reuses the blocks."""
     plan, r = shard.plan, shard.rank
     # the rows of every segment that sees prefix p, as one index: one block per prefix and step
     groups: dict[int, list[int]] = {}
@@ -156,6 +173,7 @@ def causal_rule(shard: ZigzagShard) -> Rule:
             groups.setdefault(p, []).extend(range(plan.offsets[i], plan.offsets[i] + 2 * plan.chunks[i]))
     rows = {p: torch.tensor(idx, device=shard.device) for p, idx in groups.items()}
 
+    @lru_cache(maxsize=None)
     def rule(src: int) -> list[Block]:
         out = []
         if rows:
