@@ -22,6 +22,7 @@ run these forwards.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -127,6 +128,23 @@ class Transformer(nn.Module):
         needs only some rows runs the final norm + LM head on those alone (``model.logits(h[rows])``).
         """
         b, t = input_ids.shape
+        ctx = self.layer_inputs(b, t, input_ids.device, cu_seqlens=cu_seqlens, positions=positions, cache=cache,
+                                attention=attention, layout=layout)
+        x, tapped = self.run_layers(self.embed_tokens(input_ids), ctx, range(len(self.layers)), taps)
+        if cache is not None:
+            cache.advance(t, ctx.span)
+        if logit_index is not None:
+            x = x[torch.arange(b, device=x.device), logit_index][:, None]
+        if not head:
+            return (x, tapped) if taps is not None else x
+        logits = self.logits(x)
+        return (logits, tapped) if taps is not None else logits
+
+    def layer_inputs(self, b: int, t: int, device, *, cu_seqlens: torch.Tensor | None = None,
+                     positions: torch.Tensor | None = None, cache: KVCache | None = None,
+                     attention: AttnFn | None = None, layout: PackedCausal | None = None) -> "LayerInputs":
+        """What every decoder layer reads besides its input (see ``forward`` for the arguments): a
+        pipeline stage builds it from the batch alone and runs its layers on received hidden states."""
         attn = attention or self.attention
         span = None
         if cache is not None:
@@ -134,11 +152,11 @@ class Transformer(nn.Module):
                 raise ValueError("packed input (cu_seqlens) cannot be decoded into a KV cache")
             empty = cache.span == 0  # host-known: a prefill into an empty cache
             span = cache.reserve(t)
-            positions = cache.lengths[:, None] + torch.arange(t, device=input_ids.device)
+            positions = cache.lengths[:, None] + torch.arange(t, device=device)
             # an empty cache is plain causal attention over the new tokens (flash-capable, no (B,T,T)
             # mask); otherwise an additive mask: SDPA would convert a boolean one again in every layer
             mask = None if empty else torch.zeros((), dtype=self.embed_tokens.weight.dtype,
-                                                  device=input_ids.device).masked_fill(
+                                                  device=device).masked_fill(
                 ~cache_causal_mask(cache.lengths, t, span), float("-inf"))
         elif cu_seqlens is not None or layout is not None:
             if b != 1:
@@ -153,21 +171,29 @@ class Transformer(nn.Module):
         else:
             mask = None
             if positions is None:
-                positions = torch.arange(t, device=input_ids.device)[None].expand(b, t)
+                positions = torch.arange(t, device=device)[None].expand(b, t)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, self.embed_tokens.weight.dtype)
+        return LayerInputs(cos, sin, attn, mask, cache, positions, span)
 
-        x = self.embed_tokens(input_ids)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)
-        tapped = {}
-        want = set(taps or ())
-        for i, layer in enumerate(self.layers):
-            x = layer(x, cos, sin, attn, mask, cache, i, positions, span)
+    def run_layers(self, x: torch.Tensor, ctx: "LayerInputs", layers: range,
+                   taps: tuple[int, ...] | None = None) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """Decoder layers ``layers`` (global indices: the KV cache and the taps are keyed by them) on
+        hidden states x (B,T,H) -> (output, {i: output of layer i for the taps among them})."""
+        tapped, want = {}, set(taps or ())
+        for i in layers:
+            x = self.layers[i](x, ctx.cos, ctx.sin, ctx.attn, ctx.mask, ctx.cache, i, ctx.positions, ctx.span)
             if i in want:
                 tapped[i] = x
-        if cache is not None:
-            cache.advance(t, span)
-        if logit_index is not None:
-            x = x[torch.arange(b, device=x.device), logit_index][:, None]
-        if not head:
-            return (x, tapped) if taps is not None else x
-        logits = self.logits(x)
-        return (logits, tapped) if taps is not None else logits
+        return x, tapped
+
+
+@dataclass
+class LayerInputs:
+    """RoPE tables, attention function and mask, KV cache and its span: shared by all layers."""
+    cos: torch.Tensor
+    sin: torch.Tensor
+    attn: AttnFn
+    mask: object
+    cache: KVCache | None
+    positions: torch.Tensor
+    span: object

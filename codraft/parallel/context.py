@@ -89,15 +89,23 @@ class ShardedRow:
         self.main = RingMain(draft_shard, comm, batch.cu_seqlens)
         self._local = _local_index(self.shard.index, self.plan.total)
 
+    def model_inputs(self) -> tuple[torch.Tensor, dict]:
+        """This rank's ids of the policy's layout and the keywords that run the model on them."""
+        return self.plan.shard(self.ids, self.comm.rank), {"layout": self.shard, "attention": self.attention}
+
+    def draft_features(self, feats: dict) -> dict:
+        """Taps at this rank's rows of the policy's layout -> detached, at its rows of the drafts'."""
+        if self.batch.shared is None:
+            return {l: f.detach() for l, f in feats.items()}
+        return {l: self._to_draft_rows(f.detach(), l) for l, f in feats.items()}
+
     def forward(self, model, taps: tuple[int, ...] | None):
         """The model's last-layer output (1,T_l,H) at this rank's rows of the policy's layout, and its
-        taps {l: (1,T_l',H)} at this rank's rows of the drafts' layout."""
-        ids = self.plan.shard(self.ids, self.comm.rank)
-        out = model(ids, layout=self.shard, attention=self.attention, taps=taps, head=False)
+        taps {l: (1,T_l',H)} at this rank's rows of the drafts' layout (detached)."""
+        ids, kw = self.model_inputs()
+        out = model(ids, taps=taps, head=False, **kw)
         hidden, feats = out if taps is not None else (out, {})
-        if self.batch.shared is not None:
-            feats = {l: self._to_draft_rows(f.detach(), l) for l, f in feats.items()}
-        return hidden, feats
+        return hidden, self.draft_features(feats)
 
     def _to_draft_rows(self, f: torch.Tensor, layer: int) -> torch.Tensor:
         parts = self.comm.all_gather(f.contiguous(), f"the taps of layer {layer}")

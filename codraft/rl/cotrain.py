@@ -28,6 +28,8 @@ same loss and metrics, and the ranks' summed gradients are the single-process gr
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from codraft.drafts.batch import DraftBatch
@@ -37,37 +39,36 @@ from codraft.rl.grpo import entropy_from_logits, grpo_loss, token_logprobs
 from codraft.train.packing import Packed
 
 
-def policy_hidden(model, batch: Packed, taps: tuple[int, ...] | None):
-    """``model``'s last-layer output and taps over the batch, run on the shared layout when there is one.
-
-    Returns hidden (1,T_p,H) in the layout the model ran on, taps {l: (1,T,H)} in the per-sequence
-    layout, and to_policy: per-sequence packed positions -> rows of hidden (identity when unshared).
-    """
-    sh = batch.shared
-    if sh is None:
-        out = model(batch.input_ids, cu_seqlens=batch.cu_seqlens, taps=taps, head=False)
-        hidden, feats = out if taps is not None else (out, {})
-        return hidden, feats, lambda pos: pos
-    out = model(sh.input_ids, layout=sh.layout, taps=taps, head=False)
-    hidden, feats = out if taps is not None else (out, {})
-    # taps expanded per sequence (each prompt copied to its completions): the drafts' layout
-    return hidden, {l: f[:, sh.gather] for l, f in feats.items()}, lambda pos: sh.gather[pos]
-
-
 class PackedRow:
     """The single-process view of the packed row (``ShardedRow`` is the context-parallel one):
     the policy runs on the shared-prompt layout when there is one, every row is held here."""
     main = None  # the drafts' default MainAttention
 
     def __init__(self, batch: Packed):
-        self.batch, self.to_policy = batch, None
+        self.batch, self.sh = batch, batch.shared
+
+    def model_inputs(self) -> tuple[torch.Tensor, dict]:
+        """The ids the policy runs on and the layout keywords of its forward / ``layer_inputs``."""
+        if self.sh is None:
+            return self.batch.input_ids, {"cu_seqlens": self.batch.cu_seqlens}
+        return self.sh.input_ids, {"layout": self.sh.layout}
+
+    def draft_features(self, feats: dict) -> dict:
+        """Taps in the policy's layout -> detached, in the drafts' per-sequence layout (each prompt
+        copied to its completions: copies of features only, no policy compute)."""
+        if self.sh is None:
+            return {l: f.detach() for l, f in feats.items()}
+        return {l: f.detach()[:, self.sh.gather] for l, f in feats.items()}
 
     def forward(self, model, taps):
-        hidden, feats, self.to_policy = policy_hidden(model, self.batch, taps)
-        return hidden, feats
+        """The model's last-layer output on the policy's layout and its taps in the drafts'."""
+        ids, kw = self.model_inputs()
+        out = model(ids, taps=taps, head=False, **kw)
+        hidden, feats = out if taps is not None else (out, {})
+        return hidden, self.draft_features(feats)
 
     def select(self, rows: torch.Tensor):
-        return self.to_policy(rows), None
+        return (rows if self.sh is None else self.sh.gather[rows]), None
 
     def assemble(self, x: torch.Tensor, live) -> torch.Tensor:
         return x
@@ -76,9 +77,19 @@ class PackedRow:
         return m
 
 
+def packed_row(batch: Packed, cp: CPGroup | None):
+    """This rank's view of the batch: all of it, or its zigzag rows under context parallelism."""
+    return ShardedRow(batch, cp) if cp is not None and cp.size > 1 else PackedRow(batch)
+
+
+def draft_taps(draft, train_draft: bool = True) -> tuple[int, ...] | None:
+    return tuple(draft.feature_layers) if (draft is not None and train_draft) else None
+
+
 def cotrain_loss(policy, draft, batch: Packed, advantages: torch.Tensor, *, temperature: float, lam: float,
                  eps_low: float, eps_high: float, norm: str, kl_coef: float = 0.0, reference=None,
-                 train_draft: bool = True, phase=None, cp: CPGroup | None = None) -> tuple[torch.Tensor, dict]:
+                 train_draft: bool = True, phase=None, cp: CPGroup | None = None, totals=None
+                 ) -> tuple[torch.Tensor, dict]:
     """Total loss and metrics for one packed batch (the caller runs backward and the optimisers).
 
     phase: optional timing hook, a callable returning a context manager (e.g. the trainer's
@@ -86,10 +97,25 @@ def cotrain_loss(policy, draft, batch: Packed, advantages: torch.Tensor, *, temp
     cp: a context-parallel group of more than one rank: every rank calls this with the same batch,
     runs on its zigzag rows (``codraft.parallel.context.ShardedRow``) and gets the same loss
     value; the caller sums the gradients over the group (``sync_gradients``).
+    totals: this batch as one micro-batch of a larger step (``codraft.rl.microbatch``).
     """
-    taps = tuple(draft.feature_layers) if (draft is not None and train_draft) else None
-    row = ShardedRow(batch, cp) if cp is not None and cp.size > 1 else PackedRow(batch)
-    hidden, feats = row.forward(policy, taps)
+    row = packed_row(batch, cp)
+    hidden, feats = row.forward(policy, draft_taps(draft, train_draft))
+    return loss_from_hidden(policy, draft, batch, row, hidden, feats, advantages, temperature=temperature, lam=lam,
+                            eps_low=eps_low, eps_high=eps_high, norm=norm, kl_coef=kl_coef, reference=reference,
+                            train_draft=train_draft, phase=phase, totals=totals)
+
+
+def loss_from_hidden(policy, draft, batch: Packed, row, hidden: torch.Tensor, feats: dict, advantages: torch.Tensor,
+                     *, temperature: float, lam: float, eps_low: float, eps_high: float, norm: str,
+                     kl_coef: float = 0.0, reference=None, train_draft: bool = True, phase=None, totals=None
+                     ) -> tuple[torch.Tensor, dict]:
+    """The two losses from the policy's last-layer output ``hidden`` (row's layout) and the detached
+    taps ``feats`` (drafts' layout): what the last pipeline stage runs (see ``cotrain_loss``).
+
+    totals (``codraft.rl.microbatch.Totals``): the whole step's token and sequence counts, so the RL
+    losses of the micro-batches add up to the step's, and this micro-batch's weight in the draft
+    loss (its share of the draft's targets)."""
     # logprob of token t comes from the logits at t-1. Only those rows (one per completion token,
     # ~30 % of the packed row) go through the LM head; they are also the draft's teacher rows.
     t = max(temperature, 1e-6)
@@ -108,7 +134,9 @@ def cotrain_loss(policy, draft, batch: Packed, advantages: torch.Tensor, *, temp
             ref_logp = _unflatten(row.assemble(token_logprobs(ref_logits / t, ids_here), live), batch.index_mask)
     rl_loss, m = grpo_loss(logp, logp.detach(), advantages, batch.index_mask, eps_low=eps_low, eps_high=eps_high,
                            norm=norm, ref_logprobs=ref_logp, kl_coef=kl_coef,
-                           rollout_logprobs=batch.rollout_logprobs)
+                           rollout_logprobs=batch.rollout_logprobs,
+                           global_tokens=None if totals is None else totals.tokens,
+                           global_sequences=None if totals is None else totals.sequences)
     metrics = {f"policy/{k}": v for k, v in m.items()}
     if isinstance(row, ShardedRow):  # padding rows over real tokens, all ranks (zigzag pads to 2·cp)
         metrics["cp/padding_ratio"] = row.plan.padding_ratio
@@ -116,18 +144,15 @@ def cotrain_loss(policy, draft, batch: Packed, advantages: torch.Tensor, *, temp
         entropy = entropy_from_logits(logits.detach()[None] / t, torch.ones_like(ids_here)[None])
         metrics["policy/entropy"] = row.mean(entropy, ids_here.shape[0])
     loss = rl_loss
-    if taps is not None:
+    if draft is not None and train_draft:
         db = DraftBatch(input_ids=batch.input_ids, cu_seqlens=batch.cu_seqlens, loss_mask=batch.completion,
-                        features={l: f.detach() for l, f in feats.items()},
-                        teacher_logits=row.assemble(logits.detach(), live), teacher_rows=rows, main=row.main)
-        if phase is None:
+                        features=feats, teacher_logits=row.assemble(logits.detach(), live), teacher_rows=rows,
+                        main=row.main)
+        with phase("draft_loss") if phase is not None else contextlib.nullcontext():
             draft_loss, dm = draft.loss(db)
-        else:
-            with phase("draft_loss"):
-                draft_loss, dm = draft.loss(db)
         metrics.update({f"draft/{k}": v for k, v in dm.items()})
         metrics["draft/loss"] = draft_loss.detach()
-        loss = loss + lam * draft_loss
+        loss = loss + lam * (draft_loss if totals is None else totals.draft_weight * draft_loss)
     return loss, metrics
 
 

@@ -1,0 +1,224 @@
+"""The co-training step over micro-batches and pipeline stages (``parallel.pp``, ``parallel.microbatches``).
+
+Every rank holds the whole policy and draft (the rollout engine decodes with them), but in the
+update a stage runs only its own decoder layers (``stage_layers``; the first also embeds, the last
+also runs the head and both losses), keeps gradients and optimiser state only for the parameters
+it owns, and after the optimiser step broadcasts them to every rank: the weight sync from trainer
+to rollout engine that RL systems do after each update. With ``pp = 1`` the same code is plain
+gradient accumulation over micro-batches.
+
+The taps: a stage puts the taps among its layers on the TapChannel after it has sent its
+activations; the last stage gets them before the draft loss of that micro-batch (``shm`` / ``p2p``,
+or the baselines ``staging``: pickled through the host, and ``relay``: appended to the
+activations inside the schedule). The schedule itself is the same with or without taps.
+
+The tied embedding / LM head is owned by the first and the last stage: their two gradient shares
+are summed (``embedding`` group), both apply the same update, and the first stage's copy is the
+one broadcast. Gradient clipping uses the global norm (each weight counted once).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from codraft.parallel.context import sync_gradients
+from codraft.parallel.mesh import Mesh
+from codraft.parallel.pipeline import StageLink, run_schedule, stage_layers
+from codraft.parallel.tap_staging import open_staging_channel
+from codraft.parallel.tapchannel import TapSpec, open_tap_channel
+from codraft.rl.cotrain import draft_taps, loss_from_hidden, packed_row
+from codraft.rl.microbatch import MicroBatch, merge_metrics
+
+TRANSPORTS = ("shm", "p2p", "staging", "relay")
+
+
+@dataclass
+class Pipeline:
+    """This rank's part of the pipeline: its layers, its link to the neighbours, the tap channel."""
+    mesh: Mesh | None
+    layers: range
+    stage_taps: tuple[tuple[int, ...], ...]
+    transport: str
+    link: StageLink
+    channel: object = None
+
+    @property
+    def stage(self) -> int:
+        return 0 if self.mesh is None else self.mesh.stage
+
+    @property
+    def stages(self) -> int:
+        return 1 if self.mesh is None else self.mesh.pp
+
+    @property
+    def last(self) -> bool:
+        return self.stage == self.stages - 1
+
+
+def build_pipeline(policy, draft, mesh: Mesh | None, *, transport: str = "shm", max_tokens: int = 0,
+                   timeout: float = 300.0) -> Pipeline:
+    """Collective over the world when ``mesh.pp`` > 1 (the tap channels' groups): every rank calls it."""
+    if transport not in TRANSPORTS:
+        raise ValueError(f"unknown tap transport {transport!r}: one of {', '.join(TRANSPORTS)}")
+    pp = 1 if mesh is None else mesh.pp
+    bounds = stage_layers(policy.config.num_hidden_layers, pp)
+    taps = tuple(draft.feature_layers) if draft is not None else ()
+    stage_taps = tuple(tuple(sorted(t for t in taps if t in b)) for b in bounds)
+    stage = 0 if mesh is None else mesh.stage
+    link = StageLink(stage, pp, None if mesh is None else mesh.pp_group, timeout)
+    pipe = Pipeline(mesh, bounds[stage], stage_taps, transport, link)
+    if pp > 1 and taps and transport != "relay":
+        dev = str(policy.embed_tokens.weight.device)
+        spec = TapSpec(max_tokens=max_tokens, hidden=policy.config.hidden_size, taps=stage_taps,
+                       in_flight=pp, dtype=policy.embed_tokens.weight.dtype, timeout=timeout, device=dev)
+        for c in range(mesh.cp):  # one channel per CP column; every rank takes part in building each
+            ch = open_staging_channel(spec, mesh.column(c)) if transport == "staging" \
+                else open_tap_channel(spec, transport, mesh.column(c))
+            if c == mesh.cp_rank:
+                pipe.channel = ch
+    return pipe
+
+
+def pipeline_cotrain(pipe: Pipeline, policy, draft, mbs: list[MicroBatch], *, step: int, train_draft: bool = True,
+                     **loss_kw) -> tuple[torch.Tensor, dict]:
+    """Forward and backward of the step's micro-batches on this stage (1F1B); gradients accumulate in
+    the parameters this stage runs. Returns the step's loss and metrics, on every rank."""
+    mesh, last = pipe.mesh, pipe.last
+    taps = draft_taps(draft, train_draft) or ()
+    mine = tuple(t for t in taps if t in pipe.layers)
+    before = [t for t in taps if t < pipe.layers.start]  # relay: what arrives with the activations
+    rows = [packed_row(mb.batch, None if mesh is None else mesh.cp_group) for mb in mbs]
+    inputs = [row.model_inputs() for row in rows]
+    hidden_size = policy.config.hidden_size
+    relay = pipe.transport == "relay"
+    tapped, parts = {}, [None] * len(mbs)
+
+    def forward(m, x, carried):
+        ids, kw = inputs[m]
+        ctx = policy.layer_inputs(1, ids.shape[1], ids.device, **kw)
+        out, tapped[m] = policy.run_layers(policy.embed_tokens(ids) if x is None else x, ctx, pipe.layers, mine)
+        if last or not relay:
+            return out, carried
+        cols = ([] if carried is None else [carried]) + [tapped[m][t].detach() for t in mine]
+        return out, torch.cat(cols, -1) if cols else None
+
+    def after_forward(m):
+        own = tapped.pop(m)
+        if pipe.channel is not None:
+            for t in mine:
+                pipe.channel.put(step, m, t, own[t][0])
+
+    def loss(m, hidden, carried):
+        own = tapped.pop(m, {})
+        feats = {}
+        for t in taps:
+            if t in own:
+                feats[t] = own[t]
+            elif relay:
+                i = before.index(t)
+                feats[t] = carried[..., i * hidden_size:(i + 1) * hidden_size]
+            else:
+                feats[t] = pipe.channel.get(step, m, t)[None]
+        mb = mbs[m]
+        out, parts[m] = loss_from_hidden(policy, draft, mb.batch, rows[m], hidden, rows[m].draft_features(feats),
+                                         mb.advantages, train_draft=train_draft, totals=mb.totals, **loss_kw)
+        return out
+
+    w = policy.embed_tokens.weight
+    losses = run_schedule(pipe.link, len(mbs), forward=forward, loss=loss,
+                          shape=lambda m: (1, inputs[m][0].shape[1], hidden_size), dtype=w.dtype, device=w.device,
+                          extra=hidden_size * len(before) if relay else 0,
+                          after_forward=None if last else after_forward)
+    result = (torch.stack(losses).sum(), merge_metrics(parts, mbs)) if last else None
+    if pipe.stages > 1:  # the last stage's loss and metrics, to every rank
+        shared = mesh.world.all_gather_object(result, "the step's loss and metrics")
+        result = shared[mesh.rank_of(pipe.stages - 1)]
+    return result
+
+
+# ---------------------------------------------------------------- gradients and weights under PP
+
+
+def stage_parameters(policy, stage: int, stages: int, *, tied_once: bool = False) -> list[torch.nn.Parameter]:
+    """The policy parameters stage ``stage`` trains: its layers, the embedding on the first, the final
+    norm and the head on the last (a tied head is the embedding: on both, or ``tied_once`` only on the first)."""
+    out = [policy.embed_tokens.weight] if stage == 0 else []
+    for i in stage_layers(policy.config.num_hidden_layers, stages)[stage]:
+        out += list(policy.layers[i].parameters())
+    if stage == stages - 1:
+        out += list(policy.norm.parameters())
+        if policy.lm_head is not None or not tied_once:
+            out.append(policy.head_weight)
+    return list({id(p): p for p in out}.values())
+
+
+def reduce_gradients(pipe: Pipeline, policy, draft_params: list) -> tuple[list, list]:
+    """Sum the CP ranks' shares and the tied weight's two stage shares; returns (policy params, draft
+    params) this rank owns, every one with a gradient (zeros where its micro-batches gave none)."""
+    mesh = pipe.mesh
+    own = stage_parameters(policy, pipe.stage, pipe.stages)
+    drafts = draft_params if pipe.last else []
+    for p in own + drafts:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    if mesh is not None and mesh.cp_group is not None:
+        sync_gradients(own, mesh.cp_group, "policy")
+        sync_gradients(drafts, mesh.cp_group, "draft")
+    tied = policy.lm_head is None
+    if pipe.stages > 1 and tied and (pipe.stage == 0 or pipe.last):
+        g = policy.embed_tokens.weight.grad
+        try:
+            dist.all_reduce(g, group=mesh.embedding)
+        except RuntimeError as e:
+            raise RuntimeError(f"{mesh.where()}: summing the tied embedding's gradient with the other end of "
+                               f"the pipeline failed: {e}") from e
+    return own, drafts
+
+
+def clip_gradients(pipe: Pipeline, policy, own: list, drafts: list, max_policy: float, max_draft: float | None
+                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Clip by the global norms (over all stages; the tied weight counted once) -> the two norms."""
+    tied_twice = pipe.stages > 1 and pipe.last and policy.lm_head is None
+    sq = torch.zeros(2, dtype=torch.float64)
+    for p in own:
+        if not (tied_twice and p is policy.embed_tokens.weight):
+            sq[0] += p.grad.detach().double().pow(2).sum().cpu()
+    for p in drafts:
+        sq[1] += p.grad.detach().double().pow(2).sum().cpu()
+    if pipe.stages > 1:
+        dist.all_reduce(sq, group=pipe.mesh.pp_group)
+    norms = sq.sqrt().float()
+    for params, norm, limit in ((own, norms[0], max_policy), (drafts, norms[1], max_draft)):
+        if limit is not None:
+            coef = (limit / (norm + 1e-6)).clamp(max=1.0)
+            for p in params:
+                p.grad.mul_(coef.to(p.grad.dtype))
+    return norms[0], None if max_draft is None else norms[1]
+
+
+def sync_weights(pipe: Pipeline, policy, draft_params: list) -> None:
+    """After the update: every stage's parameters (and the draft, from the last stage) to every rank."""
+    mesh = pipe.mesh
+    for s in range(pipe.stages if pipe.stages > 1 else 0):
+        _broadcast(stage_parameters(policy, s, pipe.stages, tied_once=True), mesh.rank_of(s), mesh,
+                   f"stage {s}'s weights")
+    if pipe.stages > 1:
+        _broadcast(list(draft_params), mesh.rank_of(pipe.stages - 1), mesh, "the draft's weights")
+
+
+def _broadcast(params: list, src: int, mesh: Mesh, what: str) -> None:
+    if not params:
+        return
+    with torch.no_grad():
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        try:
+            dist.broadcast(flat, src)
+        except RuntimeError as e:
+            raise RuntimeError(f"{mesh.where()}: the weight sync of {what} from rank {src} failed: {e}") from e
+        if mesh.world.rank != src:
+            o = 0
+            for p in params:
+                p.copy_(flat[o:o + p.numel()].view_as(p))
+                o += p.numel()

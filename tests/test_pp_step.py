@@ -1,0 +1,186 @@
+"""One co-training step under pipeline parallelism (and PP × CP) equals the single-process step over
+the same micro-batches: loss, draft loss, metrics, gradient norms and every gradient of the policy
+and the draft, on real gloo groups (PP = 2 and 4; PP = 2 × CP = 2), for every tap transport. The
+single-process reference runs in every rank. Also: micro-batching itself is exact for the RL loss
+(M micro-batches = one batch), and M = 1 is the plain step."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from codraft.models import Transformer
+from codraft.parallel.mesh import build_mesh
+from codraft.parallel.pipeline import one_f_one_b, stage_layers, PipelineError
+from codraft.rl.cotrain import cotrain_loss
+from codraft.rl.microbatch import split_microbatches
+from codraft.rl.pipelined import build_pipeline, clip_gradients, pipeline_cotrain, reduce_gradients, sync_weights
+from dist_harness import run_ranks
+from test_cp_step import _models, _rel
+
+RTOL = 1e-4
+LOSS_KW = dict(temperature=1.0, lam=0.7, eps_low=0.2, eps_high=0.28, norm="token")
+
+
+def _rollouts(seed, groups=4, group_size=2):
+    g = torch.Generator().manual_seed(seed)
+    prompts, completions, logprobs = [], [], []
+    for _ in range(groups):
+        p = torch.randint(3, 20, (int(torch.randint(10, 60, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(group_size):
+            m = int(torch.randint(2, 30, (1,), generator=g))
+            completions.append(torch.randint(3, 20, (m,), generator=g).tolist())
+            logprobs.append((-torch.rand(m, generator=g) * 3).tolist())
+            prompts.append(p)
+    return prompts, completions, logprobs, torch.randn(len(prompts), generator=g)
+
+
+def _grads(policy, draft=None):
+    out = {f"policy.{n}": p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
+    if draft is not None:
+        out.update({f"draft.{i}": p.grad.clone() for i, p in enumerate(draft.trainable_parameters())
+                    if p.grad is not None})
+    return out
+
+
+def _step(kind, mesh, transport, microbatches, kl=0.0):
+    policy, draft = _models(kind)
+    reference = None
+    if kl:
+        torch.manual_seed(9)
+        reference = Transformer(policy.config).requires_grad_(False)
+    prompts, completions, logprobs, adv = _rollouts(3)
+    mbs = split_microbatches(prompts, completions, logprobs, adv, 2, microbatches, "cpu")
+    pipe = build_pipeline(policy, draft, mesh, transport=transport, max_tokens=1024, timeout=60)
+    torch.manual_seed(5)  # the block drafts' anchors
+    loss, m = pipeline_cotrain(pipe, policy, draft, mbs, step=7, reference=reference, kl_coef=kl, **LOSS_KW)
+    dparams = list(draft.trainable_parameters())
+    own, drafts = reduce_gradients(pipe, policy, dparams)
+    grads = _grads(policy, draft)  # this stage's (the others' parameters have none)
+    if mesh is not None and mesh.pp > 1:  # every stage's, to compare with the reference
+        for share in mesh.world.all_gather_object(grads, "grads"):
+            grads.update(share)
+    norms = clip_gradients(pipe, policy, own, drafts, 1e9, 1e9)
+    if pipe.channel is not None:
+        pipe.channel.close()
+    return float(loss), {k: float(v) for k, v in m.items() if torch.is_tensor(v) and v.numel() == 1}, grads, \
+        [float(n) for n in norms]
+
+
+def _compare(rank, world, pp, cp, kinds, transports, microbatches, kl=0.0):
+    mesh = build_mesh(pp, cp, timeout=60)
+    out = {}
+    for kind in kinds:
+        ref = _step(kind, None, "shm", microbatches, kl)
+        for transport in transports:
+            got = _step(kind, mesh, transport, microbatches, kl)
+            errs = {"loss": _rel(got[0], ref[0])}
+            errs.update({f"metric {k}": _rel(got[1][k], v) for k, v in ref[1].items()})
+            errs.update({f"grad {k}": _rel(got[2][k], v) for k, v in ref[2].items()})
+            errs.update({f"norm {i}": _rel(a, b) for i, (a, b) in enumerate(zip(got[3], ref[3]))})
+            assert set(got[1]) == set(ref[1]), set(got[1]) ^ set(ref[1])
+            assert set(got[2]) == set(ref[2]), set(got[2]) ^ set(ref[2])
+            out[(kind, transport)] = errs
+    return out
+
+
+@pytest.mark.parametrize("pp,cp,kinds,transports,microbatches,kl", [
+    (2, 1, ("dflash", "eagle3"), ("shm", "p2p", "staging", "relay"), 2, 0.0),
+    (2, 1, ("dspark",), ("shm",), 4, 0.05),
+    (4, 1, ("dspark", "eagle3"), ("shm", "p2p"), 3, 0.0),
+    (2, 2, ("dflash", "eagle3"), ("shm",), 2, 0.05),
+])
+def test_pp_step_equals_single_process(pp, cp, kinds, transports, microbatches, kl):
+    for rank, res in enumerate(run_ranks(_compare, pp * cp, pp, cp, kinds, transports, microbatches, kl,
+                                         timeout=400)):
+        for case, errs in res.items():
+            bad = {k: e for k, e in errs.items() if not e <= RTOL}
+            assert not bad, f"PP={pp} CP={cp} rank {rank} {case}: relative differences above {RTOL}: {bad}"
+
+
+def test_microbatches_add_up_to_the_batch():
+    """The RL loss over M micro-batches (global normalisers) is the one-batch loss, gradients too;
+    M = 1 through the pipeline code is exactly the plain step (draft included)."""
+    prompts, completions, logprobs, adv = _rollouts(4)
+    for norm in ("token", "sequence"):
+        kw = {**LOSS_KW, "norm": norm}
+        policy, draft = _models("dflash")
+        one = split_microbatches(prompts, completions, logprobs, adv, 2, 1, "cpu")
+        torch.manual_seed(5)
+        loss, _ = cotrain_loss(policy, draft, one[0].batch, adv, **kw)
+        loss.backward()
+        plain = (float(loss.detach()), _grads(policy, draft))
+        policy.zero_grad(set_to_none=True), draft.zero_grad(set_to_none=True)
+        pipe = build_pipeline(policy, draft, None)
+        torch.manual_seed(5)
+        loss1, _ = pipeline_cotrain(pipe, policy, draft, one, step=0, **kw)
+        assert float(loss1) == plain[0]
+        for k, g in _grads(policy, draft).items():
+            assert torch.equal(g, plain[1][k]), k
+        policy.zero_grad(set_to_none=True)
+        loss_rl, _ = cotrain_loss(policy, None, one[0].batch, adv, **kw)
+        loss_rl.backward()
+        ref = _grads(policy)
+        for m in (2, 4):
+            policy.zero_grad(set_to_none=True)
+            mbs = split_microbatches(prompts, completions, logprobs, adv, 2, m, "cpu")
+            loss_m, _ = pipeline_cotrain(pipe, policy, None, mbs, step=0, **kw)
+            assert _rel(float(loss_m), float(loss_rl)) < 1e-6, (norm, m)
+            for k, g in _grads(policy).items():
+                assert _rel(g, ref[k]) < 1e-5, (norm, m, k)
+
+
+def test_schedule_and_split():
+    assert [list(r) for r in stage_layers(30, 4)] == [list(range(0, 8)), list(range(8, 16)),
+                                                      list(range(16, 23)), list(range(23, 30))]
+    with pytest.raises(PipelineError, match="between 1 and 4"):
+        stage_layers(4, 5)
+    for stages in (1, 2, 4):
+        for m in (1, 2, 3, 6):
+            for s in range(stages):
+                ops = one_f_one_b(s, stages, m)
+                # every micro-batch forward once then backward once; at most stages - s in flight
+                assert sorted(ops) == sorted([("F", i) for i in range(m)] + [("B", i) for i in range(m)])
+                live, peak = set(), 0
+                for op, i in ops:
+                    if op == "F":
+                        live.add(i)
+                    else:
+                        assert i in live
+                        live.remove(i)
+                    peak = max(peak, len(live))
+                assert peak == min(stages - s, m)
+    assert one_f_one_b(0, 2, 3) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("B", 2)]
+    assert one_f_one_b(1, 2, 3) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]
+
+
+def _weights_after_sync(rank, world):
+    mesh = build_mesh(world, 1, timeout=60)
+    policy, draft = _models("eagle3")
+    pipe = build_pipeline(policy, draft, mesh, max_tokens=64, timeout=60)
+    with torch.no_grad():  # each stage changes what it owns; after the sync every rank has every change
+        from codraft.rl.pipelined import stage_parameters
+        for p in stage_parameters(policy, mesh.stage, mesh.pp, tied_once=True):
+            p.add_(1.0 + mesh.stage)
+        if pipe.last:
+            for p in draft.trainable_parameters():
+                p.add_(10.0)
+    sync_weights(pipe, policy, list(draft.trainable_parameters()))
+    if pipe.channel is not None:
+        pipe.channel.close()
+    return {n: p.detach().clone() for n, p in policy.named_parameters()}, \
+        [p.detach().clone() for p in draft.trainable_parameters()]
+
+
+def test_weight_sync_gives_every_rank_every_stage():
+    res = run_ranks(_weights_after_sync, 4, timeout=120)
+    policy, draft = _models("eagle3")
+    from codraft.rl.pipelined import stage_parameters
+    expect = {}
+    for s in range(4):
+        for p in stage_parameters(policy, s, 4, tied_once=True):
+            expect[id(p)] = 1.0 + s
+    for rank, (weights, dweights) in enumerate(res):
+        for n, p in policy.named_parameters():
+            assert torch.equal(weights[n], p.detach() + expect[id(p)]), (rank, n)
+        for got, p in zip(dweights, draft.trainable_parameters()):
+            assert torch.equal(got, p.detach() + 10.0), rank
