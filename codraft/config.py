@@ -91,7 +91,11 @@ class LogConfig:
 
 @dataclass
 class ParallelConfig:
-    cp: int = 1                     # context-parallel ranks (launch with torchrun --nproc-per-node cp)
+    cp: int = 1                     # context-parallel ranks (launch with torchrun --nproc-per-node pp·cp)
+    pp: int = 1                     # pipeline stages (the policy's decoder layers split over them)
+    microbatches: int = 1           # micro-batches of whole groups per update (1F1B under pp; else accumulation)
+    taps: str = "shm"               # how the taps reach the last stage: shm, p2p, or the baselines staging, relay
+    tap_tokens: int = 0             # TapChannel slot size in tokens (0 = from the first step's batch, with headroom)
     timeout: float = 300.0          # seconds a rank waits for a peer before failing with its name
 
 
@@ -216,7 +220,7 @@ RULES: dict[str, Range | OneOf | Text | Device | Flag] = {
     "rollout.max_new_tokens": COUNT,
     "rollout.temperature": Range(0, note="0 = greedy"),
     "rollout.top_p": Range(0, 1, lo_open=True, note="1 = off"),
-    "rollout.shards": Range(0, note="0 = one per CP rank"),
+    "rollout.shards": Range(0, note="0 = one per rank (parallel.pp × parallel.cp)"),
     "rollout.draft_length": OneOf(("fixed", "auto")),
     "grpo.lr": Range(0, note="0 = the policy is not updated"),
     "grpo.warmup_steps": Range(0, note="0 = no warm-up"),
@@ -245,6 +249,10 @@ RULES: dict[str, Range | OneOf | Text | Device | Flag] = {
     "log.checkpoint_every": EVERY,
     "log.keep_last": Range(0, note="0 = keep every checkpoint"),
     "parallel.cp": Range(1, note="ranks that split each packed row (zigzag ring); > 1 needs torchrun"),
+    "parallel.pp": Range(1, note="pipeline stages, at most the policy's layers; > 1 needs torchrun"),
+    "parallel.microbatches": Range(1, note="at most rollout.prompts_per_step (whole groups)"),
+    "parallel.taps": OneOf(("shm", "p2p", "staging", "relay")),
+    "parallel.tap_tokens": Range(0, note="0 = sized from the first step"),
     "parallel.timeout": POSITIVE,
 }
 
@@ -264,20 +272,25 @@ def _draft_folder_exists(c: RunConfig) -> str | None:
     return None
 
 
-def _cp_has_work_for_every_rank(c: RunConfig) -> str | None:
-    shards, cp = c.rollout.shards or c.parallel.cp, c.parallel.cp
-    if shards % cp:
-        return f"config key 'rollout.shards' must be 0 or a multiple of parallel.cp={cp} (each CP rank decodes " \
-               f"as many shards), got {c.rollout.shards}"
+def _every_rank_has_work(c: RunConfig) -> str | None:
+    ranks = c.parallel.cp * c.parallel.pp
+    shards = c.rollout.shards or ranks
+    if shards % ranks:
+        return f"config key 'rollout.shards' must be 0 or a multiple of the ranks, parallel.pp × parallel.cp = " \
+               f"{ranks} (each rank decodes as many shards), got {c.rollout.shards}"
     if c.rollout.prompts_per_step < shards:
         return f"config key 'rollout.prompts_per_step' must be >= the rollout shards ({shards}: rollout.shards, " \
-               f"or parallel.cp), so that every shard has a prompt group; got {c.rollout.prompts_per_step}"
+               f"or parallel.pp × parallel.cp), so that every shard has a prompt group; got " \
+               f"{c.rollout.prompts_per_step}"
+    if c.parallel.microbatches > c.rollout.prompts_per_step:
+        return f"config key 'parallel.microbatches' must be <= rollout.prompts_per_step=" \
+               f"{c.rollout.prompts_per_step} (micro-batches hold whole groups), got {c.parallel.microbatches}"
     return None
 
 
 # Rules between keys: each returns the error message, or None.
 CROSS_RULES: tuple[Callable[[RunConfig], str | None], ...] = (_auto_needs_a_draft, _draft_folder_exists,
-                                                               _cp_has_work_for_every_rank)
+                                                               _every_rank_has_work)
 
 
 def validate(cfg: RunConfig) -> RunConfig:

@@ -35,7 +35,9 @@ from codraft.train.run_dir import (
 RESUMABLE = (
     "steps",                     # the run's length, >= the steps completed; the lr cosine follows it
     "device",                    # where it runs (exact repetition holds on one device only)
-    "parallel.cp", "parallel.timeout",  # how it is split: the same math, other float rounding
+    "parallel.cp", "parallel.pp", "parallel.taps", "parallel.tap_tokens", "parallel.timeout",  # how it is split:
+    #                            the same math, other float rounding
+    "parallel.microbatches",     # the RL loss is exact over micro-batches; the draft's anchors are drawn per one
     "grpo.max_nonfinite_steps",  # fault tolerance, not the update
     "log.val_every", "log.speedup_every", "log.frozen_probe_every",  # measurement cadences
     "log.checkpoint_every", "log.keep_last",                         # checkpoint cadence and rotation

@@ -63,12 +63,16 @@ from tqdm import tqdm
 from codraft import kernels
 from codraft.config import ConfigError, RunConfig
 from codraft.parallel.comm import init_cp
+from codraft.parallel.mesh import build_mesh
 from codraft.parallel.context import sync_gradients
 from codraft.policy import load_policy
 from codraft.rl import runs
 from codraft.rl.cotrain import cotrain_loss
 from codraft.rl.grpo import group_advantages
 from codraft.rl.logger import MetricsLogger
+from codraft.rl.microbatch import split_microbatches
+from codraft.rl.pipelined import (build_pipeline, clip_gradients, consolidated, keep_state, pipeline_cotrain,
+                                  reduce_gradients, stage_parameters, sync_weights)
 from codraft.rl.plots import plot_run
 from codraft.rollout import Engine, SpecStats, load_or_calibrate
 from codraft.tasks import make_task
@@ -165,20 +169,25 @@ class Update:
 class Trainer:
     def __init__(self, cfg: RunConfig, *, resume: str | None = None, progress: bool = True):
         cfg.validate()  # every key's range and the rules between keys (codraft.config.RULES), before any work
-        # parallel.cp > 1: one process per CP rank (torchrun); every rank trains on the same batch, its
-        # rollout share gathered from all; only rank 0 writes (metrics, plots, checkpoints, progress)
-        self.cp = init_cp(cfg.device, cfg.parallel.timeout) if cfg.parallel.cp > 1 else None
-        if self.cp is not None and self.cp.size != cfg.parallel.cp:
-            raise ConfigError(f"parallel.cp={cfg.parallel.cp} but torchrun started {self.cp.size} processes; "
-                              f"launch with torchrun --nproc-per-node {cfg.parallel.cp}")
-        self.is_main = self.cp is None or self.cp.rank == 0
+        # parallel.pp · parallel.cp > 1: one process per rank (torchrun); every rank decodes its rollout
+        # share and gathers all, trains its stage on its CP rows; only rank 0 writes (metrics, plots,
+        # checkpoints, progress)
+        par = cfg.parallel
+        self.world = init_cp(cfg.device, par.timeout) if par.cp * par.pp > 1 else None
+        if self.world is not None and self.world.size != par.cp * par.pp:
+            raise ConfigError(f"parallel.pp={par.pp} × parallel.cp={par.cp} but torchrun started {self.world.size} "
+                              f"processes; launch with torchrun --nproc-per-node {par.cp * par.pp}")
+        self.mesh = build_mesh(par.pp, par.cp, par.timeout) if self.world is not None else None
+        self.cp = None if self.mesh is None else self.mesh.cp_group
+        self.pipelined, self.pipe = par.pp > 1 or par.microbatches > 1, None
+        self.is_main = self.world is None or self.world.rank == 0
         self.progress = progress and self.is_main
         dtype = getattr(torch, cfg.policy.dtype)
         # a fresh run refuses a folder holding a run; a resume reads the newest checkpoint that verifies
         # and refuses changes to keys outside runs.RESUMABLE (nothing is written until record_start)
         cfg, self.run_dir, found, changed = runs.open_run(cfg, resume, dtype)
-        if self.cp is not None:  # every rank has checked the folder before rank 0 writes to it
-            self.cp.all_gather_object(str(self.run_dir), "the run folder")
+        if self.world is not None:  # every rank has checked the folder before rank 0 writes to it
+            self.world.all_gather_object(str(self.run_dir), "the run folder")
         self.cfg = cfg
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
@@ -230,6 +239,9 @@ class Trainer:
                 if name in estimates:
                     estimates[name].load_state_dict(saved)
             _follow_schedule(self.sched)  # `steps` may have changed on resume: the lr is the cosine's
+            if par.pp > 1:  # a stage keeps the optimiser state of what it trains only
+                keep_state(self.opt, self._owned()[0])
+                keep_state(self.draft_opt, self._owned()[1])
         # steps_done/_done_prompts/_done_acceptance: the last step whose update is fully applied (what
         # Ctrl-C saves); _saved: the last step on disk; nonfinite_streak: skipped updates in a row
         self.steps_done, self._done_prompts, self._saved = self.start_step, self.prompts_used, self.start_step
@@ -283,7 +295,7 @@ class Trainer:
         the slowest rank's, the gather included."""
         r = self.cfg.rollout
         t0 = time.perf_counter()
-        ranks, rank = (1, 0) if self.cp is None else (self.cp.size, self.cp.rank)
+        ranks, rank = (1, 0) if self.world is None else (self.world.size, self.world.rank)
         shards = r.shards or ranks
         groups = len(prompts) // group
         bounds = [groups * i // shards * group for i in range(shards)] + [len(prompts)]
@@ -296,8 +308,8 @@ class Trainer:
                 out += engine.generate(part, r.max_new_tokens, temperature=r.temperature if temperature is None
                                        else temperature, top_p=r.top_p, seed=shard_seed, eos_id=self.tok.eos_id)
                 stats.append(engine.stats)
-        if self.cp is not None:
-            shares = self.cp.all_gather_object((out, stats), "the rollout shards")
+        if self.world is not None:
+            shares = self.world.all_gather_object((out, stats), "the rollout shards")
             out, stats = [o for share, _ in shares for o in share], [st for _, sts in shares for st in sts]
         return out, time.perf_counter() - t0, stats[0] if len(stats) == 1 else SpecStats.pool(stats)
 
@@ -373,23 +385,27 @@ class Trainer:
         t_train = time.perf_counter()
         timer = PhaseTimer("train", "loss_forward", "backward", "optimizer")
         self.policy.train()
-        batch = pack(rollout.prompts, [o.tokens for o in rollout.out], [o.logprobs for o in rollout.out],
-                     device=cfg.device)
-        with timer("loss_forward"):
-            loss, lm = cotrain_loss(self.policy, self.draft, batch, scored.advantages.to(cfg.device),
-                                    temperature=cfg.rollout.temperature, lam=cfg.draft.lam, eps_low=g.eps_low,
-                                    eps_high=g.eps_high, norm=g.norm, kl_coef=g.kl_coef, reference=self.reference,
-                                    train_draft=self.trains_draft, phase=timer, cp=self.cp)
-        self._zero_grad()
-        with timer("backward"):
-            loss.backward()
-            if self.cp is not None:  # each rank holds its share of the gradient: the sum is the gradient
-                sync_gradients(self.policy.parameters(), self.cp, "policy")
-                if self.trains_draft:
-                    sync_gradients(self.draft.trainable_parameters(), self.cp, "draft")
-            policy_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), g.grad_clip)
-            draft_norm = None if self.draft_opt is None else torch.nn.utils.clip_grad_norm_(
-                self.draft.trainable_parameters(), cfg.draft.grad_clip)
+        loss_kw = dict(temperature=cfg.rollout.temperature, lam=cfg.draft.lam, eps_low=g.eps_low, eps_high=g.eps_high,
+                       norm=g.norm, kl_coef=g.kl_coef, reference=self.reference, train_draft=self.trains_draft,
+                       phase=timer)
+        if self.pipelined:
+            loss, lm, policy_norm, draft_norm = self._pipelined_backward(step, rollout, scored, timer, loss_kw)
+        else:
+            batch = pack(rollout.prompts, [o.tokens for o in rollout.out], [o.logprobs for o in rollout.out],
+                         device=cfg.device)
+            with timer("loss_forward"):
+                loss, lm = cotrain_loss(self.policy, self.draft, batch, scored.advantages.to(cfg.device), cp=self.cp,
+                                        **loss_kw)
+            self._zero_grad()
+            with timer("backward"):
+                loss.backward()
+                if self.cp is not None:  # each rank holds its share of the gradient: the sum is the gradient
+                    sync_gradients(self.policy.parameters(), self.cp, "policy")
+                    if self.trains_draft:
+                        sync_gradients(self.draft.trainable_parameters(), self.cp, "draft")
+                policy_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(), g.grad_clip)
+                draft_norm = None if self.draft_opt is None else torch.nn.utils.clip_grad_norm_(
+                    self.draft.trainable_parameters(), cfg.draft.grad_clip)
         loss = loss.detach()
         finite = all(math.isfinite(float(x)) for x in (loss, policy_norm, 0.0 if draft_norm is None else draft_norm))
         self.nonfinite_streak = 0 if finite else self.nonfinite_streak + 1
@@ -401,6 +417,34 @@ class Trainer:
         self._commit(step, finite, timer)
         timer.seconds["train"] = time.perf_counter() - t_train
         return Update(loss, lm, policy_norm, draft_norm, finite, self.nonfinite_streak, timer.seconds)
+
+    def _pipelined_backward(self, step: int, rollout: Rollout, scored: Scored, timer: PhaseTimer, loss_kw: dict):
+        """parallel.pp / parallel.microbatches: this stage's forward and backward over the micro-batches
+        (1F1B), the gradient sums (CP, tied embedding) and the clipping by the global norms."""
+        cfg, par = self.cfg, self.cfg.parallel
+        self._zero_grad()
+        mbs = split_microbatches(rollout.prompts, [o.tokens for o in rollout.out], [o.logprobs for o in rollout.out],
+                                 scored.advantages.to(cfg.device), cfg.rollout.group_size, par.microbatches,
+                                 cfg.device)
+        if self.pipe is None:  # collective (the tap channels): on the first update, sized from its batch
+            self.pipe = build_pipeline(self.policy, self.draft if self.trains_draft else None, self.mesh,
+                                       transport=par.taps, max_tokens=par.tap_tokens or _tap_tokens(mbs, cfg),
+                                       timeout=par.timeout)
+        torch.manual_seed(step_seed(cfg.seed, step) ^ 1)  # the draft's anchors: one draw, whatever the split
+        with timer("forward_backward"):
+            loss, lm = pipeline_cotrain(self.pipe, self.policy, self.draft, mbs, step=step, **loss_kw)
+        with timer("backward"):  # here: the gradient sums and the clipping
+            own, drafts = reduce_gradients(self.pipe, self.policy, self._owned()[1])
+            policy_norm, draft_norm = clip_gradients(self.pipe, self.policy, own, drafts, cfg.grpo.grad_clip,
+                                                     cfg.draft.grad_clip if self.draft_opt is not None else None)
+        return loss, lm, policy_norm, draft_norm
+
+    def _owned(self) -> tuple[list, list]:
+        """The policy and draft parameters this rank trains (all of them without pipeline stages)."""
+        drafts = list(self.draft.trainable_parameters()) if self.trains_draft else []
+        if self.mesh is None or self.mesh.pp == 1:
+            return list(self.policy.parameters()), drafts
+        return stage_parameters(self.policy, self.mesh.stage, self.mesh.pp), drafts if self.mesh.last else []
 
     def _zero_grad(self):
         self.opt.zero_grad(set_to_none=True)
@@ -414,9 +458,13 @@ class Trainer:
         with _hold_ctrl_c():
             if finite:
                 with timer("optimizer"):
-                    self.opt.step()
+                    self.opt.step()  # (under pp: the parameters with a gradient, i.e. this stage's)
                     if self.draft_opt is not None:
                         self.draft_opt.step()
+                if self.pipe is not None:  # every rank's rollout engine decodes with every stage's update
+                    with timer("weight_sync"):
+                        sync_weights(self.pipe, self.policy,
+                                     list(self.draft.trainable_parameters()) if self.trains_draft else [])
             self.sched.step()
             if self.draft_sched is not None:
                 self.draft_sched.step()
@@ -445,12 +493,18 @@ class Trainer:
         return m
 
     def save(self) -> Path | None:
-        """Checkpoint the last completed step (`steps_done`); under CP only rank 0 writes."""
+        """Checkpoint the last completed step (`steps_done`); only rank 0 writes, one consolidated
+        checkpoint (under pp every rank holds every weight; the stages' optimiser states are gathered)."""
+        optimizers = self._optimizers()
+        if self.mesh is not None and self.mesh.pp > 1:
+            own, drafts = self._owned()
+            optimizers.update(policy=consolidated(self.opt, own, self.world),
+                              draft=self.draft_opt and consolidated(self.draft_opt, drafts, self.world))
         if not self.is_main:
             self._saved = self.steps_done
             return None
         path = ckpt.save_checkpoint(self.run_dir, self.steps_done, policy=self.policy, draft=self.draft,
-                                    optimizers=self._optimizers(),
+                                    optimizers=optimizers,
                                     state=self._checkpoint_state(),
                                     config=self.cfg.to_dict(), keep_last=self.cfg.log.keep_last,
                                     extra_files=_tokenizer_files(self.policy_dir))
@@ -509,7 +563,7 @@ class Trainer:
 
 
 class _NoLogger:
-    """The metrics logger of CP ranks other than 0: they compute the same rows, rank 0 writes them."""
+    """The metrics logger of ranks other than 0: they compute the same rows, rank 0 writes them."""
 
     def log(self, step, metrics):
         pass
@@ -524,6 +578,17 @@ def _follow_schedule(sched):
     for group, base, fn in zip(sched.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
         group["lr"] = base * fn(sched.last_epoch)
     sched._last_lr = [group["lr"] for group in sched.optimizer.param_groups]
+
+
+def _tap_tokens(mbs, cfg: RunConfig) -> int:
+    """TapChannel slots (tokens of one micro-batch at one rank) for the longest micro-batch the run can
+    produce: the largest group count per micro-batch, each with twice this step's longest prompt and
+    every completion at rollout.max_new_tokens; under CP a rank's share plus the zigzag padding."""
+    r, par = cfg.rollout, cfg.parallel
+    groups = -(-r.prompts_per_step // par.microbatches)
+    longest = max(int(mb.batch.cu_seqlens.diff().max()) for mb in mbs)  # a prompt and its completion
+    tokens = groups * (2 * longest + r.group_size * r.max_new_tokens)
+    return tokens if par.cp == 1 else -(-tokens // par.cp) + 2 * par.cp * groups * (r.group_size + 1)
 
 
 def _tokenizer_files(policy_dir: Path) -> dict[str, str]:
