@@ -224,10 +224,17 @@ def _cmd_bench(args):
             methods=_csv(args.methods), branches=_csv(args.branch), repeats=args.repeats, warmup=args.warmup,
             seed=args.seed, c1_methods=_csv(args.c1_methods), json_path=args.json,
             append=args.append)
+    elif args.bench == "tap" and args.step:
+        from codraft.bench.tap_step import run
+        layers, hidden = (int(x) for x in args.shape.lower().split("x"))
+        run(stages=args.stages, shape=(layers, hidden), groups=args.groups, microbatches=args.microbatches or 4,
+            methods=_csv(args.methods) if args.methods else ("none", "shm", "p2p", "staging", "relay"),
+            repeats=args.repeats, warmup=args.warmup, json_path=args.json)
     elif args.bench == "tap":
         from codraft.bench.tap import parse_size, run
-        run(sizes=[parse_size(x) for x in _csv(args.sizes)], methods=_csv(args.methods), producers=args.producers,
-            taps=args.taps, microbatches=args.microbatches, repeats=args.repeats, warmup=args.warmup,
+        run(sizes=[parse_size(x) for x in _csv(args.sizes)], methods=_csv(args.methods or "shm,p2p,staging"),
+            producers=args.producers,
+            taps=args.taps, microbatches=args.microbatches or 8, repeats=args.repeats, warmup=args.warmup,
             json_path=args.json)
     elif args.bench == "gemv":
         from codraft.bench.gemv import run
@@ -328,10 +335,17 @@ def _bench_commands(sub):
     b = bench.add_parser("tap", help="TapChannel fan-in of tapped features to the last stage: shared memory vs "
                                       "point-to-point vs host staging (gloo, 1 thread per process)")
     b.add_argument("--sizes", default="2048x576,2048x128", help="tokens x hidden per feature, comma list")
-    b.add_argument("--methods", default="shm,p2p,staging", help="comma list of shm, p2p, staging")
+    b.add_argument("--methods", default="", help="comma list of shm, p2p, staging (default all three); with "
+                                                  "--step also none and relay (default all five)")
     b.add_argument("--producers", type=int, default=2, help="producer stages (processes), plus one consumer")
     b.add_argument("--taps", type=int, default=3, help="tapped layers, spread over the producers")
-    b.add_argument("--microbatches", type=int, default=8, help="micro-batches per bandwidth round")
+    b.add_argument("--microbatches", type=int, default=0, help="micro-batches per bandwidth round (default 8); "
+                                                                "with --step: per PP step (default 4)")
+    b.add_argument("--step", action="store_true", help="the taps' cost in a PP co-training step instead: draft "
+                                                       "off vs each transport (codraft.bench.tap_step)")
+    b.add_argument("--stages", type=int, default=2, help="--step: pipeline stages (processes)")
+    b.add_argument("--shape", default="4x128", help="--step: the policy's layers x hidden")
+    b.add_argument("--groups", type=int, default=8, help="--step: prompts (x 4 completions) per step")
     b.add_argument("--repeats", type=int, default=5, help="timed rounds (median reported)")
     b.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     b.add_argument("--json", metavar="FILE")

@@ -70,7 +70,12 @@ class StageLink:
 
     def _send(self, x: torch.Tensor, dst: int, tag: int) -> None:
         x = x.contiguous()
-        self._sends.append((dist.isend(x, self._rank(dst), group=self.group, tag=tag), x, dst, tag))
+        try:
+            work = dist.isend(x, self._rank(dst), group=self.group, tag=tag)
+        except RuntimeError as e:
+            raise PipelineError(f"pipeline stage {self.stage}/{self.stages}: cannot send the {_what(tag)} of "
+                                f"micro-batch {tag // 2} to stage {dst} (stage {dst} died?): {e}") from e
+        self._sends.append((work, x, dst, tag))
 
     def _recv(self, shape, dtype, device, src: int, tag: int, what: str) -> torch.Tensor:
         buf = torch.empty(shape, dtype=dtype, device=device)
@@ -106,9 +111,12 @@ class StageLink:
             try:
                 work.wait(datetime.timedelta(seconds=self.timeout))
             except RuntimeError as e:
-                what = "activations" if tag % 2 == 0 else "gradients"
                 raise PipelineError(f"pipeline stage {self.stage}/{self.stages}: stage {dst} did not take the "
-                                    f"{what} of micro-batch {tag // 2} within {self.timeout:g} s: {e}") from e
+                                    f"{_what(tag)} of micro-batch {tag // 2} within {self.timeout:g} s: {e}") from e
+
+
+def _what(tag: int) -> str:
+    return "activations" if tag % 2 == 0 else "gradients"
 
 
 def run_schedule(link: StageLink, microbatches: int, *, forward: Callable, loss: Callable, shape: Callable,
