@@ -11,12 +11,15 @@ importable modules: spawn pickles them by name.
 from __future__ import annotations
 
 import datetime
+import io
 import multiprocessing as mp
 import os
 import queue
 import socket
 import time
 import traceback
+
+import torch
 
 
 def free_port() -> int:
@@ -35,7 +38,11 @@ def _worker(fn, setup, rank, world, port, args, out, pg_timeout):
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
                                 timeout=datetime.timedelta(seconds=pg_timeout))
-        out.put((rank, True, fn(rank, world, *args)))
+        # as bytes: a tensor put on the queue as is travels as a shared-memory handle, which the
+        # parent cannot open once this process has exited ("connection reset by peer")
+        buf = io.BytesIO()
+        torch.save(fn(rank, world, *args), buf)
+        out.put((rank, True, buf.getvalue()))
     except BaseException:  # reported to the parent
         out.put((rank, False, traceback.format_exc()))
     finally:
@@ -65,7 +72,10 @@ def spawn_ranks(fn, world: int, *args, timeout: float = 180.0, pg_timeout: float
                     missing = sorted(set(range(world)) - set(results) - set(errors))
                     raise RuntimeError(f"ranks {missing} of {world} did not finish within {timeout} s") from None
                 continue
-            (results if ok else errors)[rank] = value
+            if ok:
+                results[rank] = torch.load(io.BytesIO(value), weights_only=False)
+            else:
+                errors[rank] = value
     finally:
         for p in procs:
             p.join(timeout=5)
