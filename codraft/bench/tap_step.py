@@ -50,9 +50,10 @@ def _rank_main(rank, world, cfg):
     torch.set_num_threads(1)
     mesh = build_mesh(world, 1, timeout=cfg["timeout"])
     layers, hidden = cfg["shape"]
+    heads = max(hidden // 64, 1)  # SmolLM2's head layout at 576: 9 heads of 64, 3 KV heads
     mc = ModelConfig(vocab_size=cfg["vocab"], hidden_size=hidden, intermediate_size=3 * hidden,
-                     num_hidden_layers=layers, num_attention_heads=max(hidden // 64, 1), head_dim=64,
-                     num_key_value_heads=max(hidden // 128, 1), rope_theta=10000.0, rms_norm_eps=1e-5,
+                     num_hidden_layers=layers, num_attention_heads=heads, head_dim=64,
+                     num_key_value_heads=3 if heads % 3 == 0 else 1, rope_theta=10000.0, rms_norm_eps=1e-5,
                      tie_word_embeddings=True, max_position_embeddings=1024)
     torch.manual_seed(0)
     policy = Transformer(mc)
