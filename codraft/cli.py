@@ -232,8 +232,8 @@ def _cmd_bench(args):
             repeats=args.repeats, warmup=args.warmup, json_path=args.json)
     elif args.bench == "tap":
         from codraft.bench.tap import parse_size, run
-        run(sizes=[parse_size(x) for x in _csv(args.sizes)], methods=_csv(args.methods or "shm,p2p,staging"),
-            producers=args.producers,
+        run(sizes=[parse_size(x) for x in _csv(args.sizes)],
+            methods=_csv(args.methods or "shm,p2p,staging,relay"), producers=args.producers,
             taps=args.taps, microbatches=args.microbatches or 8, repeats=args.repeats, warmup=args.warmup,
             json_path=args.json)
     elif args.bench == "gemv":
@@ -333,10 +333,10 @@ def _bench_commands(sub):
                    help="merge into an existing --json file (rows measured again replace the old ones)")
 
     b = bench.add_parser("tap", help="TapChannel fan-in of tapped features to the last stage: shared memory vs "
-                                      "point-to-point vs host staging (gloo, 1 thread per process)")
+                                      "point-to-point vs host staging vs relay (gloo, 1 thread per process)")
     b.add_argument("--sizes", default="2048x576,2048x128", help="tokens x hidden per feature, comma list")
-    b.add_argument("--methods", default="", help="comma list of shm, p2p, staging (default all three); with "
-                                                  "--step also none and relay (default all five)")
+    b.add_argument("--methods", default="", help="comma list of shm, p2p, staging, relay (default all four); "
+                                                  "with --step also none (default all five)")
     b.add_argument("--producers", type=int, default=2, help="producer stages (processes), plus one consumer")
     b.add_argument("--taps", type=int, default=3, help="tapped layers, spread over the producers")
     b.add_argument("--microbatches", type=int, default=0, help="micro-batches per bandwidth round (default 8); "

@@ -16,7 +16,7 @@ def test_bench_tap_writes_rows(tmp_path, capsys):
     data = json.loads(out.read_text())
     assert data["bench"] == "tap" and data["machine"]["processor"]
     rows = {r["method"]: r for r in data["rows"]}
-    assert sorted(rows) == ["p2p", "shm", "staging"]
+    assert sorted(rows) == ["p2p", "relay", "shm", "staging"]
     for m, r in rows.items():
         assert (r["tokens"], r["hidden"], r["taps"], r["producers"], r["processes"]) == (16, 8, 3, 2, 3)
         assert r["bytes_per_microbatch"] == 3 * 16 * 8 * 4 and r["microbatches"] == 3

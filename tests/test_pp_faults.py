@@ -7,7 +7,6 @@ import re
 import time
 
 import pytest
-import torch
 
 from codraft.parallel.mesh import build_mesh
 from codraft.parallel.pipeline import PipelineError

@@ -1,10 +1,12 @@
 """`codraft bench tap`: fan-in of tapped features from producer stages to the last pipeline stage,
-TapChannel over shared memory vs TapChannel point-to-point vs host staging.
+TapChannel over shared memory vs TapChannel point-to-point vs host staging vs relay.
 
 Why: the draft on the last stage needs hidden states of layers on earlier stages every
 micro-batch; this measures what the side channel costs against what one would do without one,
 ``staging``: each tensor pickled through ``send_object_list``/``recv_object_list`` (a fresh
-allocation, a pickle and a copy per message, no pre-allocated slots).
+allocation, a pickle and a copy per message, no pre-allocated slots); ``relay``: the taps travel
+the chain of stages, each appending its own to what it received (what a pipeline without a side
+channel does with its activations), so early stages' taps cross every later link.
 
 Setup: P producer processes (``--producers``) and one consumer, spawned, gloo over TCP on
 127.0.0.1, one intra-op thread each. The taps (``--taps``, default 3) are spread round-robin over
@@ -34,7 +36,7 @@ from codraft.bench import machine_info
 from codraft.parallel.spawn import raise_errors, spawn_ranks
 from codraft.parallel.tapchannel import TapSpec, open_tap_channel
 
-METHODS = ("shm", "p2p", "staging")
+METHODS = ("shm", "p2p", "staging", "relay")
 
 
 def parse_size(text: str) -> tuple[int, int]:
@@ -46,7 +48,19 @@ def _round(method, ch, rank, world, taps_of, tokens, hidden, mbs, feats, step):
     consumer = world - 1
     dist.barrier()
     t0 = time.perf_counter()
-    if rank != consumer:
+    if method == "relay":  # a chain: each stage receives the earlier stages' taps, appends its own, sends on
+        before = sum(len(t) for t in taps_of[:rank])
+        for mb in range(mbs):
+            parts = []
+            if rank > 0:
+                carried = torch.empty(tokens, hidden * before)
+                dist.recv(carried, rank - 1)
+                parts.append(carried)
+            if rank != consumer:
+                dist.send(torch.cat(parts + [feats[t] for t in taps_of[rank]], -1), rank + 1)
+            else:
+                assert carried.shape == (tokens, hidden * before)
+    elif rank != consumer:
         for mb in range(mbs):
             for tap in taps_of[rank]:
                 if method == "staging":
@@ -77,7 +91,7 @@ def _rank_main(rank, world, cfg):
         feats = {t: torch.randn(tokens, hidden, generator=g) for t in taps}
         for method in cfg["methods"]:
             ch = None
-            if method != "staging":
+            if method in ("shm", "p2p"):
                 spec = TapSpec(max_tokens=tokens, hidden=hidden, taps=tuple(tuple(t) for t in taps_of),
                                in_flight=2, timeout=cfg["timeout"])
                 ch = open_tap_channel(spec, method)
