@@ -13,7 +13,8 @@ from codraft.parallel.mesh import build_mesh
 from codraft.parallel.pipeline import one_f_one_b, stage_layers, PipelineError
 from codraft.rl.cotrain import cotrain_loss
 from codraft.rl.microbatch import split_microbatches
-from codraft.rl.pipelined import build_pipeline, clip_gradients, pipeline_cotrain, reduce_gradients, sync_weights
+from codraft.rl.pipelined import (build_pipeline, clip_gradients, pipeline_cotrain, reduce_gradients,
+                                  stage_parameters, sync_weights)
 from dist_harness import run_ranks
 from test_cp_step import _models, _rel
 
@@ -158,7 +159,6 @@ def _weights_after_sync(rank, world):
     policy, draft = _models("eagle3")
     pipe = build_pipeline(policy, draft, mesh, max_tokens=64, timeout=60)
     with torch.no_grad():  # each stage changes what it owns; after the sync every rank has every change
-        from codraft.rl.pipelined import stage_parameters
         for p in stage_parameters(policy, mesh.stage, mesh.pp, tied_once=True):
             p.add_(1.0 + mesh.stage)
         if pipe.last:
@@ -174,7 +174,6 @@ def _weights_after_sync(rank, world):
 def test_weight_sync_gives_every_rank_every_stage():
     res = run_ranks(_weights_after_sync, 4, timeout=120)
     policy, draft = _models("eagle3")
-    from codraft.rl.pipelined import stage_parameters
     expect = {}
     for s in range(4):
         for p in stage_parameters(policy, s, 4, tied_once=True):

@@ -4,7 +4,7 @@ TapChannel over shared memory vs TapChannel point-to-point vs host staging vs re
 Why: the draft on the last stage needs hidden states of layers on earlier stages every
 micro-batch; this measures what the side channel costs against what one would do without one,
 ``staging``: each tensor pickled through ``send_object_list``/``recv_object_list`` (a fresh
-allocation, a pickle and a copy per message, no pre-allocated slots); ``relay``: the taps travel
+allocation, a pickle and a copy per message, no pre-allocated slots; ``parallel/tap_staging.py``); ``relay``: the taps travel
 the chain of stages, each appending its own to what it received (what a pipeline without a side
 channel does with its activations), so early stages' taps cross every later link.
 
@@ -34,6 +34,7 @@ import torch.distributed as dist
 
 from codraft.bench import machine_info
 from codraft.parallel.spawn import raise_errors, spawn_ranks
+from codraft.parallel.tap_staging import open_staging_channel
 from codraft.parallel.tapchannel import TapSpec, open_tap_channel
 
 METHODS = ("shm", "p2p", "staging", "relay")
@@ -63,21 +64,12 @@ def _round(method, ch, rank, world, taps_of, tokens, hidden, mbs, feats, step):
     elif rank != consumer:
         for mb in range(mbs):
             for tap in taps_of[rank]:
-                if method == "staging":
-                    dist.send_object_list([feats[tap]], dst=consumer)
-                else:
-                    ch.put(step, mb, tap, feats[tap])
+                ch.put(step, mb, tap, feats[tap])
     else:
         for mb in range(mbs):
             for src in range(world - 1):
                 for tap in taps_of[src]:
-                    if method == "staging":
-                        box = [None]
-                        dist.recv_object_list(box, src=src)
-                        y = box[0]
-                    else:
-                        y = ch.get(step, mb, tap)
-                    assert y.shape == (tokens, hidden)
+                    assert ch.get(step, mb, tap).shape == (tokens, hidden)
     return time.perf_counter() - t0
 
 
@@ -90,11 +82,10 @@ def _rank_main(rank, world, cfg):
         g = torch.Generator().manual_seed(rank)
         feats = {t: torch.randn(tokens, hidden, generator=g) for t in taps}
         for method in cfg["methods"]:
-            ch = None
-            if method in ("shm", "p2p"):
-                spec = TapSpec(max_tokens=tokens, hidden=hidden, taps=tuple(tuple(t) for t in taps_of),
-                               in_flight=2, timeout=cfg["timeout"])
-                ch = open_tap_channel(spec, method)
+            spec = TapSpec(max_tokens=tokens, hidden=hidden, taps=tuple(tuple(t) for t in taps_of),
+                           in_flight=2, timeout=cfg["timeout"])
+            ch = None if method == "relay" else open_staging_channel(spec, list(range(world))) \
+                if method == "staging" else open_tap_channel(spec, method)
             step = 0
             lat, bw = [], []
             for i in range(cfg["warmup"] + cfg["repeats"]):

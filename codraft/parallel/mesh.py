@@ -31,7 +31,6 @@ class Mesh:
     cp_group: CPGroup | None        # None when cp == 1
     pp_group: dist.ProcessGroup | None  # None when pp == 1
     embedding: dist.ProcessGroup | None  # None when pp == 1
-    timeout: float = 300.0
 
     @property
     def first(self) -> bool:
@@ -70,4 +69,4 @@ def build_mesh(pp: int, cp: int, timeout: float = 300.0) -> Mesh:
             e = dist.new_group([c, (pp - 1) * cp + c], timeout=td)
             if c == cp_rank:
                 pp_group, embedding = g, e
-    return Mesh(pp, cp, stage, cp_rank, world, cp_group, pp_group, embedding, timeout)
+    return Mesh(pp, cp, stage, cp_rank, world, cp_group, pp_group, embedding)

@@ -137,8 +137,9 @@ def run_schedule(link: StageLink, microbatches: int, *, forward: Callable, loss:
         if op == "F":
             x = carried = None
             if s > 0:
-                recv = link.recv_forward((*shape(m)[:-1], shape(m)[-1] + extra), dtype, device, m)
-                x, carried = recv[..., :shape(m)[-1]].requires_grad_(), recv[..., shape(m)[-1]:]
+                *lead, h = shape(m)
+                recv = link.recv_forward((*lead, h + extra), dtype, device, m)
+                x, carried = recv[..., :h].requires_grad_(), recv[..., h:]
             out, carried_out = forward(m, x, carried)
             if last:
                 saved[m] = (x, loss(m, out, carried_out))

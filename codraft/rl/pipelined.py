@@ -39,7 +39,6 @@ class Pipeline:
     """This rank's part of the pipeline: its layers, its link to the neighbours, the tap channel."""
     mesh: Mesh | None
     layers: range
-    stage_taps: tuple[tuple[int, ...], ...]
     transport: str
     link: StageLink
     channel: object = None
@@ -68,7 +67,7 @@ def build_pipeline(policy, draft, mesh: Mesh | None, *, transport: str = "shm", 
     stage_taps = tuple(tuple(sorted(t for t in taps if t in b)) for b in bounds)
     stage = 0 if mesh is None else mesh.stage
     link = StageLink(stage, pp, None if mesh is None else mesh.pp_group, timeout)
-    pipe = Pipeline(mesh, bounds[stage], stage_taps, transport, link)
+    pipe = Pipeline(mesh, bounds[stage], transport, link)
     if pp > 1 and taps and transport != "relay":
         dev = str(policy.embed_tokens.weight.device)
         spec = TapSpec(max_tokens=max_tokens, hidden=policy.config.hidden_size, taps=stage_taps,
@@ -237,7 +236,7 @@ def keep_state(opt, params: list) -> None:
         del opt.state[p]
 
 
-class consolidated:
+class ConsolidatedState:
     """The optimiser's state dict with every stage's entries, for a single-process checkpoint:
     collective over ``world`` (every rank builds it; rank 0 saves it)."""
 

@@ -71,7 +71,7 @@ from codraft.rl.cotrain import cotrain_loss
 from codraft.rl.grpo import group_advantages
 from codraft.rl.logger import MetricsLogger
 from codraft.rl.microbatch import split_microbatches
-from codraft.rl.pipelined import (build_pipeline, clip_gradients, consolidated, keep_state, pipeline_cotrain,
+from codraft.rl.pipelined import (ConsolidatedState, build_pipeline, clip_gradients, keep_state, pipeline_cotrain,
                                   reduce_gradients, stage_parameters, sync_weights)
 from codraft.rl.plots import plot_run
 from codraft.rollout import Engine, SpecStats, load_or_calibrate
@@ -240,8 +240,9 @@ class Trainer:
                     estimates[name].load_state_dict(saved)
             _follow_schedule(self.sched)  # `steps` may have changed on resume: the lr is the cosine's
             if par.pp > 1:  # a stage keeps the optimiser state of what it trains only
-                keep_state(self.opt, self._owned()[0])
-                keep_state(self.draft_opt, self._owned()[1])
+                own, drafts = self._owned()
+                keep_state(self.opt, own)
+                keep_state(self.draft_opt, drafts)
         # steps_done/_done_prompts/_done_acceptance: the last step whose update is fully applied (what
         # Ctrl-C saves); _saved: the last step on disk; nonfinite_streak: skipped updates in a row
         self.steps_done, self._done_prompts, self._saved = self.start_step, self.prompts_used, self.start_step
@@ -498,8 +499,8 @@ class Trainer:
         optimizers = self._optimizers()
         if self.mesh is not None and self.mesh.pp > 1:
             own, drafts = self._owned()
-            optimizers.update(policy=consolidated(self.opt, own, self.world),
-                              draft=self.draft_opt and consolidated(self.draft_opt, drafts, self.world))
+            optimizers.update(policy=ConsolidatedState(self.opt, own, self.world),
+                              draft=self.draft_opt and ConsolidatedState(self.draft_opt, drafts, self.world))
         if not self.is_main:
             self._saved = self.steps_done
             return None
