@@ -332,23 +332,7 @@ def _bench_commands(sub):
     b.add_argument("--append", action="store_true",
                    help="merge into an existing --json file (rows measured again replace the old ones)")
 
-    b = bench.add_parser("tap", help="TapChannel fan-in of tapped features to the last stage: shared memory vs "
-                                      "point-to-point vs host staging vs relay (gloo, 1 thread per process)")
-    b.add_argument("--sizes", default="2048x576,2048x128", help="tokens x hidden per feature, comma list")
-    b.add_argument("--methods", default="", help="comma list of shm, p2p, staging, relay (default all four); "
-                                                  "with --step also none (default all five)")
-    b.add_argument("--producers", type=int, default=2, help="producer stages (processes), plus one consumer")
-    b.add_argument("--taps", type=int, default=3, help="tapped layers, spread over the producers")
-    b.add_argument("--microbatches", type=int, default=0, help="micro-batches per bandwidth round (default 8); "
-                                                                "with --step: per PP step (default 4)")
-    b.add_argument("--step", action="store_true", help="the taps' cost in a PP co-training step instead: draft "
-                                                       "off vs each transport (codraft.bench.tap_step)")
-    b.add_argument("--stages", type=int, default=2, help="--step: pipeline stages (processes)")
-    b.add_argument("--shape", default="4x128", help="--step: the policy's layers x hidden")
-    b.add_argument("--groups", type=int, default=8, help="--step: prompts (x 4 completions) per step")
-    b.add_argument("--repeats", type=int, default=5, help="timed rounds (median reported)")
-    b.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
-    b.add_argument("--json", metavar="FILE")
+    _bench_tap_parser(bench)
 
     b = bench.add_parser("gemv", help="weight streaming speed of few-row products: torch vs the C kernel")
     b.add_argument("--model", default="smollm2", help="tiny, smollm2 or an HF-format folder")
@@ -385,6 +369,26 @@ def _bench_commands(sub):
         b.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every run")
 
 
+
+
+def _bench_tap_parser(bench):
+    b = bench.add_parser("tap", help="TapChannel fan-in of tapped features to the last stage: shared memory vs "
+                                      "point-to-point vs host staging vs relay (gloo, 1 thread per process)")
+    b.add_argument("--sizes", default="2048x576,2048x128", help="tokens x hidden per feature, comma list")
+    b.add_argument("--methods", default="", help="comma list of shm, p2p, staging, relay (default all four); "
+                                                  "with --step also none (default all five)")
+    b.add_argument("--producers", type=int, default=2, help="producer stages (processes), plus one consumer")
+    b.add_argument("--taps", type=int, default=3, help="tapped layers, spread over the producers")
+    b.add_argument("--microbatches", type=int, default=0, help="micro-batches per bandwidth round (default 8); "
+                                                                "with --step: per PP step (default 4)")
+    b.add_argument("--step", action="store_true", help="the taps' cost in a PP co-training step instead: draft "
+                                                       "off vs each transport (codraft.bench.tap_step)")
+    b.add_argument("--stages", type=int, default=2, help="--step: pipeline stages (processes)")
+    b.add_argument("--shape", default="4x128", help="--step: the policy's layers x hidden")
+    b.add_argument("--groups", type=int, default=8, help="--step: prompts (x 4 completions) per step")
+    b.add_argument("--repeats", type=int, default=5, help="timed rounds (median reported)")
+    b.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    b.add_argument("--json", metavar="FILE")
 
 def _tool_commands(sub):
     s = sub.add_parser("train-draft", help="offline draft training on samples from the target (resumable)")

@@ -169,18 +169,7 @@ class Update:
 class Trainer:
     def __init__(self, cfg: RunConfig, *, resume: str | None = None, progress: bool = True):
         cfg.validate()  # every key's range and the rules between keys (codraft.config.RULES), before any work
-        # parallel.pp · parallel.cp > 1: one process per rank (torchrun); every rank decodes its rollout
-        # share and gathers all, trains its stage on its CP rows; only rank 0 writes (metrics, plots,
-        # checkpoints, progress)
-        par = cfg.parallel
-        self.world = init_cp(cfg.device, par.timeout) if par.cp * par.pp > 1 else None
-        if self.world is not None and self.world.size != par.cp * par.pp:
-            raise ConfigError(f"parallel.pp={par.pp} × parallel.cp={par.cp} but torchrun started {self.world.size} "
-                              f"processes; launch with torchrun --nproc-per-node {par.cp * par.pp}")
-        self.mesh = build_mesh(par.pp, par.cp, par.timeout) if self.world is not None else None
-        self.cp = None if self.mesh is None else self.mesh.cp_group
-        self.pipelined, self.pipe = par.pp > 1 or par.microbatches > 1, None
-        self.is_main = self.world is None or self.world.rank == 0
+        self._join_ranks(cfg)
         self.progress = progress and self.is_main
         dtype = getattr(torch, cfg.policy.dtype)
         # a fresh run refuses a folder holding a run; a resume reads the newest checkpoint that verifies
@@ -239,7 +228,7 @@ class Trainer:
                 if name in estimates:
                     estimates[name].load_state_dict(saved)
             _follow_schedule(self.sched)  # `steps` may have changed on resume: the lr is the cosine's
-            if par.pp > 1:  # a stage keeps the optimiser state of what it trains only
+            if self.mesh is not None and self.mesh.pp > 1:  # a stage keeps the optimiser state of what it trains only
                 own, drafts = self._owned()
                 keep_state(self.opt, own)
                 keep_state(self.draft_opt, drafts)
@@ -254,6 +243,20 @@ class Trainer:
         self.logger = MetricsLogger(self.run_dir, resume_step=self.start_step if found is not None else None) \
             if self.is_main else _NoLogger()
         self.plots: list[Path] = []
+
+    def _join_ranks(self, cfg: RunConfig) -> None:
+        """parallel.pp · parallel.cp > 1: one process per rank (torchrun); every rank decodes its rollout
+        share and gathers all, trains its stage on its CP rows; only rank 0 writes (metrics, plots,
+        checkpoints, progress)."""
+        par = cfg.parallel
+        self.world = init_cp(cfg.device, par.timeout) if par.cp * par.pp > 1 else None
+        if self.world is not None and self.world.size != par.cp * par.pp:
+            raise ConfigError(f"parallel.pp={par.pp} × parallel.cp={par.cp} but torchrun started {self.world.size} "
+                              f"processes; launch with torchrun --nproc-per-node {par.cp * par.pp}")
+        self.mesh = build_mesh(par.pp, par.cp, par.timeout) if self.world is not None else None
+        self.cp = None if self.mesh is None else self.mesh.cp_group
+        self.pipelined, self.pipe = par.pp > 1 or par.microbatches > 1, None
+        self.is_main = self.world is None or self.world.rank == 0
 
     def _engine(self, draft) -> Engine:
         """An engine over the policy and ``draft`` (None: plain), drafting draft.gamma tokens per round
