@@ -48,6 +48,8 @@ class RolloutConfig:
     top_p: float = 1.0
     shards: int = 0                 # decode in this many shards of whole groups, each with its own seed
     #                                 (0 = one per CP rank); rollouts depend on (seed, shards), not on the ranks
+    dtype: str = "policy"           # the weights the engine decodes with: policy (the trainer's own), or a
+    #                                 weight-only bfloat16 copy refreshed after every update (codraft.rollout.weights)
     draft_length: str = "fixed"     # fixed: draft.gamma tokens every round | auto: 0..draft.gamma per round, by a
     #                                 calibrated cost model and the measured acceptance (docs/draft-length.md)
 
@@ -61,6 +63,7 @@ class GRPOConfig:
     norm: str = "token"             # token | sequence
     leave_one_out: bool = False
     kl_coef: float = 0.0
+    tis_cap: float = 0.0            # > 0: truncated importance sampling against the rollout logprobs, weights capped here
     grad_clip: float = 1.0
     weight_decay: float = 0.0
     max_nonfinite_steps: int = 3    # stop after this many skipped (NaN/inf loss or grad norm) steps in a row
@@ -221,6 +224,7 @@ RULES: dict[str, Range | OneOf | Text | Device | Flag] = {
     "rollout.temperature": Range(0, note="0 = greedy"),
     "rollout.top_p": Range(0, 1, lo_open=True, note="1 = off"),
     "rollout.shards": Range(0, note="0 = one per rank (parallel.pp × parallel.cp)"),
+    "rollout.dtype": OneOf(("policy", "float32", "bfloat16")),
     "rollout.draft_length": OneOf(("fixed", "auto")),
     "grpo.lr": Range(0, note="0 = the policy is not updated"),
     "grpo.warmup_steps": Range(0, note="0 = no warm-up"),
@@ -229,6 +233,7 @@ RULES: dict[str, Range | OneOf | Text | Device | Flag] = {
     "grpo.norm": OneOf(("token", "sequence")),
     "grpo.leave_one_out": Flag(),
     "grpo.kl_coef": Range(0, note="0 = off"),
+    "grpo.tis_cap": Range(0, note="0 = off; else the cap on the token's weight min(π_train/π_rollout, cap)"),
     "grpo.grad_clip": Range(0, lo_open=True, note="the largest gradient norm"),
     "grpo.weight_decay": NON_NEGATIVE,
     "grpo.max_nonfinite_steps": COUNT,
@@ -264,6 +269,13 @@ def _auto_needs_a_draft(c: RunConfig) -> str | None:
     return None
 
 
+def _rollout_copy_is_narrower(c: RunConfig) -> str | None:
+    if c.rollout.dtype not in ("policy", c.policy.dtype) and c.policy.dtype != "float32":
+        return f"config key 'rollout.dtype' must be policy.dtype={c.policy.dtype} (a rollout copy is cast from fp32 " \
+               f"trainer weights), got {c.rollout.dtype!r}"
+    return None
+
+
 def _draft_folder_exists(c: RunConfig) -> str | None:
     d = c.draft
     if d.mode != "none" and d.init not in ("offline", "random") and not Path(d.init).is_dir():
@@ -289,8 +301,8 @@ def _every_rank_has_work(c: RunConfig) -> str | None:
 
 
 # Rules between keys: each returns the error message, or None.
-CROSS_RULES: tuple[Callable[[RunConfig], str | None], ...] = (_auto_needs_a_draft, _draft_folder_exists,
-                                                               _every_rank_has_work)
+CROSS_RULES: tuple[Callable[[RunConfig], str | None], ...] = (_auto_needs_a_draft, _rollout_copy_is_narrower,
+                                                               _draft_folder_exists, _every_rank_has_work)
 
 
 def validate(cfg: RunConfig) -> RunConfig:

@@ -22,9 +22,8 @@ class KVCache:
     @classmethod
     def for_model(cls, model, batch: int, max_len: int) -> "KVCache":
         c = model.config
-        w = model.embed_tokens.weight
-        return cls(num_layers=c.num_hidden_layers, batch=batch, max_len=max_len,
-                   num_kv_heads=c.num_key_value_heads, head_dim=c.head_dim, dtype=w.dtype, device=w.device)
+        return cls(num_layers=c.num_hidden_layers, batch=batch, max_len=max_len, num_kv_heads=c.num_key_value_heads,
+                   head_dim=c.head_dim, dtype=model.compute_dtype, device=model.embed_tokens.weight.device)
 
     def reserve(self, t: int) -> int:
         """Make room for t new tokens per row; returns the span attention must read."""

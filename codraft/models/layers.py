@@ -57,7 +57,10 @@ def apply_rope(x, cos, sin):
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, w)`` (no bias), always as one 2-D product: F.linear on a non-contiguous 3-D
     input (e.g. a slice of a block's slots) runs a bmm against a broadcast copy of ``w``, several
-    times slower for an LM head."""
+    times slower for an LM head. A weight stored in a narrower dtype than x (bf16 rollout weights,
+    ``codraft.rollout.weights``) is widened, exactly, so the product runs in x's dtype."""
+    if w.dtype != x.dtype:
+        w = w.to(x.dtype)
     y = F.linear(x.reshape(-1, x.shape[-1]), w)
     return y.view(*x.shape[:-1], w.shape[0])
 

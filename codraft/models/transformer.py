@@ -107,8 +107,17 @@ class Transformer(nn.Module):
             nn.init.normal_(m.weight, std=0.02)
 
     @property
+    def compute_dtype(self) -> torch.dtype:
+        """The activations' dtype: the norms'. Weight-only bf16 (rollout copies) keeps it fp32."""
+        return self.norm.weight.dtype
+
+    @property
     def head_weight(self) -> torch.Tensor:
         return self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Token embeddings in the activations' dtype."""
+        return self.embed_tokens(ids).to(self.compute_dtype)
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final norm + LM head on layer outputs."""
@@ -130,7 +139,7 @@ class Transformer(nn.Module):
         b, t = input_ids.shape
         ctx = self.layer_inputs(b, t, input_ids.device, cu_seqlens=cu_seqlens, positions=positions, cache=cache,
                                 attention=attention, layout=layout)
-        x, tapped = self.run_layers(self.embed_tokens(input_ids), ctx, range(len(self.layers)), taps)
+        x, tapped = self.run_layers(self.embed(input_ids), ctx, range(len(self.layers)), taps)
         if cache is not None:
             cache.advance(t, ctx.span)
         if logit_index is not None:
@@ -155,7 +164,7 @@ class Transformer(nn.Module):
             positions = cache.lengths[:, None] + torch.arange(t, device=device)
             # an empty cache is plain causal attention over the new tokens (flash-capable, no (B,T,T)
             # mask); otherwise an additive mask: SDPA would convert a boolean one again in every layer
-            mask = None if empty else torch.zeros((), dtype=self.embed_tokens.weight.dtype,
+            mask = None if empty else torch.zeros((), dtype=self.compute_dtype,
                                                   device=device).masked_fill(
                 ~cache_causal_mask(cache.lengths, t, span), float("-inf"))
         elif cu_seqlens is not None or layout is not None:
@@ -172,7 +181,7 @@ class Transformer(nn.Module):
             mask = None
             if positions is None:
                 positions = torch.arange(t, device=device)[None].expand(b, t)
-        cos, sin = rope_cos_sin(self.inv_freq, positions, self.embed_tokens.weight.dtype)
+        cos, sin = rope_cos_sin(self.inv_freq, positions, self.compute_dtype)
         return LayerInputs(cos, sin, attn, mask, cache, positions, span)
 
     def run_layers(self, x: torch.Tensor, ctx: "LayerInputs", layers: range,

@@ -88,8 +88,8 @@ def draft_taps(draft, train_draft: bool = True) -> tuple[int, ...] | None:
 
 def cotrain_loss(policy, draft, batch: Packed, advantages: torch.Tensor, *, temperature: float, lam: float,
                  eps_low: float, eps_high: float, norm: str, kl_coef: float = 0.0, reference=None,
-                 train_draft: bool = True, phase=None, cp: CPGroup | None = None, totals=None
-                 ) -> tuple[torch.Tensor, dict]:
+                 tis_cap: float | None = None, train_draft: bool = True, phase=None, cp: CPGroup | None = None,
+                 totals=None) -> tuple[torch.Tensor, dict]:
     """Total loss and metrics for one packed batch (the caller runs backward and the optimisers).
 
     phase: optional timing hook, a callable returning a context manager (e.g. the trainer's
@@ -98,18 +98,20 @@ def cotrain_loss(policy, draft, batch: Packed, advantages: torch.Tensor, *, temp
     runs on its zigzag rows (``codraft.parallel.context.ShardedRow``) and gets the same loss
     value; the caller sums the gradients over the group (``sync_gradients``).
     totals: this batch as one micro-batch of a larger step (``codraft.rl.microbatch``).
+    tis_cap: weigh each token's policy gradient by min(π_train/π_rollout, tis_cap) against the
+    batch's rollout logprobs (truncated importance sampling, ``grpo.grpo_loss``); None = off.
     """
     row = packed_row(batch, cp)
     hidden, feats = row.forward(policy, draft_taps(draft, train_draft))
     return loss_from_hidden(policy, draft, batch, row, hidden, feats, advantages, temperature=temperature, lam=lam,
                             eps_low=eps_low, eps_high=eps_high, norm=norm, kl_coef=kl_coef, reference=reference,
-                            train_draft=train_draft, phase=phase, totals=totals)
+                            tis_cap=tis_cap, train_draft=train_draft, phase=phase, totals=totals)
 
 
 def loss_from_hidden(policy, draft, batch: Packed, row, hidden: torch.Tensor, feats: dict, advantages: torch.Tensor,
                      *, temperature: float, lam: float, eps_low: float, eps_high: float, norm: str,
-                     kl_coef: float = 0.0, reference=None, train_draft: bool = True, phase=None, totals=None
-                     ) -> tuple[torch.Tensor, dict]:
+                     kl_coef: float = 0.0, reference=None, tis_cap: float | None = None, train_draft: bool = True,
+                     phase=None, totals=None) -> tuple[torch.Tensor, dict]:
     """The two losses from the policy's last-layer output ``hidden`` (row's layout) and the detached
     taps ``feats`` (drafts' layout): what the last pipeline stage runs (see ``cotrain_loss``).
 
@@ -134,7 +136,8 @@ def loss_from_hidden(policy, draft, batch: Packed, row, hidden: torch.Tensor, fe
             ref_logp = _unflatten(row.assemble(token_logprobs(ref_logits / t, ids_here), live), batch.index_mask)
     rl_loss, m = grpo_loss(logp, logp.detach(), advantages, batch.index_mask, eps_low=eps_low, eps_high=eps_high,
                            norm=norm, ref_logprobs=ref_logp, kl_coef=kl_coef,
-                           rollout_logprobs=batch.rollout_logprobs,
+                           rollout_logprobs=batch.rollout_logprobs, is_correction=None if tis_cap is None else "token",
+                           is_cap=tis_cap or 2.0,
                            global_tokens=None if totals is None else totals.tokens,
                            global_sequences=None if totals is None else totals.sequences)
     metrics = {f"policy/{k}": v for k, v in m.items()}

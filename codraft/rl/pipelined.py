@@ -97,7 +97,7 @@ def pipeline_cotrain(pipe: Pipeline, policy, draft, mbs: list[MicroBatch], *, st
     def forward(m, x, carried):
         ids, kw = inputs[m]
         ctx = policy.layer_inputs(1, ids.shape[1], ids.device, **kw)
-        out, tapped[m] = policy.run_layers(policy.embed_tokens(ids) if x is None else x, ctx, pipe.layers, mine)
+        out, tapped[m] = policy.run_layers(policy.embed(ids) if x is None else x, ctx, pipe.layers, mine)
         if last or not relay:
             return out, carried
         cols = ([] if carried is None else [carried]) + [tapped[m][t].detach() for t in mine]

@@ -19,7 +19,9 @@ returning a small dataclass):
                 these two run in ``probe``, right after the rollout, and are not in time_step),
                 checkpoints; plots at the end.
 The engine holds references to the live policy and draft modules, so step t+1's rollout
-uses the weights updated at step t with no copy.
+uses the weights updated at step t with no copy; with ``rollout.dtype=bfloat16`` it decodes a
+weight-only bf16 copy (``RolloutWeights``), refreshed after each update and checked against the
+trainer's weights before each rollout (a stale copy is a ``StaleRolloutWeights`` error).
 
 Determinism: every step reseeds from (seed, step), so a resumed run repeats an
 uninterrupted one's rollouts and updates exactly (timings aside; with draft_length=auto the
@@ -75,6 +77,7 @@ from codraft.rl.pipelined import (ConsolidatedState, build_pipeline, clip_gradie
                                   reduce_gradients, stage_parameters, sync_weights)
 from codraft.rl.plots import plot_run
 from codraft.rollout import Engine, SpecStats, load_or_calibrate
+from codraft.rollout.weights import RolloutWeights
 from codraft.tasks import make_task
 from codraft.train import checkpoint as ckpt
 from codraft.train.offline_draft import starting_draft
@@ -186,6 +189,10 @@ class Trainer:
         if found is not None:
             self.policy = kernels.enable(found.policy)  # as load_policy's
         self.policy.to(cfg.device)
+        # what the engines decode with: the policy, or (rollout.dtype) a cast copy refreshed after every update
+        r = cfg.rollout
+        self.rollout_weights = RolloutWeights(self.policy, getattr(torch, cfg.policy.dtype if r.dtype == "policy"
+                                                                   else r.dtype))
 
         d = cfg.draft
         self.draft = None if d.mode == "none" else starting_draft(
@@ -194,9 +201,8 @@ class Trainer:
         self.trains_draft = d.mode == "cotrain" and self.draft is not None and bool(self.draft.trainable_parameters())
         # draft_length=auto: one cost model for every engine, timed now (or read from the cache) for the
         # largest batch any of them decodes
-        r = cfg.rollout
         rows = max(r.prompts_per_step * r.group_size, cfg.log.val_size if cfg.log.val_every else 1)
-        self.cost_model = load_or_calibrate(self.policy, self.draft, self.draft.default_gamma, rows) \
+        self.cost_model = load_or_calibrate(self.rollout_weights.policy, self.draft, self.draft.default_gamma, rows) \
             if self.draft is not None and r.draft_length == "auto" else None
         # log.frozen_probe_every: the initial draft, kept frozen and run on the same prompts as the
         # co-trained one, so staleness is measured against the very same policy (copied before a resume
@@ -219,7 +225,7 @@ class Trainer:
         # the rollout engine; validation (greedy) has its own, so its rounds stay out of the rollouts'
         # acceptance estimate (draft_length=auto), which checkpoints carry
         self.engine, self.val_engine, self.plain_engine = self._engine(self.draft), self._engine(self.draft), \
-            Engine(self.policy)
+            self._engine(None)
         if found is not None:  # (a "spec_pays" of checkpoints from before draft_length is ignored)
             state = ckpt.restore(found, draft=self.draft, optimizers=self._optimizers())
             self.start_step, self.prompts_used = state["step"], state["prompts_used"]
@@ -259,13 +265,14 @@ class Trainer:
         self.is_main = self.world is None or self.world.rank == 0
 
     def _engine(self, draft) -> Engine:
-        """An engine over the policy and ``draft`` (None: plain), drafting draft.gamma tokens per round
-        or, with rollout.draft_length=auto, up to that many."""
+        """An engine over the rollout weights and ``draft`` (None: plain), drafting draft.gamma tokens per
+        round or, with rollout.draft_length=auto, up to that many."""
+        policy = self.rollout_weights.policy
         if draft is None:
-            return Engine(self.policy)
+            return Engine(policy)
         if self.cost_model is None:
-            return Engine(self.policy, draft, self.cfg.draft.gamma)
-        return Engine(self.policy, draft, "auto", cost_model=self.cost_model)
+            return Engine(policy, draft, self.cfg.draft.gamma)
+        return Engine(policy, draft, "auto", cost_model=self.cost_model)
 
     def _estimates(self) -> dict:
         """The running acceptance estimates (draft_length=auto) a resume must continue: rollout, frozen probe."""
@@ -319,6 +326,7 @@ class Trainer:
 
     def validate(self) -> float:
         self.policy.eval()
+        self.rollout_weights.check("validation")
         prompts = [self.tok.prompt_ids(p.prompt) for p in self.val]
         out, _, _ = self._generate(self.val_engine, prompts, seed=0, temperature=0.0)
         return sum(self.task.reward(p, self.tok.decode(o.tokens)) for p, o in zip(self.val, out)) / len(self.val)
@@ -341,6 +349,7 @@ class Trainer:
         group = [p for p in problems for _ in range(r.group_size)]
         prompts = [self.tok.prompt_ids(p.prompt) for p in group]
         self.policy.eval()
+        self.rollout_weights.check(f"step {step}")
         out, seconds, stats = self._generate(self.engine, prompts, seed, group=r.group_size)
         self.last_stats = stats
         self.last_rollout = out
@@ -390,7 +399,8 @@ class Trainer:
         timer = PhaseTimer("train", "loss_forward", "backward", "optimizer")
         self.policy.train()
         loss_kw = dict(temperature=cfg.rollout.temperature, lam=cfg.draft.lam, eps_low=g.eps_low, eps_high=g.eps_high,
-                       norm=g.norm, kl_coef=g.kl_coef, reference=self.reference, train_draft=self.trains_draft,
+                       norm=g.norm, kl_coef=g.kl_coef, reference=self.reference, tis_cap=g.tis_cap or None,
+                       train_draft=self.trains_draft,
                        phase=timer)
         if self.pipelined:
             loss, lm, policy_norm, draft_norm = self._pipelined_backward(step, rollout, scored, timer, loss_kw)
@@ -469,6 +479,7 @@ class Trainer:
                     with timer("weight_sync"):
                         sync_weights(self.pipe, self.policy,
                                      list(self.draft.trainable_parameters()) if self.trains_draft else [])
+                self.rollout_weights.refresh()
             self.sched.step()
             if self.draft_sched is not None:
                 self.draft_sched.step()

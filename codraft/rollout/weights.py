@@ -1,0 +1,76 @@
+"""The weights the rollout engine decodes with: the trainer's, or a copy in a narrower dtype.
+
+RL systems decode from low-precision weights while the trainer keeps fp32 masters (vLLM/SGLang
+rollouts in verl and NeMo-RL). Decoding is memory-bound, so ``rollout.dtype=bfloat16`` halves
+the bytes streamed per token. The copy is *weight-only*: every matrix (projections, embedding,
+LM head) is cast; norms, activations, RoPE tables and the KV cache stay in the trainer's dtype,
+so a product widens the weight exactly and accumulates in fp32 (``codraft.models.layers.linear``,
+the CPU kernels stream bf16 directly). Speculative decoding is lossless with respect to this
+copy: it is the model that samples, and its logprobs are the rollout logprobs the GRPO loss
+compares with the trainer's (mismatch metrics, optional truncated IS: ``grpo.tis_cap``).
+
+A stale copy is the failure behind a "weights lost on refit" report (τ fell to 1): so
+``refresh`` after every optimiser step is followed by ``check`` before every rollout, which
+compares every tensor with the cast of the trainer's current one and raises
+``StaleRolloutWeights`` naming the first that differs.
+
+Not here: the engine (``codraft.rollout.engine``); drafts keep the trainer's dtype (they are
+bound to the trainer's embedding and head, and their cost is small next to the target's).
+"""
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.nn as nn
+
+from codraft import kernels
+
+
+class StaleRolloutWeights(RuntimeError):
+    pass
+
+
+def cast_for_rollout(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What the rollout copy holds for trainer tensor ``t``: matrices in ``dtype``, the rest as is."""
+    return t.detach().to(dtype) if t.dim() >= 2 and t.is_floating_point() else t.detach()
+
+
+class RolloutWeights:
+    """``RolloutWeights(policy, dtype)``: ``.policy`` is what the engine decodes with — ``policy``
+    itself when ``dtype`` is its own (nothing to refresh), else a weight-only copy in ``dtype``
+    (kernels installed like the trainer's)."""
+
+    def __init__(self, policy: nn.Module, dtype: torch.dtype):
+        self.source, self.dtype = policy, dtype
+        self.copies = dtype != policy.embed_tokens.weight.dtype
+        self.policy = policy
+        if self.copies:
+            if policy.embed_tokens.weight.dtype != torch.float32:
+                raise ValueError(f"a {dtype} rollout copy is made from fp32 trainer weights, "
+                                 f"got {policy.embed_tokens.weight.dtype} (policy.dtype)")
+            self.policy = copy.deepcopy(policy).requires_grad_(False).eval()
+            for p in self.policy.parameters():
+                p.data = cast_for_rollout(p, dtype)
+            kernels.enable(self.policy)
+
+    def _pairs(self):
+        return zip(self.source.state_dict().items(), self.policy.state_dict().values())
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Copy the trainer's current weights (cast) into the rollout copy: after every optimiser step."""
+        if self.copies:
+            for (_, src), dst in self._pairs():
+                dst.copy_(src)
+
+    @torch.no_grad()
+    def check(self, when: str) -> None:
+        """Raise ``StaleRolloutWeights`` unless every rollout tensor equals the cast of the trainer's."""
+        if not self.copies:
+            return
+        for (name, src), dst in self._pairs():
+            if dst.dtype != cast_for_rollout(src, self.dtype).dtype or not torch.equal(dst, cast_for_rollout(src, self.dtype)):
+                raise StaleRolloutWeights(
+                    f"{when}: the rollout engine's {self.dtype} copy of {name!r} differs from the trainer's "
+                    f"weights cast to {self.dtype}: the copy was not refreshed after the optimiser step")

@@ -1,0 +1,123 @@
+"""bf16 rollout weights (``codraft.rollout.weights``): the copy is weight-only bf16 and computes
+what an fp32 model with bf16-rounded weights computes; the engine samples exactly that model's
+distribution (the exact-enumeration oracle of ``spec_harness``, speculative and plain); the copy
+follows every optimiser step, and a skipped or partial refresh is caught; the trainer's
+``rollout.dtype`` and ``grpo.tis_cap`` keys."""
+import copy
+
+import pytest
+import torch
+
+import spec_harness
+from codraft.config import ConfigError, load_config
+from codraft.models import ModelConfig, Transformer
+from codraft.rl.trainer import Trainer
+from codraft.rollout import Engine
+from codraft.rollout.weights import RolloutWeights, StaleRolloutWeights
+from test_cotrain import _cfg, tiny_policy_dir  # noqa: F401 (fixtures)
+from test_faults import varied_reward  # noqa: F401
+
+BF16 = torch.bfloat16
+
+
+def _model(seed=0) -> Transformer:
+    torch.manual_seed(seed)
+    cfg = ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return Transformer(cfg).eval()
+
+
+def _rounded(model: Transformer) -> Transformer:
+    """The fp32 model whose matrices are the bf16-rounded values: what a weight-only bf16 copy computes."""
+    r = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in r.parameters():
+            if p.dim() >= 2:
+                p.copy_(p.to(BF16).float())
+    return r
+
+
+def test_copy_is_weight_only_and_computes_the_rounded_model():
+    model = _model()
+    rw = RolloutWeights(model, BF16)
+    copy_ = rw.policy
+    dtypes = {n: p.dtype for n, p in copy_.named_parameters()}
+    assert all(d == (BF16 if "norm" not in n else torch.float32) for n, d in dtypes.items()), dtypes
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the trainer's weights are untouched
+    ids = torch.randint(0, 40, (3, 11), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        got, ref, fp32 = copy_(ids), _rounded(model)(ids), model(ids)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
+    assert (got - fp32).abs().max() > 1e-4  # the rounding is real: not the fp32 model
+    # decoding into the KV cache (the kernels' paths, few rows) gives the rounded model's greedy tokens
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
+    out = Engine(copy_).generate(prompts, 12, temperature=0.0, eos_id=[])
+    want = Engine(_rounded(model)).generate(prompts, 12, temperature=0.0, eos_id=[])
+    assert [o.tokens for o in out] == [w.tokens for w in want]
+
+
+def test_same_dtype_is_the_policy_itself():
+    model = _model()
+    rw = RolloutWeights(model, torch.float32)
+    assert rw.policy is model and not rw.copies
+    rw.check("step 0")  # nothing to compare
+
+
+@pytest.mark.parametrize("case", [spec_harness.Case("far", 3, n=8000),
+                                  spec_harness.Case("near", 4, temperature=0.7, top_p=0.9, n=8000, adaptive=True)],
+                         ids=lambda c: c.id)
+def test_bf16_engine_samples_the_bf16_model_exactly(case):
+    h = spec_harness.Harness()
+    h.target = RolloutWeights(h.target, BF16).policy  # the oracle enumerates the bf16 model too
+    ok, stat, crit = h.check(case, seed=11)
+    assert ok, f"chi2 {stat:.1f} >= critical {crit:.1f}"
+    plain = Engine(h.target).generate([spec_harness.PROMPT] * case.n, case.length, seed=5, eos_id=[], **case.settings)
+    ok, stat, crit = spec_harness.chi2_fits(spec_harness.histogram(plain, case.length), h.exact(case))
+    assert ok, f"plain: chi2 {stat:.1f} >= critical {crit:.1f}"
+
+
+def test_refresh_follows_the_optimiser_and_a_stale_copy_is_loud():
+    model = _model().train()
+    rw = RolloutWeights(model, BF16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    model(torch.randint(0, 40, (2, 8))).square().mean().backward()
+    opt.step()
+    with pytest.raises(StaleRolloutWeights, match=r"step 1: .*'embed_tokens.weight'.*not refreshed"):
+        rw.check("step 1")  # the refresh was skipped
+    rw.refresh()
+    rw.check("step 1")
+    for n, p in model.state_dict().items():  # the copy is the cast of the new weights, tensor by tensor
+        assert torch.equal(rw.policy.state_dict()[n], p.to(BF16) if p.dim() >= 2 else p), n
+    with torch.no_grad():  # a half-refreshed copy: one tensor left behind
+        rw.policy.layers[1].mlp.down_proj.weight[0, 0] += 1.0
+    with pytest.raises(StaleRolloutWeights, match="layers.1.mlp.down_proj.weight"):
+        rw.check("step 2")
+
+
+def test_trainer_decodes_the_refreshed_bf16_copy(tiny_policy_dir, tmp_path, monkeypatch, varied_reward):
+    cfg = _cfg(tiny_policy_dir, tmp_path / "run", 3, extra=("rollout.dtype=bfloat16", "grpo.tis_cap=2.0",
+                                                             "log.val_every=0", "log.checkpoint_every=0"))
+    t = Trainer(cfg, progress=False)
+    assert t.engine.model is t.rollout_weights.policy and t.plain_engine.model is t.rollout_weights.policy
+    assert t.rollout_weights.policy.layers[0].mlp.up_proj.weight.dtype == BF16
+    m = t.step(0)
+    t.rollout_weights.check("after step 0")  # refreshed after the update
+    assert float(m["mismatch_kl"]) > 0 and "policy/is_weight_mean" in m  # bf16 logprobs differ; TIS is on
+    monkeypatch.setattr(t.rollout_weights, "refresh", lambda: None)
+    before = copy.deepcopy(t.policy.state_dict())
+    t.step(1)  # its update is not copied...
+    assert any(not torch.equal(v, before[k]) for k, v in t.policy.state_dict().items())
+    with pytest.raises(StaleRolloutWeights, match="step 2"):
+        t.step(2)  # ...which the next rollout refuses
+
+
+def test_config_keys():
+    ok = load_config(None, ["rollout.dtype=bfloat16", "grpo.tis_cap=2"])
+    assert ok.rollout.dtype == "bfloat16" and ok.grpo.tis_cap == 2.0
+    with pytest.raises(ConfigError, match="rollout.dtype.*policy.dtype=bfloat16"):
+        load_config(None, ["policy.dtype=bfloat16", "rollout.dtype=float32"])
+    with pytest.raises(ConfigError, match="grpo.tis_cap"):
+        load_config(None, ["grpo.tis_cap=-1"])
+    with pytest.raises(ConfigError, match="rollout.dtype"):
+        load_config(None, ["rollout.dtype=float16"])
