@@ -245,7 +245,7 @@ def _cmd_bench(args):
         run(models=_csv(args.models), batches=[int(b) for b in _csv(args.batches)],
             max_new_tokens=args.max_new_tokens, drafts=_csv(args.drafts), gamma=args.gamma, threads=args.threads,
             repeats=args.repeats, draft_init=args.draft_init, hf=not args.no_hf, json_path=args.json,
-            gammas=parse_gammas(args.gammas) if args.gammas else None)
+            gammas=parse_gammas(args.gammas) if args.gammas else None, dtypes=_csv(args.dtypes))
 
 
 def _csv(text: str) -> list[str]:
@@ -310,6 +310,7 @@ def _bench_commands(sub):
                    help="trained kinds: auto = offline on tiny, random (untrained) on smollm2")
     b.add_argument("--gamma", type=int, default=4, help="the drafts' γ, the most auto drafts per round")
     b.add_argument("--gammas", help="engine settings to compare per draft, e.g. 2,4,auto (default: --gamma)")
+    b.add_argument("--dtypes", default="float32", help="rollout weight dtypes to compare, e.g. float32,bfloat16")
     b.add_argument("--threads", type=int, default=2)
     b.add_argument("--repeats", type=int, default=3, help="timed repetitions per side (median reported)")
     b.add_argument("--no-hf", action="store_true", help="skip the transformers peers")

@@ -12,6 +12,11 @@ the first B prompts, timed sides:
   hf generate        ``transformers`` ``generate()`` greedy on an HF model built from the same folder
   hf prompt-lookup   ``generate(prompt_lookup_num_tokens=10)`` (transformers supports it at B=1 only)
 
+With ``dtypes`` (e.g. float32,bfloat16) the codraft sides run once per rollout dtype: bfloat16 decodes
+the weight-only bf16 copy the trainer's ``rollout.dtype=bfloat16`` uses (``codraft.rollout.weights``),
+sides named ``... bf16``; every row carries its ``dtype``, and a side's "vs plain" and
+``identical_to_plain`` compare with the plain side of its own dtype.
+
 Throughput is compared under greedy decoding with EOS disabled on every side, so every row
 of every side produces exactly ``max_new_tokens`` tokens and the work is identical; greedy
 tokens of codraft plain vs HF are compared too (``match_hf``). Acceptance length τ is also
@@ -41,6 +46,7 @@ from codraft.bench.bandwidth import decode_bound_s, measure_bandwidth, weight_by
 from codraft.policy import load_policy
 from codraft.rollout import Engine, load_or_calibrate
 from codraft.rollout.stats import SpecStats
+from codraft.rollout.weights import RolloutWeights
 from codraft.tasks import make_task
 from codraft.train.offline_draft import default_task_name, draft_for_command
 
@@ -79,6 +85,7 @@ class Side:
     times: list[float] = field(default_factory=list)
     last: dict = field(default_factory=dict)
     sampled: bool = False  # also timed as a rollout: temperature 1, EOS on (codraft's sides)
+    dtype: str = "float32"  # of the weights it decodes with
     times_t1: list[float] = field(default_factory=list)
     tokens_t1: list[int] = field(default_factory=list)
     stats_t1: list[dict] = field(default_factory=list)
@@ -96,14 +103,14 @@ def parse_gammas(text: str) -> list[int | str]:
     return out
 
 
-def _codraft_side(name, model, draft, gamma, max_new, cost_model=None):
+def _codraft_side(name, model, draft, gamma, max_new, cost_model=None, dtype="float32"):
     engine = Engine(model, draft, gamma if draft is not None else None, cost_model=cost_model)
 
     def run(prompts, n=max_new, temperature=0.0, eos=(), seed=0):
         res = engine.generate(prompts, n, temperature=temperature, eos_id=list(eos), seed=seed)
         return {"tokens": [r.tokens for r in res], "stats": engine.stats.as_dict()}
 
-    return Side(name, run, sampled=True)
+    return Side(name, run, sampled=True, dtype=dtype)
 
 
 def _hf_side(name, hf, pad_id, max_new, lookup: int | None = None):
@@ -147,14 +154,14 @@ def _match(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def bench_model(model_name: str, *, batches, max_new: int, drafts, gamma: int, repeats: int, draft_init: str,
-                hf: bool = True, gammas=None, log=print) -> dict:
+                hf: bool = True, gammas=None, dtypes=("float32",), log=print) -> dict:
     init = MODELS.get(model_name, model_name)
     policy, tok, folder = load_policy(init)
     policy.eval()
     nbytes = weight_bytes(policy)
     out = {"policy": init, "folder": str(folder), "parameters": sum(p.numel() for p in policy.parameters()),
            "weight_bytes": nbytes, "drafts": {}, "rows": []}
-    sides = [_codraft_side("codraft plain", policy, None, None, max_new)]
+    built = {}
     for spec in drafts:
         d_init = draft_init if draft_init != "auto" else ("offline" if default_task_name(tok) == "arith" else "random")
         t0 = perf_counter()
@@ -166,10 +173,17 @@ def bench_model(model_name: str, *, batches, max_new: int, drafts, gamma: int, r
             continue
         out["drafts"][spec] = {"init": "-" if spec == "ngram" else d_init, "build_s": perf_counter() - t0,
                                "weight_bytes": weight_bytes(draft) if isinstance(draft, torch.nn.Module) else 0}
-        for g in gammas or [gamma]:
-            cost = load_or_calibrate(policy, draft, draft.default_gamma, max(batches)) if g == "auto" else None
-            sides.append(_codraft_side(f"codraft spec/{spec}" + (f" γ={g}" if gammas else ""), policy, draft, g,
-                                       max_new, cost))
+        built[spec] = draft
+    sides = []
+    for dtype in dtypes:  # the engines decode the rollout copy of that dtype (the policy itself for float32)
+        target, tag = RolloutWeights(policy, getattr(torch, dtype)).policy, _TAGS[dtype]
+        out.setdefault("weight_bytes_by_dtype", {})[dtype] = weight_bytes(target)
+        sides.append(_codraft_side("codraft plain" + tag, target, None, None, max_new, dtype=dtype))
+        for spec, draft in built.items():
+            for g in gammas or [gamma]:
+                cost = load_or_calibrate(target, draft, draft.default_gamma, max(batches)) if g == "auto" else None
+                sides.append(_codraft_side(f"codraft spec/{spec}" + (f" γ={g}" if gammas else "") + tag, target,
+                                           draft, g, max_new, cost, dtype))
     hf_model = None
     if hf:
         hf_model = _load_hf(folder)
@@ -196,10 +210,11 @@ def bench_model(model_name: str, *, batches, max_new: int, drafts, gamma: int, r
                     s.stats_t1.append(r["stats"])
         load = meter.read()
         ref = next((s.last["tokens"] for s in these if s.name == "hf generate"), None)
-        plain = these[0]
+        plains = {s.dtype: s for s in these if s.name.startswith("codraft plain")}
         for s in these:
             n_tok = sum(map(len, s.last["tokens"]))
-            row = {"batch": b, "side": s.name, "new_tokens": n_tok, "seconds": s.times,
+            plain = plains[s.dtype] if s.dtype in plains else plains["float32"]
+            row = {"batch": b, "side": s.name, "dtype": s.dtype, "new_tokens": n_tok, "seconds": s.times,
                    "tokens_per_s": n_tok / median(s.times), "others_cores": load.get("others_cores")}
             if n_tok != b * max_new:
                 row["warning"] = f"{n_tok} tokens instead of {b * max_new}"
@@ -221,11 +236,14 @@ def bench_model(model_name: str, *, batches, max_new: int, drafts, gamma: int, r
                 row["tau_t1"] = t1["acceptance_length"]
                 row["acceptance_per_position_t1"] = t1["acceptance_per_position"]
                 row["gamma_chosen_t1"] = t1["gamma_chosen"]
-            if ref is not None and s is plain:
+            if ref is not None and s is plain and s.dtype == "float32":
                 row["match_hf"] = _match(plain.last["tokens"], ref)
             out["rows"].append(row)
         log(f"  {model_name} batch {b}: done ({load.get('others_cores', float('nan')):.2f} cores busy elsewhere)")
     return out
+
+
+_TAGS = {"float32": "", "bfloat16": " bf16"}
 
 
 def _pooled(stats: list[dict]) -> dict:
@@ -241,19 +259,23 @@ def summarize(result: dict) -> list[dict]:
                   for k in ("copy_GBps", "read_GBps") if k in b)
     out = []
     for name, m in result["models"].items():
-        rows = {(r["batch"], r["side"]): r for r in m["rows"]}
-        plain, hf = rows.get((1, "codraft plain")), rows.get((1, "hf generate"))
-        if plain is None:
-            continue
-        bound = decode_bound_s(m["weight_bytes"], bw_GBps) * 1e3
-        s = {"model": name, "weight_MB": m["weight_bytes"] / 1e6, "bandwidth_GBps": bw_GBps, "bound_ms": bound,
-             "codraft_ms_per_token": 1e3 / plain["tokens_per_s"], "codraft_ms_per_step": plain.get("ms_per_forward")}
-        s["codraft_vs_bound"] = s["codraft_ms_per_token"] / bound
-        if hf is not None:
-            s["hf_ms_per_token"] = 1e3 / hf["tokens_per_s"]
-            s["hf_vs_bound"] = s["hf_ms_per_token"] / bound
-            s["codraft_speedup_vs_hf"] = plain["tokens_per_s"] / hf["tokens_per_s"]
-        out.append(s)
+        hf = next((r for r in m["rows"] if r["batch"] == 1 and r["side"] == "hf generate"), None)
+        fp32 = None
+        for plain in (r for r in m["rows"] if r["batch"] == 1 and r["side"].startswith("codraft plain")):
+            nbytes = m.get("weight_bytes_by_dtype", {}).get(plain["dtype"], m["weight_bytes"])
+            bound = decode_bound_s(nbytes, bw_GBps) * 1e3
+            s = {"model": name, "dtype": plain["dtype"], "weight_MB": nbytes / 1e6, "bandwidth_GBps": bw_GBps,
+                 "bound_ms": bound, "codraft_ms_per_token": 1e3 / plain["tokens_per_s"],
+                 "codraft_ms_per_step": plain.get("ms_per_forward")}
+            s["codraft_vs_bound"] = s["codraft_ms_per_token"] / bound
+            if hf is not None:
+                s["hf_ms_per_token"] = 1e3 / hf["tokens_per_s"]
+                s["hf_vs_bound"] = s["hf_ms_per_token"] / bound
+                s["codraft_speedup_vs_hf"] = plain["tokens_per_s"] / hf["tokens_per_s"]
+            fp32 = plain if plain["dtype"] == "float32" else fp32
+            if fp32 is not None and plain is not fp32:
+                s["speedup_vs_float32"] = plain["tokens_per_s"] / fp32["tokens_per_s"]
+            out.append(s)
     return out
 
 
@@ -263,10 +285,10 @@ def _label(name: str) -> str:
 
 def print_report(result: dict, log=print):
     for name, m in result["models"].items():
-        plain = {r["batch"]: r["tokens_per_s"] for r in m["rows"] if r["side"] == "codraft plain"}
+        plain = {(r["batch"], r["dtype"]): r["tokens_per_s"] for r in m["rows"] if r["side"].startswith("codraft plain")}
         hf = {r["batch"]: r["tokens_per_s"] for r in m["rows"] if r["side"] == "hf generate"}
         table = [[r["batch"], r["side"], r["tokens_per_s"], 1e3 * median(r["seconds"]),
-                  r["tokens_per_s"] / plain[r["batch"]] if r["batch"] in plain else None,
+                  r["tokens_per_s"] / plain[r["batch"], r["dtype"]] if (r["batch"], r["dtype"]) in plain else None,
                   r["tokens_per_s"] / hf[r["batch"]] if r["batch"] in hf else None,
                   r.get("tau_greedy"), r.get("tau_t1"), r.get("speedup_t1"), r.get("ms_per_forward"),
                   r["stats_greedy"]["mean_gamma"] if r["side"].startswith("codraft spec/") else None,
@@ -275,23 +297,31 @@ def print_report(result: dict, log=print):
             f"{result['settings']['max_new_tokens']} new tokens/row, median of {result['settings']['repeats']}:")
         log(format_table(table, ["B", "side", "tok/s", "ms/call", "vs plain", "vs hf", "τ greedy", "τ T=1", "T=1 vs plain",
                                  "fwd ms", "drafts/row", "= plain"]))
+        for dtype in {d for _, d in plain} - {"float32"}:
+            log(f"plain decoding with {dtype} rollout weights vs float32: " + ", ".join(
+                f"batch {b} {plain[b, dtype] / plain[b, 'float32']:.2f}x" for b, d in plain
+                if d == dtype and (b, "float32") in plain))
     summary = summarize(result)
     if summary:
         log("\nbatch-1 plain decoding vs the memory-bandwidth bound (weight bytes / measured bandwidth):")
-        log(format_table([[_label(s["model"]), s["weight_MB"], s["bandwidth_GBps"], s["bound_ms"],
+        log(format_table([[_label(s["model"]), s["dtype"], s["weight_MB"], s["bandwidth_GBps"], s["bound_ms"],
                            s["codraft_ms_per_step"], s["codraft_ms_per_token"], s["codraft_vs_bound"],
-                           s.get("hf_ms_per_token"), s.get("hf_vs_bound"), s.get("codraft_speedup_vs_hf")]
-                          for s in summary],
-                         ["model", "weights MB", "GB/s", "bound ms", "codraft fwd ms", "codraft ms/tok", "x bound",
-                          "hf ms/tok", "x bound", "codraft/hf"]))
+                           s.get("hf_ms_per_token"), s.get("hf_vs_bound"), s.get("codraft_speedup_vs_hf"),
+                           s.get("speedup_vs_float32")] for s in summary],
+                         ["model", "weights", "weights MB", "GB/s", "bound ms", "codraft fwd ms", "codraft ms/tok",
+                          "x bound", "hf ms/tok", "x bound", "codraft/hf", "vs float32"]))
 
 
 def run(models=("tiny", "smollm2"), batches=(1, 4, 16), max_new_tokens=128, drafts=DEFAULT_DRAFTS, gamma=4,
-        threads=2, repeats=3, draft_init="auto", hf=True, json_path=None, gammas=None, log=print) -> dict:
+        threads=2, repeats=3, draft_init="auto", hf=True, json_path=None, gammas=None, dtypes=("float32",),
+        log=print) -> dict:
     """gamma: the drafts' γ (auto's maximum); gammas: engine settings to compare per draft (ints, "auto";
-    None: gamma alone, one side per draft as before)."""
+    None: gamma alone, one side per draft as before); dtypes: rollout weight dtypes, float32 first."""
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if not dtypes or any(d not in _TAGS for d in dtypes):
+        raise ValueError(f"dtypes must be a non-empty list of {', '.join(_TAGS)}, got {list(dtypes)}")
+    dtypes = sorted(set(dtypes), key=list(_TAGS).index)  # float32 (the baseline of the ratios) first
     unknown = [m for m in models if m not in MODELS and not Path(m).is_dir()]
     if unknown:
         raise ValueError(f"unknown model(s) {unknown}; valid: {', '.join(MODELS)} or an HF-format folder")
@@ -299,7 +329,8 @@ def run(models=("tiny", "smollm2"), batches=(1, 4, 16), max_new_tokens=128, draf
     torch.manual_seed(0)
     result = {"machine": machine_info(),
               "settings": {"models": list(models), "batches": list(batches), "max_new_tokens": max_new_tokens,
-                           "drafts": list(drafts), "gamma": gamma, "gammas": gammas, "threads": threads,
+                           "drafts": list(drafts), "gamma": gamma, "gammas": gammas, "dtypes": dtypes,
+                           "threads": threads,
                            "repeats": repeats,
                            "draft_init": draft_init, "decoding": "greedy, EOS disabled; *_t1: temperature 1, EOS on, "
                                                                "seed 1 + repetition (as rollouts sample)",
@@ -310,7 +341,8 @@ def run(models=("tiny", "smollm2"), batches=(1, 4, 16), max_new_tokens=128, draf
     for m in models:
         log(f"{m}: loading and building drafts ...")
         result["models"][m] = bench_model(m, batches=batches, max_new=max_new_tokens, drafts=drafts, gamma=gamma,
-                                          repeats=repeats, draft_init=draft_init, hf=hf, gammas=gammas, log=log)
+                                          repeats=repeats, draft_init=draft_init, hf=hf, gammas=gammas, dtypes=dtypes,
+                                          log=log)
     result["bandwidth_after"] = measure_bandwidth()
     result["summary"] = summarize(result)
     result["machine"]["loadavg"] = os.getloadavg()

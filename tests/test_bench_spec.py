@@ -1,0 +1,26 @@
+"""`codraft bench spec --dtypes float32,bfloat16` on a small saved policy: both rollout dtypes side by
+side, every row tagged with its dtype and compared with the plain side of its own dtype."""
+import json
+
+from codraft.cli import main
+from test_cotrain import tiny_policy_dir  # noqa: F401 (a fixture)
+
+
+def test_bench_spec_compares_rollout_dtypes(tiny_policy_dir, tmp_path, capsys):
+    out = tmp_path / "spec.json"
+    main(["bench", "spec", "--models", str(tiny_policy_dir), "--batches", "1,2", "--max-new-tokens", "8",
+          "--drafts", "ngram", "--repeats", "1", "--no-hf", "--threads", "1", "--dtypes", "bfloat16,float32",
+          "--json", str(out)])
+    data = json.loads(out.read_text())
+    assert data["settings"]["dtypes"] == ["float32", "bfloat16"]  # the baseline first
+    rows = data["models"][str(tiny_policy_dir)]["rows"]
+    sides = {(r["batch"], r["side"]): r for r in rows}
+    for b in (1, 2):
+        assert sides[b, "codraft plain"]["dtype"] == "float32" and sides[b, "codraft plain bf16"]["dtype"] == "bfloat16"
+        spec = sides[b, "codraft spec/ngram bf16"]
+        assert spec["dtype"] == "bfloat16" and spec["identical_to_plain"] is True  # greedy: the bf16 plain's tokens
+        assert spec["new_tokens"] == b * 8
+    summary = {s["dtype"]: s for s in data["summary"]}
+    assert summary["bfloat16"]["weight_MB"] < 0.6 * summary["float32"]["weight_MB"]  # the matrices halve
+    assert summary["bfloat16"]["speedup_vs_float32"] > 0
+    assert "plain decoding with bfloat16 rollout weights vs float32: batch 1" in capsys.readouterr().out
