@@ -202,14 +202,15 @@ def _remove_empty_folders(folder, top):
 
 
 def _cmd_bench(args):
-    if args.bench in ("drift", "parity"):
+    if args.bench in ("drift", "parity", "rollout-dtype"):
         from codraft.bench import experiments
-        fn = getattr(experiments, args.bench)
-        kinds = _csv(args.kinds) if args.kinds else None
+        fn = getattr(experiments, args.bench.replace("-", "_"))
         opts = {"steps": args.steps, "extra": args.overrides}
-        if kinds:
-            opts["kinds"] = kinds
-        opts["seeds"] = [int(s) for s in _csv(args.seeds or ("0,1,2" if args.bench == "parity" else "0"))]
+        if getattr(args, "kinds", None):
+            opts["kinds"] = _csv(args.kinds)
+        if getattr(args, "dtypes", None):
+            opts["dtypes"] = _csv(args.dtypes)
+        opts["seeds"] = [int(s) for s in _csv(args.seeds or ("0" if args.bench == "drift" else "0,1,2"))]
         fn(args.out, **opts)
     elif args.bench == "e2e":
         from codraft.bench.e2e import run
@@ -361,12 +362,18 @@ def _bench_commands(sub):
     b.add_argument("overrides", nargs="*", metavar="key=value", help="extra codraft config overrides")
 
     for name, default_steps, help_text in (("drift", 50, "frozen vs co-trained draft τ as the policy drifts"),
-                                           ("parity", 30, "reward/accuracy/mismatch with each draft vs none, over seeds")):
+                                           ("parity", 30, "reward/accuracy/mismatch with each draft vs none, over seeds"),
+                                           ("rollout-dtype", 100, "reward and mismatch KL with bf16 vs fp32 rollout "
+                                                                  "weights, over seeds")):
         b = bench.add_parser(name, help=help_text)
         b.add_argument("--out", default=f"runs/{name}", help="folder for the run folders and the summary")
         b.add_argument("--steps", type=int, default=default_steps)
-        b.add_argument("--kinds", help="comma list of draft kinds")
-        b.add_argument("--seeds", help="comma list of seeds (default: parity 0,1,2, drift 0)")
+        if name == "rollout-dtype":
+            b.add_argument("--dtypes", help="comma list of rollout.dtype values, the baseline first "
+                                            "(default float32,bfloat16)")
+        else:
+            b.add_argument("--kinds", help="comma list of draft kinds")
+        b.add_argument("--seeds", help="comma list of seeds (default: drift 0, the others 0,1,2)")
         b.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every run")
 
 

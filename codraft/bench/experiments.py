@@ -1,10 +1,14 @@
-"""`codraft bench drift|parity`: series of `codraft train` runs that compare draft modes and kinds.
+"""`codraft bench drift|parity|rollout-dtype`: series of `codraft train` runs that compare draft modes
+and kinds, or rollout weight dtypes.
 
 drift   same seed, same initial (offline-trained) draft: a frozen draft vs a co-trained one,
         per draft kind, while the policy changes. Reports τ at the start and the end.
 parity  reward, validation accuracy and mismatch KL with speculative rollouts (each kind)
         vs draft.mode=none, over several seeds; also the end-to-end numbers (rollout
         speedup, step speedup, rollout share of step time and Amdahl's bound).
+rollout-dtype  reward and mismatch KL with bf16 rollout weights (``rollout.dtype=bfloat16``) vs the
+        trainer's fp32 weights, over several seeds: does the reward curve track (last-10-step means
+        within the seed spread), how large is the train/rollout gap, what does it buy in rollout time.
 Each run is an ordinary `codraft train` run folder under ``out``; the summary is a
 markdown table + JSON, and overlay plots.
 """
@@ -114,6 +118,35 @@ def parity(out: str | Path, *, kinds=("none", "dflash", "dspark", "eagle3"), see
             lines.append(f"- {kind}: step speedup {t_none / t:.2f}× (rollout speedup {s_roll:.2f}×, "
                          f"Amdahl bound with f={f:.2f}: {_fmt(bound, 2)}×)")
     return _write(out, "parity", rows, lines)
+
+
+def rollout_dtype(out: str | Path, *, dtypes=("float32", "bfloat16"), seeds=(0, 1, 2), steps: int = 100,
+                  extra: list[str] = (), progress: bool = True) -> dict:
+    out = Path(out)
+    rows, dirs = {}, []
+    for dtype in dtypes:
+        for seed in seeds:
+            d = _run(out, f"dtype-{dtype}-seed{seed}", [f"steps={steps}", f"seed={seed}", f"rollout.dtype={dtype}",
+                                                         "log.checkpoint_every=0", *extra], progress)
+            rows[f"{dtype}/{seed}"] = summarize(d, last=10)
+            dirs.append(d)
+    plot_compare(dirs, out / "rollout-dtype-plots")
+
+    def stats(dtype, key):
+        vals = [rows[f"{dtype}/{s}"][key] for s in seeds if rows[f"{dtype}/{s}"][key] is not None]
+        return (sum(vals) / len(vals), (max(vals) - min(vals)) / 2) if vals else (None, None)
+
+    lines = ["| rollout weights | reward (last 10, mean ± half-range over seeds) | val acc (end) | mismatch KL | "
+             "rollout s/step | τ |", "|---|---|---|---|---|---|"]
+    for dtype in dtypes:
+        cells = [stats(dtype, k) for k in ("reward_last", "val_last", "mismatch_kl", "time_rollout", "tau_last")]
+        lines.append(f"| {dtype} | " + " | ".join("-" if m is None else f"{m:.4g} ± {h:.2g}" for m, h in cells) + " |")
+    (m0, h0), (m1, h1) = stats(dtypes[0], "reward_last"), stats(dtypes[-1], "reward_last")
+    if len(dtypes) > 1 and m0 is not None and m1 is not None:
+        verdict = "within" if abs(m1 - m0) <= max(h0, h1) else "OUTSIDE"
+        lines += ["", f"Last-10-step reward: {dtypes[-1]} {m1:.3f} vs {dtypes[0]} {m0:.3f}, difference "
+                      f"{m1 - m0:+.3f}, {verdict} the seed spread (±{max(h0, h1):.3f})."]
+    return _write(out, "rollout-dtype", rows, lines)
 
 
 def _write(out: Path, name: str, rows: dict, lines: list[str]) -> dict:

@@ -2,10 +2,12 @@
 
 RL systems decode from low-precision weights while the trainer keeps fp32 masters (vLLM/SGLang
 rollouts in verl and NeMo-RL). Decoding is memory-bound, so ``rollout.dtype=bfloat16`` halves
-the bytes streamed per token. The copy is *weight-only*: every matrix (projections, embedding,
-LM head) is cast; norms, activations, RoPE tables and the KV cache stay in the trainer's dtype,
-so a product widens the weight exactly and accumulates in fp32 (``codraft.models.layers.linear``,
-the CPU kernels stream bf16 directly). Speculative decoding is lossless with respect to this
+the bytes streamed per token. On CPU the copy is *weight-only*: every matrix (projections,
+embedding, LM head) is cast; norms, activations, RoPE tables and the KV cache stay in the
+trainer's dtype, so a product widens the weight exactly and accumulates in fp32 (the CPU kernels
+stream bf16 directly; torch's fallback, ``codraft.models.layers.linear``, widens per call). On
+other devices every tensor is cast and the copy runs in bf16 throughout (tensor cores; widening
+per call would stream more bytes, not fewer). Speculative decoding is lossless with respect to this
 copy: it is the model that samples, and its logprobs are the rollout logprobs the GRPO loss
 compares with the trainer's (mismatch metrics, optional truncated IS: ``grpo.tis_cap``).
 
@@ -32,14 +34,16 @@ class StaleRolloutWeights(RuntimeError):
 
 
 def cast_for_rollout(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """What the rollout copy holds for trainer tensor ``t``: matrices in ``dtype``, the rest as is."""
-    return t.detach().to(dtype) if t.dim() >= 2 and t.is_floating_point() else t.detach()
+    """What the rollout copy holds for trainer tensor ``t``: on CPU matrices in ``dtype`` and the rest
+    as is (weight-only), elsewhere every floating tensor in ``dtype``."""
+    cast = t.is_floating_point() and (t.dim() >= 2 or t.device.type != "cpu")
+    return t.detach().to(dtype) if cast else t.detach()
 
 
 class RolloutWeights:
     """``RolloutWeights(policy, dtype)``: ``.policy`` is what the engine decodes with — ``policy``
-    itself when ``dtype`` is its own (nothing to refresh), else a weight-only copy in ``dtype``
-    (kernels installed like the trainer's)."""
+    itself when ``dtype`` is its own (nothing to refresh), else a copy in ``dtype`` (``cast_for_rollout``;
+    kernels installed like the trainer's)."""
 
     def __init__(self, policy: nn.Module, dtype: torch.dtype):
         self.source, self.dtype = policy, dtype
@@ -50,7 +54,7 @@ class RolloutWeights:
                 raise ValueError(f"a {dtype} rollout copy is made from fp32 trainer weights, "
                                  f"got {policy.embed_tokens.weight.dtype} (policy.dtype)")
             self.policy = copy.deepcopy(policy).requires_grad_(False).eval()
-            for p in self.policy.parameters():
+            for p in self.policy.parameters():  # (the RoPE frequencies, a buffer, stay fp32)
                 p.data = cast_for_rollout(p, dtype)
             kernels.enable(self.policy)
 
