@@ -10,6 +10,7 @@ import torch
 
 import spec_harness
 from codraft.config import ConfigError, load_config
+from codraft.drafts import init_draft
 from codraft.models import ModelConfig, Transformer
 from codraft.rl.trainer import Trainer
 from codraft.rollout import Engine
@@ -57,10 +58,27 @@ def test_copy_is_weight_only_and_computes_the_rounded_model():
     assert [o.tokens for o in out] == [w.tokens for w in want]
 
 
+@pytest.mark.parametrize("kind", ["dflash", "eagle3"])
+def test_rollout_draft_shares_the_draft_and_reads_the_copy(kind):
+    model = _model()
+    rw = RolloutWeights(model, BF16)
+    torch.manual_seed(2)
+    draft = init_draft(kind, model, gamma=3)
+    rolling = rw.draft_for(draft)
+    embed = (lambda d: d._target[0] if isinstance(d._target, tuple) else d._target.embed)  # what bind_target kept
+    assert rolling is not draft and embed(rolling) is rw.policy.embed_tokens.weight
+    assert embed(draft) is model.embed_tokens.weight  # the trainer's draft is still bound to fp32
+    assert all(a is b for a, b in zip(rolling.parameters(), draft.parameters()))  # trained in place: never stale
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    spec = Engine(rw.policy, rolling, 3).generate(prompts, 16, temperature=0.0, eos_id=[])
+    plain = Engine(rw.policy).generate(prompts, 16, temperature=0.0, eos_id=[])
+    assert [s.tokens for s in spec] == [p.tokens for p in plain]
+
+
 def test_same_dtype_is_the_policy_itself():
     model = _model()
     rw = RolloutWeights(model, torch.float32)
-    assert rw.policy is model and not rw.copies
+    assert rw.policy is model and not rw.copies and rw.draft_for("a draft") == "a draft"
     rw.check("step 0")  # nothing to compare
 
 
@@ -100,6 +118,7 @@ def test_trainer_decodes_the_refreshed_bf16_copy(tiny_policy_dir, tmp_path, monk
                                                              "log.val_every=0", "log.checkpoint_every=0"))
     t = Trainer(cfg, progress=False)
     assert t.engine.model is t.rollout_weights.policy and t.plain_engine.model is t.rollout_weights.policy
+    assert t.engine.draft._target.head is t.rollout_weights.policy.head_weight
     assert t.rollout_weights.policy.layers[0].mlp.up_proj.weight.dtype == BF16
     m = t.step(0)
     t.rollout_weights.check("after step 0")  # refreshed after the update

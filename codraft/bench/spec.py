@@ -176,10 +176,12 @@ def bench_model(model_name: str, *, batches, max_new: int, drafts, gamma: int, r
         built[spec] = draft
     sides = []
     for dtype in dtypes:  # the engines decode the rollout copy of that dtype (the policy itself for float32)
-        target, tag = RolloutWeights(policy, getattr(torch, dtype)).policy, _TAGS[dtype]
+        weights, tag = RolloutWeights(policy, getattr(torch, dtype)), _TAGS[dtype]
+        target = weights.policy
         out.setdefault("weight_bytes_by_dtype", {})[dtype] = weight_bytes(target)
         sides.append(_codraft_side("codraft plain" + tag, target, None, None, max_new, dtype=dtype))
         for spec, draft in built.items():
+            draft = weights.draft_for(draft)
             for g in gammas or [gamma]:
                 cost = load_or_calibrate(target, draft, draft.default_gamma, max(batches)) if g == "auto" else None
                 sides.append(_codraft_side(f"codraft spec/{spec}" + (f" γ={g}" if gammas else "") + tag, target,

@@ -202,7 +202,8 @@ class Trainer:
         # draft_length=auto: one cost model for every engine, timed now (or read from the cache) for the
         # largest batch any of them decodes
         rows = max(r.prompts_per_step * r.group_size, cfg.log.val_size if cfg.log.val_every else 1)
-        self.cost_model = load_or_calibrate(self.rollout_weights.policy, self.draft, self.draft.default_gamma, rows) \
+        self.cost_model = load_or_calibrate(self.rollout_weights.policy, self.rollout_weights.draft_for(self.draft),
+                                            self.draft.default_gamma, rows) \
             if self.draft is not None and r.draft_length == "auto" else None
         # log.frozen_probe_every: the initial draft, kept frozen and run on the same prompts as the
         # co-trained one, so staleness is measured against the very same policy (copied before a resume
@@ -267,7 +268,7 @@ class Trainer:
     def _engine(self, draft) -> Engine:
         """An engine over the rollout weights and ``draft`` (None: plain), drafting draft.gamma tokens per
         round or, with rollout.draft_length=auto, up to that many."""
-        policy = self.rollout_weights.policy
+        policy, draft = self.rollout_weights.policy, self.rollout_weights.draft_for(draft)
         if draft is None:
             return Engine(policy)
         if self.cost_model is None:

@@ -16,8 +16,11 @@ A stale copy is the failure behind a "weights lost on refit" report (τ fell to 
 compares every tensor with the cast of the trainer's current one and raises
 ``StaleRolloutWeights`` naming the first that differs.
 
-Not here: the engine (``codraft.rollout.engine``); drafts keep the trainer's dtype (they are
-bound to the trainer's embedding and head, and their cost is small next to the target's).
+Drafts keep their own weights in the trainer's dtype (small next to the target, and trained):
+``draft_for`` gives the engine a shallow copy sharing every draft parameter, bound to the copy's
+embedding and LM head where they are weight-only (a block draft's head product over the 49152-row
+vocabulary is most of its cost), so nothing of the draft can go stale either.
+Not here: the engine (``codraft.rollout.engine``).
 """
 from __future__ import annotations
 
@@ -57,6 +60,13 @@ class RolloutWeights:
             for p in self.policy.parameters():  # (the RoPE frequencies, a buffer, stay fp32)
                 p.data = cast_for_rollout(p, dtype)
             kernels.enable(self.policy)
+
+    def draft_for(self, draft):
+        """The draft the engine runs with this policy: ``draft`` itself, or (weight-only copy) a shallow
+        copy sharing its parameters, bound to the copy's embedding and head."""
+        if not self.copies or not isinstance(draft, nn.Module) or self.policy.compute_dtype != torch.float32:
+            return draft
+        return copy.copy(draft).bind_target(self.policy.embed_tokens.weight, self.policy.head_weight)
 
     def _pairs(self):
         return zip(self.source.state_dict().items(), self.policy.state_dict().values())
