@@ -29,7 +29,8 @@ ALLOWED = {
            "parallel"},
     "bench": {"models", "kernels", "drafts", "rollout", "tasks", "policy", "train", "rl", "config", "tokenizer",
               "attention", "spec", "parallel"},
-    "cli": {"bench", "config", "drafts", "models", "parallel", "policy", "rl", "rollout", "tasks", "train"},
+    "export": {"models", "kernels", "drafts", "train", "policy", "atomic"},
+    "cli": {"bench", "config", "drafts", "export", "models", "parallel", "policy", "rl", "rollout", "tasks", "train"},
     "__main__": {"cli"},
 }
 

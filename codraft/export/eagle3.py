@@ -1,0 +1,64 @@
+"""EAGLE-3 export: codraft's public-layout folder plus what each serving stack needs in addition.
+
+codraft's own ``save`` already writes ``LlamaForCausalLMEagle3`` names and shapes (fc, midlayer.*,
+norm, lm_head, d2t, t2d). The export adds, per stack (read from their loaders; see docs/serving.md):
+
+    need                                       vLLM                  SGLang                SpecForge
+    tap ids, output-of-layer counting          -                     eagle_config.…ids     eagle_config.…ids
+    tap ids, input-of-layer counting (l + 1)   top-level …ids        -                     -
+    exactly 3 taps (fc is 3·hidden wide)       yes                   yes                   yes
+    embed_tokens.weight in the folder          optional (own copy)   optional              yes (else random)
+    d2t (draft id + d2t = target id)           draft_id_to_target_id hot_token_id = d2t+i  d2t
+    t2d                                        skipped               skipped               loaded
+
+where …ids is ``eagle_aux_hidden_state_layer_ids``. Taps are written ascending, the order the stacks
+concatenate the captured layers in, with fc's three input blocks permuted to match.
+
+Not here: tap conventions in general (taps.py), writing the folder (write.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from codraft.drafts.eagle3 import Eagle3Draft
+from codraft.drafts.eagle3_layer import default_layers
+from codraft.export.layout import Layout, cast, dtype_name
+from codraft.export.taps import ascending_order, check_servable, vllm_ids
+
+NUM_TAPS = 3  # fc: Linear(3·hidden, hidden) in vLLM, SGLang and SpecForge alike
+
+
+def layout(draft: Eagle3Draft, target, dtype: torch.dtype) -> Layout:
+    """The exported folder's config and tensors for ``draft``, trained against ``target``."""
+    num_layers = target.config.num_hidden_layers
+    taps = [int(t) for t in draft.layers]
+    if len(taps) != NUM_TAPS:
+        raise ValueError(f"EAGLE-3 draft taps {len(taps)} target layers {taps}; vLLM, SGLang and SpecForge all "
+                         f"build fc for exactly {NUM_TAPS} (3 x hidden inputs), so it would load nowhere. "
+                         f"Retrain with three taps{_suggestion(num_layers)}")
+    check_servable(taps, num_layers, "EAGLE-3 draft")
+    order = ascending_order(taps)
+    state = draft.state_dict()
+    h_out, h_in = state["fc.weight"].shape
+    fc = state["fc.weight"].view(h_out, NUM_TAPS, h_in // NUM_TAPS)[:, order].reshape(h_out, h_in)
+    tensors = {name: cast(t, dtype) for name, t in state.items()}
+    tensors["fc.weight"] = cast(fc, dtype)
+    tensors["embed_tokens.weight"] = cast(target.embed_tokens.weight, dtype)  # SpecForge reads it from the folder
+    ascending = [taps[i] for i in order]
+    config = draft.hf_config()
+    config.update(torch_dtype=dtype_name(dtype), eagle_aux_hidden_state_layer_ids=vllm_ids(ascending),
+                  eagle_config={**config.get("eagle_config", {}), "eagle_aux_hidden_state_layer_ids": ascending})
+    notes = []
+    if ascending != taps:
+        notes.append(f"taps {taps} written ascending as {ascending} (fc input blocks permuted to match): the stacks "
+                     "concatenate captured layers in layer order")
+    return Layout(config, tensors, taps=ascending, gamma=draft.default_gamma, notes=notes)
+
+
+def _suggestion(num_layers: int) -> str:
+    usable = num_layers - 1  # the last layer's output cannot be captured (taps.py)
+    if usable < NUM_TAPS:
+        return f" (this {num_layers}-layer target has only {max(usable, 0)} servable taps: none is possible)"
+    default = default_layers(num_layers)
+    taps = default if len(default) == NUM_TAPS and max(default) < usable else list(range(NUM_TAPS))
+    return f", e.g. layers={taps}"

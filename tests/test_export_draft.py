@@ -1,0 +1,472 @@
+"""export-draft: exported folders against the serving stacks' loader conventions, refusals, round trips.
+
+Oracles, written down here from the stacks' documented loader behaviour (their source, read at
+the versions docs/serving.md names; no code of theirs runs here):
+
+  * ``LOADERS``: for vLLM, SGLang, SpecForge and DeepSpec, how each loader renames a checkpoint
+    tensor (or skips it) and which parameter shapes it allocates from config.json alone. Every
+    exported tensor must land in an allocated parameter of the same shape, every parameter must
+    be filled, floating tensors carry the requested dtype and ids stay int64.
+  * tap ids: vLLM and SGLang capture the residual stream *entering* a layer (forward pre-hooks on
+    the target's layers here); vLLM uses the top-level ``eagle_aux_hidden_state_layer_ids`` as is
+    and ``dflash_config.target_layer_ids`` + 1, SGLang the nested / dflash ids + 1. What they would
+    capture must equal the target features the draft was trained on (codraft's taps = layer outputs).
+  * ``d2t``: vLLM scatters draft logits to ``arange + d2t``, SGLang's hot tokens are ``d2t + arange``;
+    both must rebuild codraft's full-vocabulary logits exactly.
+  * round trip: export -> ``load_exported`` -> the same greedy proposals and draft distributions.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file
+
+from codraft.drafts import build_draft, dflash, dspark, eagle3
+from codraft.export.args import add_parser
+from codraft.export.cli import run
+from codraft.export.reader import load_exported
+from codraft.export.write import export_draft
+from codraft.models import ModelConfig, Transformer, save_pretrained
+from codraft.rollout import Sampler
+from codraft.train import checkpoint as ckpt
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+V, H, L = 48, 32, 6  # target vocab, hidden, layers
+
+
+def _target() -> Transformer:
+    torch.manual_seed(0)
+    cfg = ModelConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=L, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=128)
+    return Transformer(cfg).eval()
+
+
+@pytest.fixture(scope="module")
+def target():
+    return _target()
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory, target):
+    path = tmp_path_factory.mktemp("policy") / "policy"
+    save_pretrained(target, path)
+    return path
+
+
+def _perturb(draft, seed: int = 1):
+    """Every weight random (norms around 1, DSpark's zero-initialised w2 too): each one matters."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            p.copy_(("norm" in name) + 0.3 * torch.randn(p.shape, generator=g))
+    return draft
+
+
+def _draft(kind: str, target, **kw):
+    torch.manual_seed(2)
+    if kind == "eagle3":
+        kw = {"layers": [1, 2, 4], "draft_vocab_size": 40,
+              "token_counts": torch.randint(0, 9, (V,), generator=torch.Generator().manual_seed(3)), **kw}
+    return _perturb(build_draft(kind, target.config, **kw)).bind_target(target.embed_tokens.weight,
+                                                                        target.head_weight)
+
+
+def _export(tmp_path, target, policy_dir, kind, name="x", dtype="float32", **kw):
+    """Build (kw: the kind's build options), save, export; a learned MASK vector is fed as token 0."""
+    draft = _draft(kind, target, **kw)
+    draft.save(tmp_path / f"{name}-src")
+    learned = kind != "eagle3" and draft.config.mask_token_id is None
+    e = export_draft(tmp_path / f"{name}-src", tmp_path / name, target=str(policy_dir), dtype=dtype,
+                     mask_token_id=0 if learned else None)
+    cfg = json.loads((e.path / "config.json").read_text())
+    return draft, e, cfg, load_file(str(e.path / "model.safetensors"))
+
+
+# ---- the stacks' loaders, as their sources describe them -------------------------------------------------
+
+_STACKED = {".q_proj": (".qkv_proj", "q"), ".k_proj": (".qkv_proj", "k"), ".v_proj": (".qkv_proj", "v"),
+            ".gate_proj": (".gate_up_proj", 0), ".up_proj": (".gate_up_proj", 1)}
+
+
+def _stack(name: str) -> str:
+    """vLLM / SGLang fuse q/k/v and gate/up into one parameter; a shard is named ``param:shard``."""
+    for part, (fused, shard) in _STACKED.items():
+        if part + "." in name:
+            return name.replace(part, fused) + f":{shard}"
+    return name
+
+
+def _eagle3_params(c: dict) -> dict[str, tuple]:
+    """LlamaForCausalLMEagle3 parameters in checkpoint names, shapes from config.json (all three stacks)."""
+    h, hd, nq, nkv, i = c["hidden_size"], c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"], \
+        c["intermediate_size"]
+    m = "midlayer."
+    return {"embed_tokens.weight": (c["vocab_size"], h), "fc.weight": (h, 3 * c.get("target_hidden_size", h)),
+            m + "self_attn.q_proj.weight": (nq * hd, 2 * h), m + "self_attn.k_proj.weight": (nkv * hd, 2 * h),
+            m + "self_attn.v_proj.weight": (nkv * hd, 2 * h), m + "self_attn.o_proj.weight": (h, nq * hd),
+            m + "mlp.gate_proj.weight": (i, h), m + "mlp.up_proj.weight": (i, h), m + "mlp.down_proj.weight": (h, i),
+            m + "input_layernorm.weight": (h,), m + "hidden_norm.weight": (h,),
+            m + "post_attention_layernorm.weight": (h,), "norm.weight": (h,),
+            "lm_head.weight": (c["draft_vocab_size"], h), "d2t": (c["draft_vocab_size"],), "t2d": (c["vocab_size"],)}
+
+
+def _block_params(c: dict, kind: str, *, heads: bool = True, embed_head: bool = False) -> dict[str, tuple]:
+    """DFlash / DSpark parameters in checkpoint names, shapes from config.json (Qwen3-style layers)."""
+    h, hd, nq, nkv, i = c["hidden_size"], c["head_dim"], c["num_attention_heads"], c["num_key_value_heads"], \
+        c["intermediate_size"]
+    n_feat = len(c["dflash_config"]["target_layer_ids"])
+    p = {"fc.weight": (h, n_feat * c.get("target_hidden_size", h)), "hidden_norm.weight": (h,), "norm.weight": (h,)}
+    for layer in range(c["num_hidden_layers"]):
+        a, m = f"layers.{layer}.self_attn.", f"layers.{layer}.mlp."
+        p.update({a + "q_proj.weight": (nq * hd, h), a + "k_proj.weight": (nkv * hd, h),
+                  a + "v_proj.weight": (nkv * hd, h), a + "o_proj.weight": (h, nq * hd), a + "q_norm.weight": (hd,),
+                  a + "k_norm.weight": (hd,), m + "gate_proj.weight": (i, h), m + "up_proj.weight": (i, h),
+                  m + "down_proj.weight": (h, i), f"layers.{layer}.input_layernorm.weight": (h,),
+                  f"layers.{layer}.post_attention_layernorm.weight": (h,)})
+    if kind == "dspark" and heads:
+        r, v = c["dflash_config"]["markov_rank"], c["vocab_size"]
+        p.update({"markov_head.markov_w1.weight": (v, r), "markov_head.markov_w2.weight": (v, r),
+                  "confidence_head.proj.weight": (1, h + r), "confidence_head.proj.bias": (1,)})
+        if c["dflash_config"]["markov_head_type"] == "gated":
+            p.update({"markov_head.gate_proj.weight": (r, h + r), "markov_head.gate_proj.bias": (r,)})
+    if embed_head:
+        p.update({"embed_tokens.weight": (c["vocab_size"], h), "lm_head.weight": (c["vocab_size"], h)})
+    return p
+
+
+def _vllm_name(name: str) -> str | None:
+    """vLLM's EAGLE-3 / DFlash / DSpark load_weights: t2d skipped, d2t renamed, midlayer -> layers.0,
+    everything but lm_head under ``model.``; then q/k/v and gate/up fused."""
+    if name == "t2d":
+        return None
+    if name == "d2t":
+        return "draft_id_to_target_id"
+    name = name.replace("midlayer.", "layers.0.")
+    return _stack(name if name.startswith("lm_head") else "model." + name)
+
+
+def _sglang_name(name: str) -> str | None:
+    """SGLang's EAGLE-3 / DFlash loaders: t2d skipped, d2t becomes hot_token_id, q/k/v and gate/up fused."""
+    if name == "t2d":
+        return None
+    return "hot_token_id" if name == "d2t" else _stack(name)
+
+
+def _loaded(params: dict[str, tuple], rename, ignored=frozenset()) -> dict[str, tuple]:
+    out = {}
+    for name, shape in params.items():
+        if name not in ignored and rename(name) is not None:
+            out[rename(name)] = shape
+    return out
+
+
+def _check_loader(tensors: dict, params: dict[str, tuple], rename=lambda n: n, ignored=frozenset(),
+                  dtype=torch.float32):
+    """Every file tensor lands (renamed) in an allocated parameter of its shape; every parameter is filled."""
+    allocated = _loaded(params, rename, ignored)
+    filled = {}
+    for name, t in tensors.items():
+        if name in ignored or rename(name) is None:
+            continue
+        target = rename(name)
+        assert target in allocated, f"{name} -> {target}: no such parameter"
+        assert tuple(t.shape) == tuple(allocated[target]), f"{name}: {tuple(t.shape)} != {allocated[target]}"
+        assert t.dtype == (torch.int64 if name == "d2t" else torch.bool if name == "t2d" else dtype), name
+        filled[target] = True
+    assert set(filled) == set(allocated), f"parameters left unfilled: {sorted(set(allocated) - set(filled))}"
+
+
+# ---- EAGLE-3 -----------------------------------------------------------------------------------------------
+
+
+def test_eagle3_loads_in_every_stack(tmp_path, target, policy_dir):
+    _, e, cfg, tensors = _export(tmp_path, target, policy_dir, "eagle3", dtype="bfloat16")
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
+    assert cfg["torch_dtype"] == "bfloat16" and not cfg["tie_word_embeddings"]
+    params = _eagle3_params(cfg)
+    _check_loader(tensors, params, _vllm_name, dtype=torch.bfloat16)     # Eagle3LlamaForCausalLM
+    _check_loader(tensors, params, _sglang_name, dtype=torch.bfloat16)   # LlamaForCausalLMEagle3 (SGLang)
+    _check_loader(tensors, params, dtype=torch.bfloat16)                 # SpecForge: identity names, t2d too
+    # SpecForge initialises a missing embed_tokens randomly: it must be the target's
+    assert torch.equal(tensors["embed_tokens.weight"], target.embed_tokens.weight.detach().to(torch.bfloat16))
+
+
+def _layer_inputs(target, ids) -> dict[int, torch.Tensor]:
+    """What vLLM and SGLang capture: the residual stream entering every decoder layer."""
+    seen = {}
+    hooks = [layer.register_forward_pre_hook(lambda m, args, i=i: seen.__setitem__(i, args[0]))
+             for i, layer in enumerate(target.layers)]
+    with torch.no_grad():
+        target(ids)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def _trained_features(target, ids, taps):
+    with torch.no_grad():
+        return target(ids, taps=tuple(taps))[1]
+
+
+def test_eagle3_tap_ids_point_at_the_trained_layers(tmp_path, target, policy_dir):
+    draft, e, cfg, _ = _export(tmp_path, target, policy_dir, "eagle3", layers=[4, 1, 2])  # not ascending
+    ids = torch.randint(0, V, (1, 11), generator=torch.Generator().manual_seed(0))
+    feats, inputs = _trained_features(target, ids, draft.layers), _layer_inputs(target, ids)
+    vllm, sglang = cfg["eagle_aux_hidden_state_layer_ids"], cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    assert sglang == sorted(draft.layers) and vllm == [t + 1 for t in sglang]
+    for tap, v_id, s_id in zip(sorted(draft.layers), vllm, sglang):
+        assert torch.equal(inputs[v_id], feats[tap])        # vLLM: ids used as they are
+        assert torch.equal(inputs[s_id + 1], feats[tap])    # SGLang: adds 1 itself
+    # the stacks concatenate in layer order: fc's input blocks were permuted to match
+    reloaded = load_exported(e.path, target)
+    assert reloaded.layers == sorted(draft.layers)
+    x = torch.randn(3, 3 * H)
+    by_layer = dict(zip(draft.layers, x.split(H, -1)))
+    ascending = torch.cat([by_layer[t] for t in sorted(draft.layers)], -1)
+    torch.testing.assert_close(reloaded.fc(ascending), draft.fc(x))
+
+
+def test_eagle3_d2t_maps_every_draft_id(tmp_path, target, policy_dir):
+    draft, _, cfg, tensors = _export(tmp_path, target, policy_dir, "eagle3")
+    d2t, t2d = tensors["d2t"], tensors["t2d"]
+    vd = cfg["draft_vocab_size"]
+    assert d2t.dtype == torch.int64 and d2t.shape == (vd,) and vd < V
+    used = torch.arange(vd) + d2t  # vLLM: targets = arange + d2t; SGLang: hot_token_id = d2t + arange
+    assert torch.equal(used, draft.used_ids())
+    assert int(t2d.sum()) == vd and bool(t2d[used].all())
+    logits_d = torch.randn(2, vd)
+    vllm_full = logits_d.new_full((2, V), float("-inf"))
+    vllm_full[:, used] = logits_d
+    assert torch.equal(vllm_full, draft.full_logits(logits_d))
+    assert torch.equal(tensors["lm_head.weight"], draft.lm_head.weight.detach())  # row i scores token used[i]
+
+
+@pytest.mark.parametrize("layers", [[0, 1], [0, 1, 2, 4]])
+def test_eagle3_with_two_or_four_taps_is_refused(tmp_path, target, policy_dir, layers):
+    with pytest.raises(ValueError, match=rf"taps {len(layers)} target layers \[{', '.join(map(str, layers))}\]"):
+        _export(tmp_path, target, policy_dir, "eagle3", layers=layers)
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_tap_at_the_last_layer_is_refused(tmp_path, target, policy_dir):
+    with pytest.raises(ValueError, match="last layer"):
+        _export(tmp_path, target, policy_dir, "eagle3", layers=[0, 1, L - 1])
+    with pytest.raises(ValueError, match="last layer"):
+        _export(tmp_path, target, policy_dir, "dflash", name="y", layers=[1, L - 1], num_layers=2)
+
+
+# ---- DFlash / DSpark ---------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind,kw", [("dflash", {"num_layers": 2, "layers": [1, 3]}),
+                                     ("dflash", {"mask_token_id": 5}),
+                                     ("dspark", {"num_layers": 2, "layers": [1, 3]}),
+                                     ("dspark", {"markov": "gated", "markov_rank": 12})])
+def test_block_drafts_load_in_every_stack(tmp_path, target, policy_dir, kind, kw):
+    draft, e, cfg, tensors = _export(tmp_path, target, policy_dir, kind, dtype="bfloat16", **kw)
+    dc = cfg["dflash_config"]
+    assert cfg["architectures"] == [{"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel"}[kind]]
+    assert cfg["model_type"] == "qwen3" and cfg["layer_types"] == ["full_attention"] * cfg["num_hidden_layers"]
+    assert cfg["block_size"] == draft.config.block_size and cfg["num_target_layers"] == L
+    assert dc["target_layer_ids"] == sorted(draft.feature_layers)
+    learned = draft.config.mask_token_id is None
+    assert dc["mask_token_id"] == (0 if learned else draft.config.mask_token_id)
+    assert (e.path / "mask_embedding.pt").is_file() == learned
+    bf = torch.bfloat16
+    if kind == "dflash":
+        params = _block_params(cfg, kind)
+        _check_loader(tensors, params, _vllm_name, dtype=bf)     # DFlashQwen3ForCausalLM: embed / head shared
+        _check_loader(tensors, params, _sglang_name, dtype=bf)   # SGLang DFlashDraftModel
+        _check_loader(tensors, params, dtype=bf)                  # SpecForge DFlashDraftModel
+        if learned:  # vLLM: {mask_token_id, embedding} replaces that row of the embedding
+            m = torch.load(e.path / "mask_embedding.pt", weights_only=True)
+            assert m["mask_token_id"] == 0 and torch.equal(m["embedding"], draft.mask_embedding.detach().to(bf))
+        return
+    # DSpark: vLLM Qwen3DSpark (top-level head keys) and DeepSpec own embed_tokens / lm_head; SpecForge does not
+    for key in ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov",
+                "mask_token_id", "target_layer_ids", "num_anchors"):  # top level: DeepSpec asserts them
+        assert key in cfg and cfg[key] == dc.get(key, cfg[key]), key
+    assert cfg["sample_from_anchor"] is True and dc["projector_type"] == "dspark"
+    assert dc["markov_rank"] == draft.markov_rank and dc["markov_head_type"] == draft.markov_kind
+    full = _block_params(cfg, kind, embed_head=True)
+    if draft.markov_kind == "vanilla":  # vLLM serves vanilla heads only
+        _check_loader(tensors, full, _vllm_name, dtype=bf)
+    else:
+        assert any("vanilla" in n for n in e.notes)
+    _check_loader(tensors, full, dtype=bf)                                                    # DeepSpec
+    _check_loader(tensors, full, ignored={"embed_tokens.weight", "lm_head.weight"}, dtype=bf)  # SpecForge
+    embed = target.embed_tokens.weight.detach().to(bf).clone()
+    if learned:
+        embed[0] = draft.mask_embedding.detach().to(bf)  # MASK = token 0's row in the draft's own table
+    assert torch.equal(tensors["embed_tokens.weight"], embed)
+    assert torch.equal(tensors["lm_head.weight"], target.head_weight.detach().to(bf))
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_block_tap_ids_point_at_the_trained_layers(tmp_path, target, policy_dir, kind):
+    draft, _, cfg, _ = _export(tmp_path, target, policy_dir, kind, num_layers=2, layers=[3, 1])
+    ids = torch.randint(0, V, (1, 9), generator=torch.Generator().manual_seed(1))
+    feats, inputs = _trained_features(target, ids, draft.feature_layers), _layer_inputs(target, ids)
+    written = cfg["dflash_config"]["target_layer_ids"]
+    assert written == [1, 3] and "eagle_aux_hidden_state_layer_ids" not in cfg  # else vLLM would read that first
+    for tap in written:
+        assert torch.equal(inputs[tap + 1], feats[tap])  # vLLM and SGLang both add 1 to dflash ids
+
+
+def test_learned_mask_needs_a_token_id(tmp_path, target, policy_dir):
+    draft = _draft("dflash", target)
+    draft.save(tmp_path / "src")
+    with pytest.raises(ValueError, match="--mask-token-id"):
+        export_draft(tmp_path / "src", tmp_path / "out", target=str(policy_dir))
+    with pytest.raises(ValueError, match="outside the target vocabulary"):
+        export_draft(tmp_path / "src", tmp_path / "out", target=str(policy_dir), mask_token_id=V)
+    _draft("dflash", target, mask_token_id=5).save(tmp_path / "src5")
+    with pytest.raises(ValueError, match="trained with mask_token_id=5"):
+        export_draft(tmp_path / "src5", tmp_path / "out", target=str(policy_dir), mask_token_id=6)
+    assert not (tmp_path / "out").exists()
+
+
+# ---- round trips -------------------------------------------------------------------------------------------
+
+
+def _propose(draft, target, gamma: int, temperature: float = 0.0):
+    """Proposals (and q) for two right-padded prompts, greedy or at a fixed seed."""
+    tokens = torch.randint(0, V, (2, 10), generator=torch.Generator().manual_seed(7))
+    lengths = torch.tensor([10, 7])
+    feats = _trained_features(target, tokens, draft.feature_layers)
+    state = draft.begin(tokens, lengths, feats, max_len=10 + gamma + 2)
+    sampler = Sampler(temperature=temperature, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return draft.propose(state, gamma, sampler, context_len=10)
+
+
+ROUND_TRIP = [("eagle3", {"layers": [4, 1, 2]}), ("dflash", {}), ("dflash", {"mask_token_id": 5}),
+              ("dflash", {"num_layers": 2, "layers": [3, 1]}), ("dspark", {}),
+              ("dspark", {"markov": "gated", "markov_rank": 12})]
+
+
+@pytest.mark.parametrize("kind,kw", ROUND_TRIP)
+def test_export_load_back_proposes_the_same(tmp_path, target, policy_dir, kind, kw):
+    draft, e, _, _ = _export(tmp_path, target, policy_dir, kind, **kw)
+    back = load_exported(e.path, target)
+    assert type(back) is type(draft) and back.feature_layers == tuple(sorted(draft.feature_layers))
+    for gamma in (3, draft.default_gamma):
+        x0, _ = _propose(draft, target, gamma)
+        x1, _ = _propose(back, target, gamma)
+        assert torch.equal(x0, x1)
+        (_, q0), (_, q1) = _propose(draft, target, gamma, 1.0), _propose(back, target, gamma, 1.0)
+        torch.testing.assert_close(q1, q0, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind,kw", [("eagle3", {}), ("dspark", {})])
+def test_bf16_export_is_bf16_and_loads_back_within_bf16_tolerance(tmp_path, target, policy_dir, kind, kw):
+    draft, e, cfg, tensors = _export(tmp_path, target, policy_dir, kind, dtype="bfloat16", **kw)
+    assert all(t.dtype == torch.bfloat16 for n, t in tensors.items() if n not in ("d2t", "t2d"))
+    back = load_exported(e.path, target, dtype=torch.float32)
+    ours = {k: v for k, v in draft.state_dict().items()}
+    for name, t in back.state_dict().items():
+        if t.is_floating_point():
+            torch.testing.assert_close(t, ours[name], rtol=2 ** -8, atol=1e-6)  # one bf16 rounding
+        else:
+            assert torch.equal(t, ours[name])
+    (_, q0), (_, q1) = _propose(draft, target, 3, 1.0), _propose(back, target, 3, 1.0)
+    assert (q0 - q1).abs().sum(-1).max() < 0.1  # total variation of the draft rows stays small
+
+
+# ---- sources: run checkpoints, bad input -------------------------------------------------------------------
+
+
+def _checkpoint(tmp_path, target, kind="dspark", gamma=6, init="random"):
+    torch.manual_seed(4)
+    draft = _perturb(build_draft(kind, target.config, gamma=gamma))
+    config = {"seed": 0, "draft": {"mode": "cotrain", "kind": kind, "init": init, "gamma": gamma, "num_anchors": 0}}
+    path = ckpt.save_checkpoint(tmp_path / "run", 3, policy=target, draft=draft, optimizers={},
+                                state={"prompts_used": 24}, config=config, keep_last=0)
+    return draft.bind_target(target.embed_tokens.weight, target.head_weight), path
+
+
+def test_export_from_a_run_checkpoint(tmp_path, target):
+    draft, step = _checkpoint(tmp_path, target)
+    e = export_draft(step, tmp_path / "out", dtype="bfloat16", mask_token_id=0)
+    assert e.target_dir == step / "policy" and "step 3" in e.origin and e.gamma == 6
+    cfg = json.loads((e.path / "config.json").read_text())
+    assert cfg["block_size"] == 6 and cfg["codraft_export"]["source"] == e.origin
+    back = load_exported(e.path, target, dtype=torch.float32)
+    for name, t in back.state_dict().items():
+        torch.testing.assert_close(t, draft.state_dict()[name], rtol=2 ** -8, atol=1e-6)
+    e32 = export_draft(step, tmp_path / "out32", mask_token_id=0)
+    x0, _ = _propose(draft, target, 6)
+    x1, _ = _propose(load_exported(e32.path, target), target, 6)
+    assert torch.equal(x0, x1)
+    with pytest.raises(ValueError, match="run folder.*step_3"):
+        export_draft(tmp_path / "run", tmp_path / "o2", mask_token_id=0)
+    with pytest.raises(ValueError, match="drop --target"):
+        export_draft(step, tmp_path / "o3", target="tiny-sft", mask_token_id=0)
+
+
+def test_checkpoint_problems_are_named(tmp_path, target):
+    _, step = _checkpoint(tmp_path, target, init=str(tmp_path / "gone"))
+    with pytest.raises(ValueError, match="is gone"):
+        export_draft(step, tmp_path / "out", mask_token_id=0)
+    config = yaml.safe_load((step / "config.yaml").read_text())
+    (step / "draft.pt").write_bytes((step / "draft.pt").read_bytes()[:-8])
+    with pytest.raises(ValueError, match="draft.pt"):
+        export_draft(step, tmp_path / "out", mask_token_id=0)
+    assert config["draft"]["kind"] == "dspark"
+
+
+def test_bad_input_is_refused_clearly(tmp_path, target, policy_dir):
+    _draft("eagle3", target).save(tmp_path / "src")
+    run = lambda out, **kw: export_draft(tmp_path / "src", tmp_path / out, **{"target": str(policy_dir), **kw})
+    with pytest.raises(ValueError, match="unsupported export dtype 'int8'"):
+        run("a", dtype="int8")
+    with pytest.raises(ValueError, match="--target is needed"):
+        run("a", target=None)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="neither a draft folder"):
+        export_draft(tmp_path / "empty", tmp_path / "a", target=str(policy_dir))
+    with pytest.raises(ValueError, match="'model' draft"):  # a policy folder is no exportable draft
+        export_draft(policy_dir, tmp_path / "a", target=str(policy_dir))
+    with pytest.raises(FileNotFoundError):
+        export_draft(tmp_path / "nowhere", tmp_path / "a", target=str(policy_dir))
+    with pytest.raises(ValueError, match="inside the source"):
+        run("src/exported")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "keep.txt").write_text("mine")
+    with pytest.raises(ValueError, match="not empty; pass --force"):
+        run("full")
+    assert (tmp_path / "full" / "keep.txt").read_text() == "mine"
+    run("full", force=True)  # replaced as a whole, atomically
+    assert sorted(p.name for p in (tmp_path / "full").iterdir()) == ["config.json", "model.safetensors"]
+    umask = os.umask(0)
+    os.umask(umask)
+    assert (tmp_path / "full").stat().st_mode & 0o777 == 0o777 & ~umask  # not the temporary folder's 0700
+    assert (tmp_path / "full" / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
+    with pytest.raises(ValueError, match="already an exported folder"):
+        export_draft(tmp_path / "full", tmp_path / "b", target=str(policy_dir))
+    bigger = Transformer(ModelConfig(vocab_size=V, hidden_size=2 * H, intermediate_size=64, num_hidden_layers=L,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128))
+    save_pretrained(bigger, tmp_path / "bigger")
+    with pytest.raises(ValueError, match="hidden_size"):
+        run("c", target=str(tmp_path / "bigger"))
+
+
+def test_cli_prints_the_serving_commands(tmp_path, target, policy_dir, capsys):
+    _draft("dflash", target).save(tmp_path / "src")
+    parser = argparse.ArgumentParser(prog="codraft")
+    add_parser(parser.add_subparsers(dest="cmd", required=True)).set_defaults(fn=run)
+    args = parser.parse_args(["export-draft", str(tmp_path / "src"), "--target", str(policy_dir), "--out",
+                              str(tmp_path / "out"), "--dtype", "bfloat16", "--mask-token-id", "0"])
+    args.fn(args)
+    printed = capsys.readouterr().out
+    assert '"method": "dflash"' in printed and '"num_speculative_tokens": 6' in printed
+    assert "--speculative-algorithm DFLASH" in printed and "note: MASK is a learned vector" in printed
+    bad = parser.parse_args(["export-draft", str(tmp_path / "src"), "--out", str(tmp_path / "o2"), "--dtype", "int8"])
+    with pytest.raises(ValueError, match="unsupported export dtype"):
+        bad.fn(bad)
