@@ -1,6 +1,6 @@
 """Checks that need an accelerator, in one short run: the code paths CI (CPU only) never takes.
 
-Usage: PYTHONPATH=. python scripts/device_check.py [--device cuda] [--out FILE.json]
+Usage: PYTHONPATH=. python scripts/device_check.py [--device cuda] [--out FILE.json] [--checks engine,...]
 Needs torch, transformers-free codraft (no packaged model or dataset: random weights only).
 
 1. engine: greedy speculative decoding equals plain decoding on the device, every draft kind,
@@ -149,6 +149,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--out")
+    ap.add_argument("--checks", default="engine,lossless,training,trainer,timing", help="comma list to run")
     args = ap.parse_args()
     dev = args.device
     summary = {"device": dev, "torch": torch.__version__,
@@ -160,6 +161,8 @@ def main():
         save_pretrained(policy, folder, extra_files={CHAR_TOKENIZER_FILE: json.dumps({"alphabet": tok.alphabet})})
         for name, fn in (("engine", check_engine), ("lossless", check_lossless), ("training", check_training),
                          ("trainer", lambda d: check_trainer(d, folder)), ("timing", check_timing)):
+            if name not in args.checks.split(","):
+                continue
             t = time.perf_counter()
             try:
                 summary[name] = {"ok": True, "result": fn(dev)}

@@ -80,7 +80,8 @@ def exact_joint(model: Transformer, length: int, temperature: float = 1.0, top_k
     for _ in range(length):
         ids = torch.cat([torch.tensor(prompt).expand(len(seqs), -1), seqs], 1)
         with torch.no_grad():
-            step = sampling_probs(model(ids)[:, -1], temperature, top_k, top_p)  # (M,V)
+            step = sampling_probs(model(ids.to(model.embed_tokens.weight.device))[:, -1].cpu(), temperature, top_k,
+                                  top_p)  # (M,V), the model on any device
         probs = (probs[:, None] * step).flatten()
         seqs = torch.cat([seqs.repeat_interleave(V, 0), torch.arange(V).repeat(len(seqs))[:, None]], 1)
     return probs.view((V,) * length)

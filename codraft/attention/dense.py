@@ -3,8 +3,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+# cuDNN's SDPA builds an execution plan per shape, and a decode step's key length changes every step:
+# ~1.8 ms of host time per call, decoding 3x slower in bf16 on an H200 (scripts/device_check.py)
+_NOT_CUDNN = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass(frozen=True)
@@ -71,9 +78,10 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     if isinstance(mask, PackedCausal):
         mask = mask.dense()
-    if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
+    with sdpa_kernel(_NOT_CUDNN) if q.is_cuda else contextlib.nullcontext():
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=q.shape[1] != k.shape[1])
 
 
 def positions_from_cu_seqlens(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:

@@ -9,7 +9,8 @@ parity  reward, validation accuracy and mismatch KL with speculative rollouts (e
 rollout-dtype  reward and mismatch KL with bf16 rollout weights (``rollout.dtype=bfloat16``) vs the
         trainer's fp32 weights, over several seeds: does the reward curve track (last-10-step means
         within the seed spread), how large is the train/rollout gap, what does it buy in rollout time.
-Each run is an ordinary `codraft train` run folder under ``out``; the summary is a
+Each run is an ordinary `codraft train` run folder under ``out`` (``config``: the preset or YAML file
+the runs start from, default tiny); the summary is a
 markdown table + JSON, and overlay plots.
 """
 from __future__ import annotations
@@ -23,11 +24,11 @@ from codraft.rl.plots import plot_compare, summarize
 from codraft.rl.trainer import train
 
 
-def _run(out: Path, name: str, overrides: list[str], progress: bool) -> Path:
+def _run(out: Path, name: str, overrides: list[str], progress: bool, config: str | None = None) -> Path:
     run_dir = out / name
     if (run_dir / "metrics.jsonl").is_file() and (run_dir / "done").is_file():
         return run_dir  # finished earlier: experiments are resumable run by run
-    cfg = load_config(None, overrides + [f"run_dir={run_dir}"])
+    cfg = load_config(config, overrides + [f"run_dir={run_dir}"])
     if run_dir.exists():  # an interrupted run of this experiment (no "done"): it is run again from the start
         print(f"== {name}: removing the unfinished run in {run_dir}", flush=True)
         shutil.rmtree(run_dir)
@@ -42,7 +43,7 @@ def _fmt(v, nd=3):
 
 
 def drift(out: str | Path, *, kinds=("dflash", "dspark", "eagle3"), steps: int = 50, seeds=(0,),
-          extra: list[str] = (), progress: bool = True) -> dict:
+          extra: list[str] = (), progress: bool = True, config: str | None = None) -> dict:
     out = Path(out)
     rows, dirs = {}, []
     for kind in kinds:
@@ -54,7 +55,7 @@ def drift(out: str | Path, *, kinds=("dflash", "dspark", "eagle3"), steps: int =
                 d = _run(out, f"drift-{kind}-{mode}-seed{seed}",
                          [f"steps={steps}", f"seed={seed}", f"draft.kind={kind}", f"draft.mode={mode}",
                           "log.speedup_every=0", "log.checkpoint_every=0", "log.frozen_probe_every=1", *extra],
-                         progress)
+                         progress, config)
                 rows[f"{kind}/{seed}/{mode}"] = summarize(d)
                 dirs.append(d)
     plot_compare(dirs, out / "drift-plots")
@@ -79,7 +80,7 @@ def drift(out: str | Path, *, kinds=("dflash", "dspark", "eagle3"), steps: int =
 
 
 def parity(out: str | Path, *, kinds=("none", "dflash", "dspark", "eagle3"), seeds=(0, 1, 2), steps: int = 30,
-           extra: list[str] = (), progress: bool = True) -> dict:
+           extra: list[str] = (), progress: bool = True, config: str | None = None) -> dict:
     out = Path(out)
     rows, dirs = {}, []
     for kind in kinds:
@@ -87,7 +88,7 @@ def parity(out: str | Path, *, kinds=("none", "dflash", "dspark", "eagle3"), see
             mode = ["draft.mode=none"] if kind == "none" else [f"draft.kind={kind}", "draft.mode=cotrain"]
             d = _run(out, f"parity-{kind}-seed{seed}", [f"steps={steps}", f"seed={seed}", *mode,
                                                          "log.speedup_every=5", "log.checkpoint_every=0", *extra],
-                     progress)
+                     progress, config)
             rows[f"{kind}/{seed}"] = summarize(d)
             dirs.append(d)
     plot_compare(dirs, out / "parity-plots")
@@ -121,13 +122,13 @@ def parity(out: str | Path, *, kinds=("none", "dflash", "dspark", "eagle3"), see
 
 
 def rollout_dtype(out: str | Path, *, dtypes=("float32", "bfloat16"), seeds=(0, 1, 2), steps: int = 100,
-                  extra: list[str] = (), progress: bool = True) -> dict:
+                  extra: list[str] = (), progress: bool = True, config: str | None = None) -> dict:
     out = Path(out)
     rows, dirs = {}, []
     for dtype in dtypes:
         for seed in seeds:
             d = _run(out, f"dtype-{dtype}-seed{seed}", [f"steps={steps}", f"seed={seed}", f"rollout.dtype={dtype}",
-                                                         "log.checkpoint_every=0", *extra], progress)
+                                                         "log.checkpoint_every=0", *extra], progress, config)
             rows[f"{dtype}/{seed}"] = summarize(d, last=10)
             dirs.append(d)
     plot_compare(dirs, out / "rollout-dtype-plots")
