@@ -6,6 +6,8 @@ import json
 import math
 import sys
 
+from codraft.export.args import add_parser as add_export_parser  # argparse only: --help stays instant
+
 
 def _cmd_sft(args):
     from codraft.policy.warmstart import SFTConfig, warm_start
@@ -205,7 +207,7 @@ def _cmd_bench(args):
     if args.bench in ("drift", "parity", "rollout-dtype"):
         from codraft.bench import experiments
         fn = getattr(experiments, args.bench.replace("-", "_"))
-        opts = {"steps": args.steps, "extra": args.overrides}
+        opts = {"steps": args.steps, "extra": args.overrides, "config": args.config}
         if getattr(args, "kinds", None):
             opts["kinds"] = _csv(args.kinds)
         if getattr(args, "dtypes", None):
@@ -240,7 +242,7 @@ def _cmd_bench(args):
     elif args.bench == "gemv":
         from codraft.bench.gemv import run
         run(model_name=args.model, rows=[int(r) for r in _csv(args.rows)], threads=args.threads,
-            repeats=args.repeats, json_path=args.json)
+            repeats=args.repeats, dtypes=_csv(args.dtypes), remeasure=args.remeasure, json_path=args.json)
     elif args.bench == "spec":
         from codraft.bench.spec import parse_gammas, run
         run(models=_csv(args.models), batches=[int(b) for b in _csv(args.batches)],
@@ -336,11 +338,16 @@ def _bench_commands(sub):
 
     _bench_tap_parser(bench)
 
-    b = bench.add_parser("gemv", help="weight streaming speed of few-row products: torch vs the C kernel")
+    b = bench.add_parser("gemv", help="the measured fast-path table, and few-row products by path: the C "
+                                      "kernel, torch's two forms, the chosen one")
     b.add_argument("--model", default="smollm2", help="tiny, smollm2 or an HF-format folder")
-    b.add_argument("--rows", default="1,2,4,8,16,32")
+    b.add_argument("--rows", default=",".join(map(str, range(1, 65))), help="comma list (default 1..64)")
+    b.add_argument("--dtypes", default="float32", help="comma list of weight dtypes: float32, bfloat16 "
+                                                        "(the weight-only rollout copy)")
     b.add_argument("--threads", type=int, default=2)
     b.add_argument("--repeats", type=int, default=5)
+    b.add_argument("--remeasure", action="store_true",
+                   help="forget the cached dispatch tables ($CODRAFT_CACHE/dispatch) and measure them again")
     b.add_argument("--json", metavar="FILE")
 
     b = bench.add_parser("e2e", help="full GRPO step (rollout + co-training) vs TRL GRPOTrainer, SmolLM2-135M")
@@ -367,6 +374,7 @@ def _bench_commands(sub):
                                                                   "weights, over seeds")):
         b = bench.add_parser(name, help=help_text)
         b.add_argument("--out", default=f"runs/{name}", help="folder for the run folders and the summary")
+        b.add_argument("--config", help="preset or YAML file the runs start from (default: tiny)")
         b.add_argument("--steps", type=int, default=default_steps)
         if name == "rollout-dtype":
             b.add_argument("--dtypes", help="comma list of rollout.dtype values, the baseline first "
@@ -398,7 +406,14 @@ def _bench_tap_parser(bench):
     b.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
     b.add_argument("--json", metavar="FILE")
 
+
+def _cmd_export_draft(args):
+    from codraft.export.cli import run
+    run(args)
+
+
 def _tool_commands(sub):
+    add_export_parser(sub).set_defaults(fn=_cmd_export_draft)
     s = sub.add_parser("train-draft", help="offline draft training on samples from the target (resumable)")
     s.add_argument("--model", required=True, help="policy name (tiny-sft, smollm2-135m) or HF-format folder")
     s.add_argument("--kind", required=True, help="a draft kind with weights (an unknown kind lists the valid ones)")

@@ -1,5 +1,6 @@
-"""The fused decode ops in C (codraft.kernels.decode_ops) against torch's ops in fp64, and a model's
-KV-cache decode with them (``codraft.kernels.enable``) against the same decode on the plain model."""
+"""The fused decode ops in C (codraft.kernels.decode_ops) against torch's ops in fp64 (a whole decoder
+layer with fp32 or bf16 projection weights, and when it applies), and a model's KV-cache decode with
+them (``codraft.kernels.enable``) against the same decode on the plain model."""
 import copy
 
 import pytest
@@ -12,6 +13,7 @@ from codraft.kernels import decode_ops
 from codraft.models import ModelConfig, Transformer
 from codraft.models.kv_cache import KVCache
 from codraft.models.layers import apply_rope, rope_cos_sin
+from codraft.models.transformer import DecoderLayer
 
 
 @pytest.mark.parametrize("shape", [(1, 576), (3, 5, 17), (2, 8)])
@@ -82,8 +84,8 @@ def test_not_under_autograd():
 
 @pytest.mark.parametrize("qk_norm", [False, True])
 def test_model_decode_matches_torch_ops(monkeypatch, qk_norm):
-    """Prefill of right-padded prompts (into the empty cache: SDPA, not the C attention), then
-    decode steps of 1 and 3 tokens per row (whole layers in C; per-op with Qwen3's q/k norms),
+    """Prefill of right-padded prompts, then decode steps of 1 and 3 tokens per row (C attention, in
+    the one-call layer or on its own as the measured dispatch picks; per-op with Qwen3's q/k norms),
     against the same on the plain model (C kernels not enabled): logits and caches agree."""
     cfg = ModelConfig(vocab_size=50, hidden_size=48, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=6, num_key_value_heads=2,
@@ -108,8 +110,10 @@ def test_model_decode_matches_torch_ops(monkeypatch, qk_norm):
         monkeypatch.setattr(decode_ops, name, lambda *a, _n=name, _f=real: calls.update({_n: calls[_n] + 1}) or _f(*a))
     fast, fast_cache = run(model)
     layers = cfg.num_hidden_layers
-    assert calls == ({"cache_attention": 3 * layers, "decoder_layer": 0} if qk_norm else
-                     {"cache_attention": 0, "decoder_layer": 3 * layers})  # the C paths ran
+    if qk_norm:
+        assert calls == {"cache_attention": 3 * layers, "decoder_layer": 0}
+    else:  # every decode step in C; the prefill (into the empty cache) may be too
+        assert calls["cache_attention"] + calls["decoder_layer"] >= 3 * layers
     ran = dict(calls)
     slow, slow_cache = run(plain)
     assert calls == ran  # the plain model stays plain
@@ -118,3 +122,88 @@ def test_model_decode_matches_torch_ops(monkeypatch, qk_norm):
     n = int(fast_cache.lengths.max())
     torch.testing.assert_close(fast_cache.k[..., :n, :], slow_cache.k[..., :n, :], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(fast_cache.v[..., :n, :], slow_cache.v[..., :n, :], rtol=1e-5, atol=1e-5)
+
+
+def _projections(layer):
+    a, m = layer.self_attn, layer.mlp
+    return [a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj]
+
+
+def _bf16_weights(layer):
+    """The layer with its 7 projection weights in bf16 (rollout weights); norms stay fp32."""
+    for lin in _projections(layer):
+        lin.to(torch.bfloat16)
+    return layer
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b,t", [(1, 1), (3, 1), (2, 3), (1, 16), (4, 5), (8, 8), (2, 32)])  # up to 64 rows
+def test_decoder_layer_matches_torch(dtype, b, t):
+    """One C call against the torch layer in fp64 whose weights are the same values (bf16 upcast):
+    output and the KV cache after the write, for rows at different cache lengths."""
+    # 72 and 100: not multiples of the kernel's vector blocks (the tails run); head size 12
+    cfg = ModelConfig(vocab_size=50, hidden_size=72, intermediate_size=100, num_hidden_layers=1,
+                      num_attention_heads=6, num_key_value_heads=2)
+    torch.manual_seed(b * 100 + t)
+    model = Transformer(cfg).eval()
+    layer = model.layers[0]
+    with torch.no_grad():  # weights larger than the init's: the layer's own terms are not lost beside x
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * 0.3 if p.dim() == 2 else 1 + 0.1 * torch.randn_like(p))
+    if dtype is torch.bfloat16:
+        _bf16_weights(layer)
+    ref_layer = copy.deepcopy(layer).double()  # bf16 -> fp64 is exact
+    L = 48
+    lengths = torch.randint(0, L - t + 1, (b,))
+    if b > 1:
+        lengths[0] = 0  # an empty row beside others
+    fast, ref = (KVCache(num_layers=1, batch=b, max_len=L, num_kv_heads=2, head_dim=12, dtype=dt, device="cpu")
+                 for dt in (torch.float32, torch.float64))
+    g = torch.Generator().manual_seed(0)
+    for c in (fast.k, fast.v):
+        c.normal_(generator=g)
+    ref.k.copy_(fast.k)
+    ref.v.copy_(fast.v)
+    for c in (fast, ref):
+        c.set_lengths(lengths, span=int(lengths.max()))
+    x = torch.randn(b, t, 72, generator=g)
+    with torch.no_grad():
+        ctx = model.layer_inputs(b, t, "cpu", cache=ref)  # fp32 cos, sin, mask: as the model has them
+        assert decode_ops.layer_applies(layer, x, fast.k)
+        y = decode_ops.decoder_layer(layer, x, ctx.cos, ctx.sin, fast.k[0], fast.v[0], fast.lengths)
+        mask = None if ctx.mask is None else ctx.mask.double()  # None: every row empty (b = 1), causal
+        want = ref_layer(x.double(), ctx.cos.double(), ctx.sin.double(), ctx.attn, mask, ref, 0, ctx.positions,
+                         ctx.span)
+    # outputs of magnitude ~20: 1e-4 is a few fp32 roundings; activations rounded to bf16 would be ~1e-2 off
+    assert want.abs().max() > 10
+    torch.testing.assert_close(y, want.float(), rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(fast.k, ref.k.float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fast.v, ref.v.float(), rtol=1e-5, atol=1e-5)
+
+
+def test_layer_applies():
+    """Any row count; fp32 or bf16 projections (all the same); fp32 activations, cache and norms; no
+    q/k norms; no autograd."""
+    def config(arch):
+        return ModelConfig(vocab_size=50, hidden_size=48, intermediate_size=64, num_hidden_layers=1,
+                           num_attention_heads=6, num_key_value_heads=2, architectures=[arch])
+    layer, cache = DecoderLayer(config("LlamaForCausalLM")), torch.zeros(1, 4, 2, 8, 8)
+    x = torch.randn(4, 50, 48)  # 200 rows: the dispatcher, not this, decides whether it pays
+    bf16 = _bf16_weights(copy.deepcopy(layer))
+    mixed = copy.deepcopy(layer)
+    mixed.mlp.down_proj.to(torch.bfloat16)
+    strided = copy.deepcopy(bf16)
+    strided.self_attn.q_proj.weight.data = strided.self_attn.q_proj.weight.data.T.contiguous().T
+    bf16_norm = copy.deepcopy(bf16)
+    bf16_norm.input_layernorm.to(torch.bfloat16)
+    qwen3 = DecoderLayer(config("Qwen3ForCausalLM"))
+    assert not decode_ops.layer_applies(layer, x, cache)  # its weights need grad, autograd is on
+    with torch.no_grad():
+        assert decode_ops.layer_applies(layer, x, cache) and decode_ops.layer_applies(bf16, x, cache)
+        assert decode_ops.layer_applies(bf16, x[:1, :1], cache)
+        assert not decode_ops.layer_applies(qwen3, x, cache)
+        assert not decode_ops.layer_applies(mixed, x, cache) and not decode_ops.layer_applies(strided, x, cache)
+        assert not decode_ops.layer_applies(bf16_norm, x, cache)
+        assert not decode_ops.layer_applies(layer, x.double(), cache)
+        assert not decode_ops.layer_applies(bf16, x, cache.double())
+        assert not decode_ops.layer_applies(layer.double(), x.double(), cache.double())

@@ -1,10 +1,18 @@
-"""`codraft bench gemv`: how fast a model's weights stream through few-row products.
+"""`codraft bench gemv`: how fast a model's weights stream through few-row products, path by path,
+and whether the measured dispatch table picks well.
 
-For each row count, the same run times, interleaved, every 2-D weight a decode step multiplies
-(all layers' projections and the LM head, in order): a ``sum`` over each weight (what reading
-it costs, the floor), torch's products (``torch_product``: what ``codraft.kernels.products.linear`` runs
-without the kernel) and the C kernel (``codraft.kernels.gemv``). Figures are GB/s of weights read (best of
-``repeats``).
+First the dispatch tables of the model's shapes on this machine (``codraft.kernels.dispatch``:
+row range -> path, per product shape and for the one-call decoder layer; measured now if this
+machine has none, or with ``remeasure``). Then, for each row count, the same run times,
+interleaved, every 2-D weight a decode step multiplies (all layers' projections and the LM head, in
+forward order): a ``sum`` over each weight (what reading it costs, the floor), each single product
+path (``codraft.kernels.products.PATHS``: the C kernel, ``F.linear``, ``(w @ xᵀ)ᵀ``), the chosen
+one (each weight's path from its table, called the same way) and the same through
+``products.linear`` (what the fast layers call: plus a reshape, the checks and the table lookup,
+a few µs per product). Figures are ms for all the products (best of ``repeats``) and GB/s of
+weights read; "chosen vs best" is the best single path's time over the chosen one's (≥ 1: the
+table did as well as any single path at that row count).
+``dtypes``: the fp32 weights and/or the bf16 rollout copy (weight-only: x stays fp32).
 """
 from __future__ import annotations
 
@@ -15,9 +23,12 @@ import torch
 
 from codraft.bench import format_table
 from codraft.bench.spec import MODELS
-from codraft.kernels import gemv
-from codraft.kernels.products import torch_product
+from codraft.kernels import dispatch, gemv, products
+from codraft.kernels.fast_layers import layer_table
 from codraft.policy import load_policy
+from codraft.rollout.weights import RolloutWeights
+
+SINGLE = tuple(products.PATHS)
 
 
 def decode_weights(model) -> list[torch.Tensor]:
@@ -30,41 +41,104 @@ def decode_weights(model) -> list[torch.Tensor]:
     return [w.detach() for w in ws] + [model.head_weight.detach()]
 
 
-def measure(weights: list[torch.Tensor], rows: list[int], repeats: int = 5) -> list[dict]:
-    if gemv.kernel() is None:
-        raise RuntimeError("the GEMV kernel is not available (no C compiler, or CODRAFT_KERNELS=0)")
-    nbytes = sum(w.numel() * w.element_size() for w in weights)
-    sides = {"sum": lambda x, w: w.sum(), "torch": torch_product, "kernel": gemv.gemv}
-    out = []
+def tables(model, weights: list[torch.Tensor]) -> list[dict]:
+    """The dispatch tables the model's decode steps use here: one per product shape (with how many
+    weights share it) and, for layers without q/k norms, the one-call layer's."""
+    shapes: dict[tuple, list[torch.Tensor]] = {}
+    for w in weights:
+        shapes.setdefault((*w.shape, w.dtype), []).append(w)
     with torch.inference_mode():
-        for m in rows:
-            xs = {i: torch.randn(m, i) for i in {w.shape[1] for w in weights}}
-            best = dict.fromkeys(sides, float("inf"))
-            for _ in range(repeats + 1):  # the first round warms up
-                for name, fn in sides.items():
-                    t = perf_counter()
-                    for w in weights:
-                        fn(xs[w.shape[1]], w)
-                    best[name] = min(best[name], perf_counter() - t)
-            out.append({"rows": m, "bytes": nbytes, **{f"{k}_ms": v * 1e3 for k, v in best.items()},
-                        **{f"{k}_GBps": nbytes / v / 1e9 for k, v in best.items()}})
+        out = [{"op": "product", "key": dispatch.describe(key), "weights": len(ws), "table": products.table(ws[0])}
+               for key, ws in shapes.items()]
+        layer = model.layers[0]
+        if layer.self_attn.q_norm is None:
+            a = layer.self_attn
+            key = (f"{a.q_proj.weight.shape[1]} hidden, {a.n_heads}/{a.n_kv} heads of {a.head_dim}, "
+                   f"{layer.mlp.gate_proj.weight.shape[0]} mlp, {str(a.q_proj.weight.dtype).removeprefix('torch.')}")
+            out.append({"op": "layer", "key": key, "weights": len(model.layers), "table": layer_table(layer)})
     return out
 
 
-def run(model_name: str = "smollm2", rows=(1, 2, 4, 8, 16, 32), threads: int = 2, repeats: int = 5,
-        json_path: str | None = None) -> list[dict]:
+def measure(weights: list[torch.Tensor], rows: list[int], repeats: int = 5) -> list[dict]:
+    """Per row count: ``{side}_ms`` for all ``weights``' products, sides: ``sum``, each path of
+    ``products.PATHS`` (None where it does not apply), ``chosen`` (each weight's path from its table,
+    called as the single paths are) and ``via_linear`` (``products.linear``: the chosen path with
+    the layers' per-call reshape, checks and lookup); and ``best_single``, ``chosen_vs_best``,
+    ``bytes``, ``chosen_GBps``."""
+    nbytes = sum(w.numel() * w.element_size() for w in weights)
+    out = []
+    with torch.inference_mode():
+        for m in rows:
+            xs = [torch.randn(m, w.shape[1]) for w in weights]  # (the same x for every side)
+            chosen = [products.PATHS[t.by_rows[m]] if m < len(t.by_rows) else products.torch_linear
+                      for t in map(products.table, weights)]
+            sides = {name: [fn] * len(weights) for name, fn in
+                     {"sum": lambda x, w: w.sum(), **products.PATHS, "via_linear": products.linear}.items()}
+            sides["chosen"] = chosen
+            if not all(gemv.applies(x, w) for x, w in zip(xs, weights)):
+                del sides["kernel"]
+            best = dict.fromkeys(sides, float("inf"))
+            names = list(sides)
+            for r in range(repeats + 1):  # the first round warms up
+                for k in range(len(names)):
+                    name = names[(k + r) % len(names)]  # rotating order: a slow moment hits all sides alike
+                    calls, t = zip(sides[name], xs, weights), perf_counter()
+                    for fn, x, w in calls:
+                        fn(x, w)
+                    if r:
+                        best[name] = min(best[name], perf_counter() - t)
+            ms = {n: best[n] * 1e3 if n in best else None for n in ("sum", *SINGLE, "chosen", "via_linear")}
+            single = min((n for n in SINGLE if ms[n] is not None), key=ms.get)
+            out.append({"rows": m, "bytes": nbytes, **{f"{k}_ms": v for k, v in ms.items()}, "best_single": single,
+                        "chosen_vs_best": ms[single] / ms["chosen"], "chosen_GBps": nbytes / ms["chosen"] / 1e6})
+    return out
+
+
+def _us(times: dict[int, dict[str, float]]) -> dict:
+    return {m: {n: s * 1e6 for n, s in ts.items()} for m, ts in times.items()}
+
+
+def _ranges(table: dispatch.Table) -> str:
+    return ", ".join(f"{lo}-{hi} {name}" if hi > lo else f"{lo} {name}" for lo, hi, name in table.ranges) \
+        + f", >{table.ranges[-1][1]} {table.by_rows[0]}"
+
+
+def run(model_name: str = "smollm2", rows=tuple(range(1, 65)), threads: int = 2, repeats: int = 5,
+        dtypes=("float32",), remeasure: bool = False, json_path: str | None = None) -> dict:
     torch.set_num_threads(threads)
     model = load_policy(MODELS.get(model_name, model_name))[0]
-    weights = decode_weights(model)
-    result = measure(weights, list(rows), repeats)
-    mb = result[0]["bytes"] / 1e6
-    print(f"bench gemv: {model_name}, {len(weights)} weights, {mb:.0f} MB fp32, {threads} threads, "
-          f"best of {repeats}; GB/s of weights read")
-    print(format_table([[r["rows"], r["sum_GBps"], r["torch_GBps"], r["kernel_GBps"], r["torch_ms"], r["kernel_ms"],
-                         r["torch_ms"] / r["kernel_ms"]] for r in result],
-                       ["rows", "sum", "torch", "kernel", "torch ms", "kernel ms", "kernel speedup"]))
+    if remeasure:
+        dispatch.forget()
+    report = {"model": model_name, "threads": threads, "repeats": repeats, "machine": dispatch.machine(),
+              "tables": [], "rows": []}
+    for dtype in dtypes:
+        decoder = model if dtype == "float32" else RolloutWeights(model, getattr(torch, dtype)).policy
+        weights = decode_weights(decoder)
+        tabs = tables(decoder, weights)
+        print(f"bench gemv: {model_name}, {dtype} weights, {threads} threads, {report['machine']['cpu']}: "
+              f"dispatch tables (rows -> path)")
+        for t in tabs:
+            busy = t["table"].busy and f" (timed while others used {t['table'].busy:.1f} cores: rerun when idle)"
+            print(f"  {t['op']} {t['key']} (x{t['weights']}): {_ranges(t['table'])}{busy or ''}")
+        result = measure(weights, list(rows), repeats)
+        mb = result[0]["bytes"] / 1e6
+        print(f"{len(weights)} products, {mb:.0f} MB of {dtype} weights, best of {repeats}; ms for all; "
+              f"chosen vs best = best single path's time / the chosen path's")
+        columns = ["sum", *SINGLE, "chosen", "via_linear"]
+        print(format_table([[r["rows"], *(r[f"{c}_ms"] for c in columns), r["chosen_GBps"], r["best_single"],
+                             r["chosen_vs_best"]] for r in result],
+                           ["rows", "sum (floor)", *SINGLE, "chosen", "via linear()", "chosen GB/s", "best single",
+                            "chosen vs best"]))
+        worst = min(result, key=lambda r: r["chosen_vs_best"])
+        print(f"chosen vs best single path: >= 1 at {sum(r['chosen_vs_best'] >= 1 for r in result)}/{len(result)} "
+              f"row counts, >= 0.97 at {sum(r['chosen_vs_best'] >= 0.97 for r in result)}; "
+              f"worst {worst['chosen_vs_best']:.2f} at {worst['rows']} rows\n")
+        report["tables"] += [{"dtype": dtype, "op": t["op"], "key": t["key"], "weights": t["weights"],
+                              "ranges": t["table"].ranges, "times_us": _us(t["table"].times),
+                              "busy_cores": t["table"].busy} for t in tabs]
+        report["rows"] += [{"dtype": dtype, **r} for r in result]
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"model": model_name, "threads": threads, "repeats": repeats, "rows": result}, f, indent=2)
+            json.dump(report, f, indent=2)
         print(f"wrote {json_path}")
-    return result
+    return report

@@ -5,13 +5,15 @@ C kernels, built on first use by ``cbuild`` (system compiler, cached): few-row p
 + attention, a whole decoder layer in one call). ``enable`` changes the class of every
 reference module it finds (``codraft.models``' Transformer, DecoderLayer, Attention, MLP,
 RMSNorm, drafts' included) to its subclass in ``fast_layers``, which takes the C path when it
-applies (CPU, fp32, no autograd, few rows) and otherwise runs the reference forward; and gives
-modules that declare a ``head_product`` (block drafts: their product with the target's LM head)
-the fast product. Parameter
+applies (CPU, fp32 activations, fp32 or bf16 weights, no autograd) and otherwise runs the
+reference forward; and gives modules that declare a ``head_product`` (block drafts: their product
+with the target's LM head) the fast product. Between paths that all apply (the kernel or torch's
+products; one C call per layer or one per op) the fastest for the shape and row count is chosen by
+timing them on this machine the first time (``dispatch``, cached on disk). Parameter
 names, state dicts, autograd, ``copy.deepcopy``, pickling and ``Module.to`` are unaffected.
 ``CODRAFT_KERNELS=0``, or no C compiler (warned once), leaves every module plain.
 
-Not here: the reference model (``codraft.models``); GPU or bf16 kernels.
+Not here: the reference model (``codraft.models``); GPU kernels.
 """
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Compile the C kernels of ``codraft.kernels`` into one shared library on first use, cached.
+"""Compile the C kernels of ``codraft.kernels`` into one shared library on first use, cached; and
+what tensors they take (``fits`` for activations, ``weight_fits`` for product weights: fp32 or bf16).
 
 ``gemv.c`` (few-row products) and ``decode_ops.c`` (the rest of a decode step, which calls
 the products) are built with the system C compiler (``$CC``, default ``cc``; ~1 s) into
@@ -36,11 +37,13 @@ def _cpu_id() -> str:
         return platform.processor() or platform.machine()
 
 
-def build(sources: tuple[Path, ...] = SOURCES, cache_dir: Path | None = None) -> Path:
-    """Compile ``sources`` (if not cached) into one library and return its path; raises on failure."""
+def build(sources: tuple[Path, ...] = SOURCES, cache_dir: Path | None = None, defines: tuple[str, ...] = ()) -> Path:
+    """Compile ``sources`` (if not cached) into one library and return its path; raises on failure.
+    ``defines``: extra ``-D`` flags, e.g. ``("LANES=8",)`` for gemv.c's portable vector width."""
     cc = os.environ.get("CC", "cc")
     texts = [s.read_text() for s in sources]
-    key = hashlib.sha256("\0".join([*texts, cc, *FLAGS, _cpu_id()]).encode()).hexdigest()[:16]
+    flags = (*FLAGS, *(f"-D{d}" for d in defines))
+    key = hashlib.sha256("\0".join([*texts, cc, *flags, _cpu_id()]).encode()).hexdigest()[:16]
     folder = Path(cache_dir) if cache_dir is not None else cache_root() / "kernels"
     lib = folder / f"kernels-{key}.so"
     if lib.is_file():
@@ -49,7 +52,7 @@ def build(sources: tuple[Path, ...] = SOURCES, cache_dir: Path | None = None) ->
     fd, tmp = tempfile.mkstemp(prefix=".kernels-", suffix=".so", dir=folder)
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, "-o", tmp, *map(str, sources)], capture_output=True, text=True,
+        done = subprocess.run([cc, *flags, "-o", tmp, *map(str, sources)], capture_output=True, text=True,
                               timeout=120)
         if done.returncode != 0:
             names = ", ".join(s.name for s in sources)
@@ -75,6 +78,17 @@ def library() -> ctypes.CDLL | None:
 
 
 def fits(*tensors: torch.Tensor) -> bool:
-    """What every kernel takes: CPU fp32 tensors that need no autograd."""
+    """What every kernel takes as activations (and norm weights): CPU fp32 tensors that need no autograd."""
     return (all(t.is_cpu and t.dtype is torch.float32 for t in tensors)
             and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
+
+
+WEIGHT_DTYPES = (torch.float32, torch.bfloat16)  # bf16: rollout weights, widened exactly in C
+
+
+def weight_fits(*weights: torch.Tensor) -> bool:
+    """What the products take as weights: contiguous CPU tensors, all fp32 or all bf16, that need no
+    autograd (the C code reads their storage directly)."""
+    return (all(w.is_cpu and w.dtype is weights[0].dtype and w.is_contiguous() for w in weights)
+            and weights[0].dtype in WEIGHT_DTYPES
+            and not (torch.is_grad_enabled() and any(w.requires_grad for w in weights)))

@@ -1,6 +1,7 @@
 // The small per-layer operations of a KV-cache decode step, fused: at batch 1 torch's dispatch of
 // its ~45 small ops per layer costs about as much in total as streaming the weights.
-// fp32, row-major, contiguous. Built by codraft/kernels/cbuild.py.
+// Activations, norm weights, RoPE tables and the KV cache fp32; a layer's projection weights fp32 or
+// bf16 (gemv.c). Row-major, contiguous. Built by codraft/kernels/cbuild.py.
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
@@ -85,31 +86,41 @@ void decode_attention(const float *q, const float *k, const float *v, const floa
     }
 }
 
-void gemv_rows(const float *x, const float *w, float *y, int64_t m, int64_t in, int64_t out);  // gemv.c
+// gemv.c: fp32 or bf16 weights
+void gemv_rows(const float *x, const float *w, float *y, int64_t m, int64_t in, int64_t out);
+void gemv_rows_bf16(const float *x, const uint16_t *w, float *y, int64_t m, int64_t in, int64_t out);
 
-// One decoder layer for m = B*T new tokens (m small: the products go through gemv_rows):
+static void product(const float *x, const void *w, int bf16, float *y, int64_t m, int64_t in, int64_t out) {
+    if (bf16)
+        gemv_rows_bf16(x, w, y, m, in, out);
+    else
+        gemv_rows(x, w, y, m, in, out);
+}
+
+// One decoder layer for m = B*T new tokens (the products go through gemv.c):
 //   h = x + o_proj(attention(rope(q, k), cache))   with q, k, v = projections of rms_norm(x)
 //   y = h + down(silu(gate(n)) * up(n))            with n = rms_norm(h)
-// w: the layer's input norm, q, k, v, o, post-attention norm, gate, up, down weights (HF shapes).
+// w: the layer's input norm, q, k, v, o, post-attention norm, gate, up, down weights (HF shapes);
+// the norms fp32, the 7 projections fp32, or bf16 (raw bits) when bf16 is nonzero.
 // k and v are written into this layer's cache as in decode_attention.
-void decode_layer(const float *x, float *y, const float *const *w, const float *cos, const float *sin,
+void decode_layer(const float *x, float *y, const void *const *w, const float *cos, const float *sin,
                   float *kc, float *vc, const int64_t *lengths, int64_t B, int64_t T, int64_t D, int64_t H,
-                  int64_t Hkv, int64_t hd, int64_t I, int64_t L, float eps) {
+                  int64_t Hkv, int64_t hd, int64_t I, int64_t L, float eps, int bf16) {
     int64_t m = B * T, nq = H * hd, nkv = Hkv * hd;
     float *n = malloc((m * (D + nq + 2 * nkv + nq + 2 * I)) * sizeof(float));
     float *q = n + m * D, *k = q + m * nq, *v = k + m * nkv, *att = v + m * nkv, *g = att + m * nq, *u = g + m * I;
     rms_norm_rows(x, w[0], n, m, D, eps);
-    gemv_rows(n, w[1], q, m, D, nq);
-    gemv_rows(n, w[2], k, m, D, nkv);
-    gemv_rows(n, w[3], v, m, D, nkv);
+    product(n, w[1], bf16, q, m, D, nq);
+    product(n, w[2], bf16, k, m, D, nkv);
+    product(n, w[3], bf16, v, m, D, nkv);
     decode_attention(q, k, v, cos, sin, kc, vc, lengths, att, B, T, H, Hkv, hd, L, 1.0f / sqrtf((float)hd));
-    gemv_rows(att, w[4], y, m, nq, D);
+    product(att, w[4], bf16, y, m, nq, D);
     for (int64_t i = 0; i < m * D; i++) y[i] += x[i];
     rms_norm_rows(y, w[5], n, m, D, eps);
-    gemv_rows(n, w[6], g, m, D, I);
-    gemv_rows(n, w[7], u, m, D, I);
+    product(n, w[6], bf16, g, m, D, I);
+    product(n, w[7], bf16, u, m, D, I);
     for (int64_t i = 0; i < m * I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    gemv_rows(g, w[8], n, m, I, D);
+    product(g, w[8], bf16, n, m, I, D);
     for (int64_t i = 0; i < m * D; i++) y[i] += n[i];
     free(n);
 }

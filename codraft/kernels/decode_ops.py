@@ -4,11 +4,13 @@ grouped-query attention; and a whole decoder layer in one call.
 At batch 1 a step is bound by streaming the weights (``codraft.kernels.gemv``), but the ~45
 small torch ops and Python calls per layer around them (norms, rope, cache scatter, one-query
 SDPA, views, module calls) each pay torch's dispatch, which added up to a large part of the
-step (figures in docs/bench-spec.md). With few rows (gemv's ``KERNEL_ROWS``) a layer is one C
-call; with more (a batched verify) the norms and the attention still are. Used on CPU, fp32,
-without autograd; built with the GEMV kernel (``codraft.kernels.cbuild``; ``CODRAFT_KERNELS=0``
-opts out). Results match the torch ops up to fp32 summation order. Not here: when a model uses
-them (``codraft.kernels.fast_layers``).
+step (figures in docs/bench-spec.md). A layer without q/k norms can be one C call
+(``layer_applies``), whose products go through the GEMV kernel with the layer's fp32 or bf16
+projection weights (rollout copies; norm weights, activations and the KV cache stay fp32).
+Used on CPU without autograd; built with the GEMV kernel (``codraft.kernels.cbuild``;
+``CODRAFT_KERNELS=0`` opts out). Results match the torch ops (bf16 weights widened to fp32) up to
+fp32 summation order. Not here: when a model uses them, e.g. up to which row count the one-call
+layer wins (``codraft.kernels.fast_layers``).
 """
 from __future__ import annotations
 
@@ -31,13 +33,30 @@ def kernels():
     lib.rms_norm_rows.restype = lib.decode_attention.restype = lib.decode_layer.restype = None
     lib.rms_norm_rows.argtypes = [_P, _P, _P, _I, _I, _F]
     lib.decode_attention.argtypes = [_P] * 9 + [_I] * 6 + [_F]
-    lib.decode_layer.argtypes = [_P] * 8 + [_I] * 8 + [_F]
+    lib.decode_layer.argtypes = [_P] * 8 + [_I] * 8 + [_F, ctypes.c_int]
     return lib
 
 
 def applies(*tensors: torch.Tensor) -> bool:
     """CPU fp32 tensors that need no autograd, and the kernels are built."""
     return cbuild.fits(*tensors) and kernels() is not None
+
+
+def _layer_weights(layer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A decoder layer's norm weights and its 7 projection weights, in decode_layer's order."""
+    a, mlp = layer.self_attn, layer.mlp
+    return ([layer.input_layernorm.weight, layer.post_attention_layernorm.weight],
+            [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight,
+             mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight])
+
+
+def layer_applies(layer, x: torch.Tensor, cache_k: torch.Tensor) -> bool:
+    """Whether ``decoder_layer`` can run this ``DecoderLayer`` on x, at any row count: no q/k norms,
+    x, the cache and the norm weights CPU fp32 without autograd, the 7 projection weights contiguous
+    and all fp32 or all bf16, kernels built. Whether it is the fastest path is the caller's call."""
+    norms, projections = _layer_weights(layer)
+    return (layer.self_attn.q_norm is None and cbuild.fits(x, cache_k, *norms)
+            and cbuild.weight_fits(*projections) and kernels() is not None)
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -83,21 +102,25 @@ def cache_attention(q, k, v, cos, sin, k_cache, v_cache, lengths) -> torch.Tenso
 
 
 def decoder_layer(layer, x, cos, sin, k_cache, v_cache, lengths) -> torch.Tensor:
-    """``layer`` (a ``DecoderLayer`` without q/k norms) on x (B,T,D) of T new tokens per row: the
-    same as its torch forward into a KV cache, in one C call. Needs B*T <= gemv.KERNEL_ROWS."""
+    """``layer`` (a ``DecoderLayer`` without q/k norms; fp32 or bf16 projection weights) on x
+    (B,T,D) of T new tokens per row: the same as its torch forward into a KV cache, in one C call.
+    The caller checked ``layer_applies``."""
     a, mlp = layer.self_attn, layer.mlp
     b, t, d = x.shape
     if d != a.q_proj.weight.shape[1] or cos.shape != (b, 1, t, a.head_dim) or sin.shape != cos.shape:
         raise ValueError(f"decoder_layer: x {tuple(x.shape)}, cos/sin {tuple(cos.shape)} do not fit the layer")
     _check_cache(k_cache, v_cache, lengths, b, t, a.n_kv, a.head_dim)
-    weights = [layer.input_layernorm.weight, a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight,
-               layer.post_attention_layernorm.weight, mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight]
-    weights = [w.contiguous() for w in weights]  # (held: the C call reads them)
-    ptrs = (ctypes.c_void_p * 9)(*(w.data_ptr() for w in weights))
+    (norm_in, norm_post), projections = _layer_weights(layer)
+    dtype = projections[0].dtype
+    if dtype not in cbuild.WEIGHT_DTYPES or any(w.dtype is not dtype for w in projections):
+        raise ValueError(f"decoder_layer: projection weights {[w.dtype for w in projections]}: all fp32 or all bf16")
+    weights = [w.contiguous() for w in (norm_in, *projections[:4], norm_post, *projections[4:])]
+    ptrs = (ctypes.c_void_p * 9)(*(w.data_ptr() for w in weights))  # (held: the C call reads them)
     x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
     lengths = lengths.to(torch.int64).contiguous()
     y = torch.empty_like(x)
     kernels().decode_layer(x.data_ptr(), y.data_ptr(), ptrs, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
                            v_cache.data_ptr(), lengths.data_ptr(), b, t, d, a.n_heads, a.n_kv, a.head_dim,
-                           mlp.gate_proj.weight.shape[0], k_cache.shape[2], layer.input_layernorm.eps)
+                           mlp.gate_proj.weight.shape[0], k_cache.shape[2], layer.input_layernorm.eps,
+                           dtype is torch.bfloat16)
     return y

@@ -1,25 +1,34 @@
 """The kernel-enabled layers: subclasses of the reference modules of ``codraft.models`` whose
 forward takes the CPU C path when it applies and otherwise runs the reference code.
 
-When it applies, checked per call as cheaply as a few attribute reads: CPU fp32 tensors that
-need no autograd (``cbuild.fits``); products through ``products.linear`` (the GEMV kernel for few
-rows); RMSNorm in C; into a KV cache with the default ``varlen_attention``, RoPE + cache write +
-attention in C (not for a prefill into an empty cache: SDPA), and a whole decoder layer in one C
-call for steps of at most ``gemv.KERNEL_ROWS`` rows without q/k norms. ``SWAPS`` maps each reference class to its subclass; the subclasses add
-no parameters, buffers or attributes, so only ``type(module)`` changes.
+When it applies, checked per call as cheaply as a few attribute reads: CPU fp32 activations that
+need no autograd (``cbuild.fits``); products through ``products.linear`` (the fastest of the GEMV
+kernel and torch's two forms for the row count, measured); RMSNorm in C; into a KV cache with the
+default ``varlen_attention``, RoPE + cache write + attention in C (not for a prefill into an empty
+cache: SDPA); and a whole decoder layer in one C call (``decode_ops.layer_applies``: no q/k norms)
+where that is faster than the layer's C norms + C attention + products, as measured on this
+machine per layer shape, weight dtype and row count (``LAYER``, ``codraft.kernels.dispatch``).
+``SWAPS`` maps each reference class to its subclass; the subclasses add no parameters, buffers or
+attributes, so only ``type(module)`` changes.
 Not here: the kernels and their build (``gemv``, ``decode_ops``, ``cbuild``), installing these
 (``codraft.kernels.enable``).
 """
 from __future__ import annotations
 
+import copy
+import itertools
+
 import torch
 import torch.nn.functional as F
 
-from codraft.attention import varlen_attention
-from codraft.kernels import decode_ops, gemv
+from codraft.attention import cache_causal_mask, varlen_attention
+from codraft.kernels import decode_ops, dispatch
 from codraft.kernels.products import linear
+from codraft.models.kv_cache import KVCache
 from codraft.models.layers import MLP, RMSNorm
 from codraft.models.transformer import Attention, DecoderLayer, Transformer
+
+CONTEXT = 16  # cached tokens per row while timing a layer: both paths run the same C attention over them
 
 
 class FastRMSNorm(RMSNorm):
@@ -51,11 +60,12 @@ class FastAttention(Attention):
 
 class FastDecoderLayer(DecoderLayer):
     def forward(self, x, cos, sin, attn, mask, cache, layer: int, positions, span):
-        # a few-row CPU decode step: the whole layer in one C call
-        if (cache is not None and attn is varlen_attention and self.self_attn.q_norm is None
-                and x.shape[0] * x.shape[1] <= gemv.KERNEL_ROWS
-                and decode_ops.applies(x, cache.k, self.mlp.down_proj.weight)):
-            return decode_ops.decoder_layer(self, x, cos, sin, cache.k[layer], cache.v[layer], cache.lengths)
+        # a CPU decode step: the whole layer in one C call, for the row counts where that is faster
+        if cache is not None and attn is varlen_attention and decode_ops.layer_applies(self, x, cache.k):
+            by_rows = layer_table(self).by_rows
+            rows = x.shape[0] * x.shape[1]
+            if rows < len(by_rows) and by_rows[rows] == "fused":
+                return decode_ops.decoder_layer(self, x, cos, sin, cache.k[layer], cache.v[layer], cache.lengths)
         return super().forward(x, cos, sin, attn, mask, cache, layer, positions, span)
 
 
@@ -66,3 +76,50 @@ class FastTransformer(Transformer):
 
 SWAPS: dict[type, type] = {RMSNorm: FastRMSNorm, MLP: FastMLP, Attention: FastAttention,
                            DecoderLayer: FastDecoderLayer, Transformer: FastTransformer}
+
+
+def _layer_candidates(layer: FastDecoderLayer) -> dict[str, dispatch.At]:
+    """The one-call layer and the per-op one (``DecoderLayer.forward`` over the fast submodules) on a
+    copy of ``layer`` whose projection weights are swapped for another copy before each call; m rows
+    of one new token each after ``CONTEXT`` cached ones."""
+    a = layer.self_attn
+    timed = copy.deepcopy(layer)
+    weights = [p for p in timed.parameters() if p.dim() == 2]
+    n = dispatch.copies(sum(w.numel() * w.element_size() for w in weights))
+    stacks = [w.detach().expand(n, *w.shape).contiguous() for w in weights]
+    turn = itertools.count()
+
+    def at(fused: bool):
+        def rows(m):
+            cache = KVCache(num_layers=1, batch=m, max_len=CONTEXT + 1, num_kv_heads=a.n_kv, head_dim=a.head_dim,
+                            dtype=layer.input_layernorm.weight.dtype, device="cpu")
+            cache.set_lengths(torch.full((m,), CONTEXT), span=CONTEXT)
+            x = torch.randn(m, 1, a.q_proj.weight.shape[1], dtype=cache.k.dtype)
+            cos, sin = torch.ones(m, 1, 1, a.head_dim), torch.zeros(m, 1, 1, a.head_dim)  # RoPE at angle 0
+            positions, span = cache.lengths[:, None], CONTEXT + 1
+            mask = torch.zeros(()).masked_fill(~cache_causal_mask(cache.lengths, 1, span), float("-inf"))
+            if fused and not decode_ops.layer_applies(timed, x, cache.k):
+                return None
+
+            def run():
+                j = next(turn) % n
+                for w, s in zip(weights, stacks):
+                    w.data = s[j]
+                if fused:
+                    return decode_ops.decoder_layer(timed, x, cos, sin, cache.k[0], cache.v[0], cache.lengths)
+                return DecoderLayer.forward(timed, x, cos, sin, varlen_attention, mask, cache, 0, positions, span)
+            return run
+        return rows
+    return {"fused": at(True), "unfused": at(False)}
+
+
+LAYER = dispatch.Operation("layer", ("fused", "unfused"), "unfused", _layer_candidates)
+
+
+def layer_table(layer: FastDecoderLayer) -> dispatch.Table:
+    """The measured choice per row count (B·T new tokens) between the one-call layer and the per-op
+    one, for layers shaped like ``layer`` with its weight dtype."""
+    a = layer.self_attn
+    key = (a.q_proj.weight.shape[1], layer.mlp.gate_proj.weight.shape[0], a.n_heads, a.n_kv, a.head_dim,
+           a.q_proj.weight.dtype)
+    return dispatch.lookup(LAYER, key, layer)

@@ -1,31 +1,68 @@
 """Few-row products ``x @ wᵀ`` on CPU: the fast ``linear`` the kernel-enabled layers use.
 
-Up to ``gemv.KERNEL_ROWS`` rows (CPU, fp32, no autograd) the C kernel (``codraft.kernels.gemv``);
-beyond that MKL's ``x @ wᵀ`` (what ``F.linear`` runs) is still slow up to ``SMALL_ROWS`` rows,
-where the same product computed as ``(w @ xᵀ)ᵀ`` is faster; bigger batches, autograd and other
-devices keep ``F.linear``. Outputs match ``F.linear`` up to fp32 summation order.
-Not here: the kernel itself, and which modules use this (``codraft.kernels.fast_layers``).
+Three paths compute the same product: the C kernel (``codraft.kernels.gemv``), MKL's ``x @ wᵀ``
+(``F.linear``) and the same computed as ``(w @ xᵀ)ᵀ``, which MKL runs through other code that can
+be faster for some row counts. Which one is fastest for a weight's shape and dtype at a row count is
+measured on this machine the first time the shape is used (``codraft.kernels.dispatch``; above the
+measured row counts, ``F.linear``). A bf16 weight (weight-only rollout copies; x stays fp32) goes
+to the kernel as is and to torch's products widened per call. Autograd, other devices and other
+dtypes keep ``F.linear``. Outputs match ``F.linear`` (of the widened weight) up to fp32 summation
+order. Not here: the kernel itself, and which modules use this (``codraft.kernels.fast_layers``).
 """
 from __future__ import annotations
+
+import itertools
 
 import torch
 import torch.nn.functional as F
 
-from codraft.kernels import gemv
+from codraft.kernels import cbuild, dispatch, gemv
 
-SMALL_ROWS = 128  # up to here (w @ xᵀ)ᵀ beats F.linear on CPU (figures: docs/bench-spec.md)
+
+def torch_linear(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x2 (M,I) @ wᵀ by ``F.linear`` (w widened to x2's dtype)."""
+    return F.linear(x2, w if w.dtype is x2.dtype else w.to(x2.dtype))
+
+
+def transposed(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x2 (M,I) @ wᵀ as (w @ x2ᵀ)ᵀ (w widened to x2's dtype)."""
+    return ((w if w.dtype is x2.dtype else w.to(x2.dtype)) @ x2.T).T.contiguous()
+
+
+PATHS = {"kernel": gemv.gemv, "linear": torch_linear, "transposed": transposed}
+
+
+def _candidates(w: torch.Tensor) -> dict[str, dispatch.At]:
+    """Each path on copies of ``w`` (the kernel where it applies), for ``dispatch.measure``."""
+    n = dispatch.copies(w.numel() * w.element_size())
+    ws = w.detach().expand(n, *w.shape).contiguous()  # each call reads another copy: from memory
+    turn = itertools.count()
+
+    def at(name):
+        def rows(m):
+            x = torch.randn(m, w.shape[1])
+            if name == "kernel" and not gemv.applies(x, ws[0]):
+                return None
+            return lambda: PATHS[name](x, ws[next(turn) % n])
+        return rows
+    return {name: at(name) for name in PATHS}
+
+
+PRODUCT = dispatch.Operation("product", tuple(PATHS), "linear", _candidates)
+
+
+def table(w: torch.Tensor) -> dispatch.Table:
+    """The measured choice of path per row count for products with weights like ``w``."""
+    return dispatch.lookup(PRODUCT, (*w.shape, w.dtype), w)
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``codraft.models.layers.linear`` (``F.linear(x, w)``, no bias, one 2-D product) through the
-    fastest product for its row count."""
+    """``codraft.models.layers.linear`` (``F.linear(x, w)``, no bias, one 2-D product, a narrower w
+    widened) through the fastest path for its row count."""
     x2 = x.reshape(-1, x.shape[-1])
-    y = gemv.gemv(x2, w) if gemv.applies(x2, w) else torch_product(x2, w)
-    return y.view(*x.shape[:-1], w.shape[0])
-
-
-def torch_product(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x2 (M,I) @ wᵀ with torch's own products: (w @ xᵀ)ᵀ for 2..SMALL_ROWS rows on CPU without grad."""
-    if 2 <= x2.shape[0] <= SMALL_ROWS and x2.device.type == "cpu" and not torch.is_grad_enabled():
-        return (w @ x2.T).T.contiguous()
-    return F.linear(x2, w)
+    path = torch_linear
+    if cbuild.fits(x2) and cbuild.weight_fits(w):
+        by_rows = table(w).by_rows
+        if x2.shape[0] < len(by_rows):
+            path = PATHS[by_rows[x2.shape[0]]]
+    return path(x2, w).view(*x.shape[:-1], w.shape[0])

@@ -1,0 +1,305 @@
+"""The measured choice of CPU fast paths (codraft.kernels.dispatch): every path it chooses between
+against an fp64 reference (products with fp32 and bf16 weights; the one-call and the per-op decoder
+layer), how a table is built from timings (made-up ones: no test depends on this machine's clock),
+cached, reused and rebuilt, and that the fast layers take the path the table names."""
+import copy
+import json
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from codraft import kernels
+from codraft.kernels import cbuild, decode_ops, dispatch, fast_layers, gemv, products
+from codraft.models import KVCache, ModelConfig, Transformer
+from codraft.models.transformer import DecoderLayer
+
+U = 2.0 ** -24  # fp32 unit roundoff
+
+
+@pytest.fixture
+def fresh_tables(monkeypatch, tmp_path):
+    """An empty disk cache and no tables in this process."""
+    monkeypatch.setenv("CODRAFT_CACHE", str(tmp_path))
+    monkeypatch.setattr(dispatch, "TABLES", {})
+    return tmp_path / "dispatch"
+
+
+@pytest.fixture
+def made_up_times(monkeypatch, fresh_tables):
+    """Tables measured with made-up times: ``use(times)`` with ``times(name, rows) -> seconds``;
+    returns the list of measurements made (the names of the candidates that apply at 1 row). The
+    candidates are built (and checked to apply) but not run."""
+    made = []
+
+    def use(times):
+        real = dispatch.measure
+
+        def measure(candidates, grid=dispatch.GRID, timer=None):
+            made.append(sorted(name for name, at in candidates.items() if at(1) is not None))
+            return real(candidates, grid, lambda name, rows, run: times(name, rows))
+        monkeypatch.setattr(dispatch, "measure", measure)
+        return made
+    return use
+
+
+def _fixed(name, rows):
+    return {"kernel": 1.0, "linear": 2.0, "transposed": 3.0, "fused": 1.0, "unfused": 2.0}[name]
+
+
+# ---- every path against fp64 -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("o,i", [(1, 1), (7, 33), (64, 48), (33, 576), (130, 17)])
+@pytest.mark.parametrize("m", [1, 3, 8, 13, 40, 129])
+def test_every_product_path_matches_fp64(dtype, o, i, m):
+    """Each path, and ``products.linear`` for any row count (above the grid too), against fp64 of the
+    same values (a bf16 weight widens exactly): within (i + 1)·u·Σ|x·w|, the worst-case error of fp32
+    products summed in any order."""
+    g = torch.Generator().manual_seed(m * 7 + o * 3 + i)
+    x, w = torch.randn(m, i, generator=g), torch.randn(o, i, generator=g).to(dtype)
+    ref = x.double() @ w.double().T
+    bound = (i + 1) * U * (x.double().abs() @ w.double().abs().T)
+    with torch.no_grad():
+        assert gemv.applies(x, w)
+        for name, path in [*products.PATHS.items(), ("chosen", products.linear)]:
+            y = path(x, w)
+            assert y.shape == (m, o) and y.dtype == torch.float32, name
+            assert ((y.double() - ref).abs() <= bound).all(), name
+
+
+def _layer_and_cache(dtype, b, t, seed):
+    cfg = ModelConfig(vocab_size=50, hidden_size=40, intermediate_size=72, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)  # head size 10: vector tails
+    torch.manual_seed(seed)
+    model = kernels.enable(Transformer(cfg).eval())
+    with torch.no_grad():
+        for p in model.layers[0].parameters():
+            p.copy_(torch.randn_like(p) * 0.3 if p.dim() == 2 else 1 + 0.1 * torch.randn_like(p))
+            if p.dim() == 2:
+                p.data = p.data.to(dtype)  # weight-only: norms stay fp32
+    lengths = torch.randint(0, 20, (b,), generator=torch.Generator().manual_seed(seed))
+    cache = KVCache(num_layers=1, batch=b, max_len=20 + t, num_kv_heads=2, head_dim=10, dtype=torch.float32,
+                    device="cpu")
+    cache.k.normal_(generator=torch.Generator().manual_seed(seed + 1))
+    cache.v.normal_(generator=torch.Generator().manual_seed(seed + 2))
+    cache.set_lengths(lengths, span=int(lengths.max()))
+    return model, cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b,t", [(1, 1), (3, 1), (2, 5), (1, 24), (40, 1)])
+def test_both_layer_paths_match_fp64(dtype, b, t):
+    """The one-call layer and the per-op fast layer against the reference layer in fp64 (bf16 weights
+    widened exactly), output and written cache: within a few fp32 roundings of outputs ~10."""
+    model, cache = _layer_and_cache(dtype, b, t, seed=b * 10 + t)
+    layer = model.layers[0]
+    ref_layer = copy.deepcopy(layer).double()
+    for m in ref_layer.modules():  # the reference classes: torch's ops throughout
+        m.__class__ = next((ref for ref, fast in kernels.SWAPS.items() if fast is type(m)), type(m))
+    x = torch.randn(b, t, 40, generator=torch.Generator().manual_seed(3))
+    ref_cache = copy.deepcopy(cache)
+    ref_cache.k, ref_cache.v = ref_cache.k.double(), ref_cache.v.double()
+    with torch.no_grad():
+        ctx = model.layer_inputs(b, t, "cpu", cache=ref_cache)
+        want = ref_layer(x.double(), ctx.cos.double(), ctx.sin.double(), ctx.attn,
+                         None if ctx.mask is None else ctx.mask.double(), ref_cache, 0, ctx.positions, ctx.span)
+        assert want.abs().max() > 5
+        assert decode_ops.layer_applies(layer, x, cache.k)
+        for name in ("fused", "unfused"):
+            c = copy.deepcopy(cache)
+            if name == "fused":
+                y = decode_ops.decoder_layer(layer, x, ctx.cos, ctx.sin, c.k[0], c.v[0], c.lengths)
+            else:
+                y = DecoderLayer.forward(layer, x, ctx.cos, ctx.sin, ctx.attn, ctx.mask, c, 0, ctx.positions, ctx.span)
+            torch.testing.assert_close(y, want.float(), rtol=1e-5, atol=1e-4, msg=name)
+            torch.testing.assert_close(c.k, ref_cache.k.float(), rtol=1e-5, atol=1e-5, msg=name)
+
+
+# ---- building a table from timings ---------------------------------------------------------------
+
+
+def test_ranges_take_the_fastest_and_the_nearer_grid_point():
+    times = {1: {"a": 1, "b": 2}, 2: {"a": 1, "b": 2}, 4: {"a": 3, "b": 2}, 8: {"a": 3, "b": 2},
+             12: {"a": 1, "b": 2, "c": 0.5}}
+    # 3 lies between 2 (a) and 4 (b): a tie, the lower point's; 10 between 8 (b) and 12 (c): a tie too
+    assert dispatch.ranges(times) == ((1, 3, "a"), (4, 10, "b"), (11, 12, "c"))
+
+
+def test_measure_keeps_the_best_sample_interleaves_and_skips_what_does_not_apply():
+    """Spikes (a busy moment) do not decide: the best of the rounds does (the first call of each is a
+    warm-up, not counted); each round sweeps the grid, candidates in an order that rotates, 7 rounds
+    of µs calls; one that does not apply at a row count is not timed there."""
+    cost = {"a": lambda rows: 1e-6 * rows, "b": lambda rows: 1e-6 * (0.5 + 0.625 * rows),
+            "slow": lambda rows: 9e-6 * rows}
+    calls = []
+    spikes = iter([50e-6] * 6)  # the warm-up calls and the first round at 1 row are slow
+
+    def timer(name, rows, run):
+        calls.append((name, rows))
+        return next(spikes, None) or cost[name](rows)
+
+    def up_to(most):  # a candidate that applies up to ``most`` rows; its calls do nothing
+        return lambda rows: (lambda: None) if rows <= most else None
+    times = dispatch.measure({"a": up_to(4), "b": up_to(4), "slow": up_to(2)}, grid=(1, 2, 4), timer=timer)
+    assert times == {m: {n: f(m) for n, f in cost.items() if n != "slow" or m <= 2} for m in (1, 2, 4)}
+    assert dispatch.ranges(times) == ((1, 1, "a"), (2, 4, "b"))
+    assert calls[:3] == [("a", 1), ("b", 1), ("slow", 1)]  # the warm-up
+    rounds = [calls[3 + 8 * r:3 + 8 * (r + 1)] for r in range(7)]
+    assert len(calls) == 3 + 8 * 7
+    for r, sweep in enumerate(rounds):
+        assert [rows for _, rows in sweep] == [1, 1, 1, 2, 2, 2, 4, 4]
+        three, two = ["a", "b", "slow"], ["a", "b"]
+        assert [n for n, _ in sweep] == 2 * (three[r % 3:] + three[:r % 3]) + two[r % 2:] + two[:r % 2]
+
+
+def test_measure_spends_fewer_rounds_on_long_calls():
+    """Rounds of 10-100 ms: best of 3; over 100 ms: of 2; and a candidate 2× the best after a round of
+    ms calls gets no more."""
+    calls = []
+    times = dispatch.measure({"a": lambda rows: lambda: None, "b": lambda rows: lambda: None}, grid=(8,),
+                             timer=lambda name, rows, run: calls.append(name) or {"a": 0.03, "b": 0.05}[name])
+    assert calls == ["a", "b"] + ["a", "b", "b", "a", "a", "b"] and times == {8: {"a": 0.03, "b": 0.05}}
+    calls = []
+    times = dispatch.measure({"a": lambda rows: lambda: None, "b": lambda rows: lambda: None}, grid=(8,),
+                             timer=lambda name, rows, run: calls.append(name) or {"a": 0.06, "b": 0.15}[name])
+    # warm-up, then a round of 210 ms: 2 rounds, and "b" (2.5× after one round of ms calls) only once
+    assert calls == ["a", "b", "a", "b", "a"] and times == {8: {"a": 0.06, "b": 0.15}}
+
+
+def test_linear_takes_the_chosen_path_per_row_count(made_up_times, monkeypatch):
+    """With times in which the kernel wins up to 5 rows and (w @ xᵀ)ᵀ from 6, ``products.linear``
+    calls exactly those, and F.linear above the grid; for bf16 weights as for fp32."""
+    made = made_up_times(lambda name, rows: {"kernel": 1.0 if rows <= 5 else 3.0, "linear": 2.0,
+                                             "transposed": 1.5}[name])
+    calls = []
+    for name, fn in list(products.PATHS.items()):
+        monkeypatch.setitem(products.PATHS, name, lambda x, w, _n=name, _f=fn: calls.append(_n) or _f(x, w))
+    beyond = products.torch_linear
+    monkeypatch.setattr(products, "torch_linear", lambda x, w: calls.append("beyond") or beyond(x, w))
+    with torch.no_grad():
+        for dtype in (torch.float32, torch.bfloat16):
+            w = torch.randn(24, 16).to(dtype)
+            for m in (1, 5, 6, 7, 128, 129, 300):
+                assert products.linear(torch.randn(1, m, 16), w).shape == (1, m, 24)
+            assert products.table(w).ranges == ((1, 5, "kernel"), (6, 128, "transposed"))
+    assert calls == ["kernel", "kernel", "transposed", "transposed", "transposed", "beyond", "beyond"] * 2
+    assert made == [["kernel", "linear", "transposed"]] * 2  # one table per dtype
+
+
+def test_autograd_and_other_dtypes_keep_f_linear(made_up_times):
+    made = made_up_times(_fixed)
+    w = torch.randn(24, 16, requires_grad=True)
+    x = torch.randn(3, 16)
+    y = products.linear(x, w)  # autograd on: F.linear, differentiable
+    y.sum().backward()
+    torch.testing.assert_close(w.grad, x.sum(0).expand(24, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(products.linear(x.double(), w.double()), F.linear(x.double(), w.double()))
+    assert made == []  # nothing measured
+
+
+# ---- the cache ---------------------------------------------------------------------------------------
+
+
+def test_table_is_reused_and_rebuilt_for_another_cpu_or_thread_count(made_up_times, fresh_tables, monkeypatch):
+    made = made_up_times(_fixed)
+    w = torch.randn(40, 24)
+    n = torch.get_num_threads()
+
+    def lookup():
+        with torch.no_grad():
+            return products.table(w)
+    first = lookup()
+    assert len(made) == 1 and lookup() is first  # this process: one dict access
+    monkeypatch.setattr(dispatch, "TABLES", {})
+    assert lookup() == first and len(made) == 1  # another process: read from disk
+    (path,) = fresh_tables.iterdir()
+    key = json.loads(path.read_text())["key"]
+    assert key["threads"] == n and key["key"] == "40x24 float32" and key["cpu_id"] and key["kernels"] != "off"
+    try:
+        torch.set_num_threads(n + 1)
+        lookup()
+        assert len(made) == 2  # another thread count: measured
+        torch.set_num_threads(n)
+        lookup()
+        assert len(made) == 2  # back: the first table
+    finally:
+        torch.set_num_threads(n)
+    real = cbuild._cpu_id
+    monkeypatch.setattr(cbuild, "_cpu_id", lambda: real() + "\nflags : avx9000")
+    monkeypatch.setattr(dispatch, "TABLES", {})
+    lookup()
+    assert len(made) == 3  # another CPU: measured
+    assert len(list(fresh_tables.iterdir())) == 3  # one file per key, no temporary files left
+
+
+@pytest.mark.parametrize("damage", ["not json", "foreign", "bad ranges"])
+def test_unusable_file_is_measured_again(made_up_times, fresh_tables, monkeypatch, damage):
+    made = made_up_times(_fixed)
+    w = torch.randn(40, 24)
+    with torch.no_grad():
+        products.table(w)
+    (path,) = fresh_tables.iterdir()
+    d = json.loads(path.read_text())
+    if damage == "foreign":  # e.g. a cache folder copied from another machine under the same name
+        d["key"]["cpu"] = "some other CPU"
+    elif damage == "bad ranges":
+        d["ranges"] = [[1, 7, "kernel"], [9, 128, "linear"]]
+    path.write_text("{truncated" if damage == "not json" else json.dumps(d))
+    monkeypatch.setattr(dispatch, "TABLES", {})
+    with pytest.warns(UserWarning, match="measuring again"), torch.no_grad():
+        table = products.table(w)
+    assert len(made) == 2 and table.ranges == ((1, 128, "kernel"),)
+    assert json.loads(path.read_text())["ranges"] == [[1, 128, "kernel"]]  # rewritten
+
+
+def test_table_timed_on_a_busy_machine_is_not_kept(made_up_times, fresh_tables, monkeypatch):
+    """Other processes holding every core during the measurement (as /proc tells): the table serves
+    this process, is not written, and the next process measures again."""
+    made = made_up_times(_fixed)
+    readings = iter([(0.0, 100.0, 10.0), (1.0, 100.0 + 2.5, 10.0 + 0.5)])  # others: 2 cores for 1 s
+    monkeypatch.setattr(dispatch, "_cpu_seconds", lambda: next(readings))
+    w = torch.randn(40, 24)
+    with pytest.warns(UserWarning, match="2.0 cores busy"), torch.no_grad():
+        table = products.table(w)
+    assert table.ranges == ((1, 128, "kernel"),) and table.busy == 2.0
+    assert not fresh_tables.exists() or not list(fresh_tables.iterdir())
+    monkeypatch.setattr(dispatch, "_cpu_seconds", lambda: None)  # quiet (or not Linux): kept
+    monkeypatch.setattr(dispatch, "TABLES", {})
+    with torch.no_grad():
+        assert products.table(w).busy == 0
+    assert len(made) == 2 and len(list(fresh_tables.iterdir())) == 1
+
+
+def test_opt_out_leaves_torch_paths_only(made_up_times, monkeypatch, fresh_kernels):
+    monkeypatch.setenv("CODRAFT_KERNELS", "0")
+    made = made_up_times(_fixed)  # the kernel would win: but there is none
+    with torch.no_grad():
+        w = torch.randn(40, 24)
+        assert products.table(w).ranges == ((1, 128, "linear"),)
+        x = torch.randn(3, 24)
+        torch.testing.assert_close(products.linear(x, w), F.linear(x, w))
+    assert made == [["linear", "transposed"]]
+
+
+# ---- the fast layers follow the table ---------------------------------------------------------------
+
+
+def test_decoder_layer_takes_the_chosen_path(made_up_times, monkeypatch):
+    """Made-up times in which the one-call layer wins up to 4 rows: a decode with steps of 1..8 rows
+    per forward runs it exactly there."""
+    made = made_up_times(lambda name, rows: {"fused": 1.0 if rows <= 4 else 3.0, "unfused": 2.0,
+                                             "kernel": 1.0, "linear": 2.0, "transposed": 3.0}[name])
+    calls = []
+    real = decode_ops.decoder_layer
+    monkeypatch.setattr(decode_ops, "decoder_layer", lambda *a: calls.append(a[1].shape[0] * a[1].shape[1]) or real(*a))
+    model, _ = _layer_and_cache(torch.float32, 1, 1, seed=0)
+    cache = KVCache.for_model(model, 2, 40)
+    with torch.inference_mode():
+        for t in (1, 2, 3, 4):  # 2, 4, 6, 8 rows
+            model(torch.randint(0, 50, (2, t)), cache=cache)
+    assert calls == [2, 4]  # one layer
+    assert ["fused", "unfused"] in made and fast_layers.layer_table(model.layers[0]).ranges == (
+        (1, 4, "fused"), (5, 128, "unfused"))
