@@ -18,6 +18,7 @@ one broadcast. Gradient clipping uses the global norm (each weight counted once)
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -25,7 +26,7 @@ import torch.distributed as dist
 
 from codraft.parallel.context import sync_gradients
 from codraft.parallel.mesh import Mesh
-from codraft.parallel.pipeline import StageLink, run_schedule, stage_layers
+from codraft.parallel.pipeline import PipelineError, StageLink, run_schedule, stage_layers
 from codraft.parallel.tap_staging import open_staging_channel
 from codraft.parallel.tapchannel import TapSpec, open_tap_channel
 from codraft.rl.cotrain import draft_taps, loss_from_hidden, packed_row
@@ -80,6 +81,16 @@ def build_pipeline(policy, draft, mesh: Mesh | None, *, transport: str = "shm", 
     return pipe
 
 
+@contextlib.contextmanager
+def _naming(pipe: Pipeline, what: str):
+    """A tap transfer that fails (a dead or hung peer: the channel's timeout, or gloo's own error) is a
+    ``PipelineError`` naming this stage, the tap and the micro-batch, as the activations' are."""
+    try:
+        yield
+    except RuntimeError as e:
+        raise PipelineError(f"pipeline stage {pipe.link.stage}/{pipe.link.stages}: {what}: {e}") from e
+
+
 def pipeline_cotrain(pipe: Pipeline, policy, draft, mbs: list[MicroBatch], *, step: int, train_draft: bool = True,
                      **loss_kw) -> tuple[torch.Tensor, dict]:
     """Forward and backward of the step's micro-batches on this stage (1F1B); gradients accumulate in
@@ -107,7 +118,8 @@ def pipeline_cotrain(pipe: Pipeline, policy, draft, mbs: list[MicroBatch], *, st
         own = tapped.pop(m)
         if pipe.channel is not None:
             for t in mine:
-                pipe.channel.put(step, m, t, own[t][0])
+                with _naming(pipe, f"cannot send tap {t} of micro-batch {m} to the last stage"):
+                    pipe.channel.put(step, m, t, own[t][0])
 
     def loss(m, hidden, carried):
         own = tapped.pop(m, {})
@@ -119,7 +131,8 @@ def pipeline_cotrain(pipe: Pipeline, policy, draft, mbs: list[MicroBatch], *, st
                 i = before.index(t)
                 feats[t] = carried[..., i * hidden_size:(i + 1) * hidden_size]
             else:
-                feats[t] = pipe.channel.get(step, m, t)[None]
+                with _naming(pipe, f"no tap {t} of micro-batch {m}"):
+                    feats[t] = pipe.channel.get(step, m, t)[None]
         mb = mbs[m]
         out, parts[m] = loss_from_hidden(policy, draft, mb.batch, rows[m], hidden, rows[m].draft_features(feats),
                                          mb.advantages, train_draft=train_draft, totals=mb.totals, **loss_kw)
