@@ -84,7 +84,8 @@ class RolloutWeights:
         if not self.copies:
             return
         for (name, src), dst in self._pairs():
-            if dst.dtype != cast_for_rollout(src, self.dtype).dtype or not torch.equal(dst, cast_for_rollout(src, self.dtype)):
+            want = cast_for_rollout(src, self.dtype)
+            if dst.dtype != want.dtype or not torch.equal(dst, want):
                 raise StaleRolloutWeights(
                     f"{when}: the rollout engine's {self.dtype} copy of {name!r} differs from the trainer's "
                     f"weights cast to {self.dtype}: the copy was not refreshed after the optimiser step")
