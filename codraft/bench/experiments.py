@@ -143,7 +143,9 @@ def rollout_dtype(out: str | Path, *, dtypes=("float32", "bfloat16"), seeds=(0, 
         cells = [stats(dtype, k) for k in ("reward_last", "val_last", "mismatch_kl", "time_rollout", "tau_last")]
         lines.append(f"| {dtype} | " + " | ".join("-" if m is None else f"{m:.4g} ± {h:.2g}" for m, h in cells) + " |")
     (m0, h0), (m1, h1) = stats(dtypes[0], "reward_last"), stats(dtypes[-1], "reward_last")
-    if len(dtypes) > 1 and m0 is not None and m1 is not None:
+    if len(seeds) < 2:
+        lines += ["", "One seed: no seed spread to judge the reward difference against."]
+    elif len(dtypes) > 1 and m0 is not None and m1 is not None:
         verdict = "within" if abs(m1 - m0) <= max(h0, h1) else "OUTSIDE"
         lines += ["", f"Last-10-step reward: {dtypes[-1]} {m1:.3f} vs {dtypes[0]} {m0:.3f}, difference "
                       f"{m1 - m0:+.3f}, {verdict} the seed spread (±{max(h0, h1):.3f})."]
