@@ -59,7 +59,9 @@ from codraft.cache import cache_root
 from codraft.kernels import cbuild
 
 FORMAT = 2  # bump when what is timed or the file layout changes: older files are measured again
-GRID = (*range(1, 17), 20, 24, 32, 40, 48, 64, 96, 128)  # B·(γ+1) of common decode steps, then ~×1.3
+# every row count a decode or verify step of up to 64 rows has (MKL changes code at multiples of 8 and
+# 16, so a count between two grid points could lose to its neighbour's choice), then coarser
+GRID = (*range(1, 65), 80, 96, 112, 128)
 ROUNDS = (7, 3, 2)  # samples per candidate and row count when a round takes < 10 ms, < 100 ms, longer
 MAX_COPIES = 256  # operands cycled through while timing (bounds the cost for small shapes)
 MAX_COLD_BYTES = 256 << 20  # and their total (bounds the cost on CPUs with a huge last-level cache)
