@@ -300,7 +300,6 @@ def _run_commands(sub):
     s.set_defaults(fn=_cmd_generate)
 
 
-
 def _bench_commands(sub):
     s = sub.add_parser("bench", help="benchmarks that print a table and write JSON")
     bench = s.add_subparsers(dest="bench", required=True)
@@ -367,7 +366,11 @@ def _bench_commands(sub):
     b.add_argument("--trl-gradient-checkpointing", action="store_true")
     b.add_argument("--json", metavar="FILE")
     b.add_argument("overrides", nargs="*", metavar="key=value", help="extra codraft config overrides")
+    _bench_experiment_parsers(bench)
 
+
+def _bench_experiment_parsers(bench):
+    """drift, parity, rollout-dtype: series of train runs (codraft.bench.experiments)."""
     for name, default_steps, help_text in (("drift", 50, "frozen vs co-trained draft τ as the policy drifts"),
                                            ("parity", 30, "reward/accuracy/mismatch with each draft vs none, over seeds"),
                                            ("rollout-dtype", 100, "reward and mismatch KL with bf16 vs fp32 rollout "
@@ -383,8 +386,6 @@ def _bench_commands(sub):
             b.add_argument("--kinds", help="comma list of draft kinds")
         b.add_argument("--seeds", help="comma list of seeds (default: drift 0, the others 0,1,2)")
         b.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every run")
-
-
 
 
 def _bench_tap_parser(bench):

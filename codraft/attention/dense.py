@@ -1,9 +1,8 @@
 """Dense attention with explicit boolean masks (the reference every other path is tested against)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import contextlib
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F

@@ -175,17 +175,8 @@ def bench_model(model_name: str, *, batches, max_new: int, drafts, gamma: int, r
                                "weight_bytes": weight_bytes(draft) if isinstance(draft, torch.nn.Module) else 0}
         built[spec] = draft
     sides = []
-    for dtype in dtypes:  # the engines decode the rollout copy of that dtype (the policy itself for float32)
-        weights, tag = RolloutWeights(policy, getattr(torch, dtype)), _TAGS[dtype]
-        target = weights.policy
-        out.setdefault("weight_bytes_by_dtype", {})[dtype] = weight_bytes(target)
-        sides.append(_codraft_side("codraft plain" + tag, target, None, None, max_new, dtype=dtype))
-        for spec, draft in built.items():
-            draft = weights.draft_for(draft)
-            for g in gammas or [gamma]:
-                cost = load_or_calibrate(target, draft, draft.default_gamma, max(batches)) if g == "auto" else None
-                sides.append(_codraft_side(f"codraft spec/{spec}" + (f" γ={g}" if gammas else "") + tag, target,
-                                           draft, g, max_new, cost, dtype))
+    for dtype in dtypes:
+        sides += _codraft_sides(policy, built, dtype, gammas or [gamma], bool(gammas), max_new, max(batches), out)
     hf_model = None
     if hf:
         hf_model = _load_hf(folder)
@@ -215,7 +206,7 @@ def bench_model(model_name: str, *, batches, max_new: int, drafts, gamma: int, r
         plains = {s.dtype: s for s in these if s.name.startswith("codraft plain")}
         for s in these:
             n_tok = sum(map(len, s.last["tokens"]))
-            plain = plains[s.dtype] if s.dtype in plains else plains["float32"]
+            plain = plains[s.dtype]  # (every side has a plain side of its dtype: hf's are float32)
             row = {"batch": b, "side": s.name, "dtype": s.dtype, "new_tokens": n_tok, "seconds": s.times,
                    "tokens_per_s": n_tok / median(s.times), "others_cores": load.get("others_cores")}
             if n_tok != b * max_new:
@@ -246,6 +237,23 @@ def bench_model(model_name: str, *, batches, max_new: int, drafts, gamma: int, r
 
 
 _TAGS = {"float32": "", "bfloat16": " bf16"}
+
+
+def _codraft_sides(policy, drafts: dict, dtype: str, gammas: list, named_gammas: bool, max_new: int, rows: int,
+                   out: dict) -> list[Side]:
+    """The codraft sides of one rollout dtype: plain, then each draft at each γ, decoding the rollout copy
+    of that dtype (the policy itself for float32); records its weight bytes in ``out``."""
+    weights, tag = RolloutWeights(policy, getattr(torch, dtype)), _TAGS[dtype]
+    target = weights.policy
+    out.setdefault("weight_bytes_by_dtype", {})[dtype] = weight_bytes(target)
+    sides = [_codraft_side("codraft plain" + tag, target, None, None, max_new, dtype=dtype)]
+    for spec, draft in drafts.items():
+        draft = weights.draft_for(draft)
+        for g in gammas:
+            cost = load_or_calibrate(target, draft, draft.default_gamma, rows) if g == "auto" else None
+            sides.append(_codraft_side(f"codraft spec/{spec}" + (f" γ={g}" if named_gammas else "") + tag, target,
+                                       draft, g, max_new, cost, dtype))
+    return sides
 
 
 def _pooled(stats: list[dict]) -> dict:

@@ -96,8 +96,8 @@ def _from_checkpoint(path: Path) -> Source:
     kind = str(d.get("kind"))
     draft_kind(kind)  # an unknown kind: one line listing the valid ones
     _exportable(kind, path)
-    policy = load_pretrained(path / "policy")
-    state = torch.load(path / "draft.pt", weights_only=True, map_location="cpu")
+    policy = ckpt.load_policy_from(path)
+    state = ckpt.load_file(path / "draft.pt")
     draft = _rebuild(kind, d, policy, path)
     want = draft.state_dict()
     missing, unexpected = sorted(set(want) - set(state)), sorted(set(state) - set(want))

@@ -186,7 +186,7 @@ def verify(path: str | Path, *, hashes: bool = True) -> str | None:
     return None
 
 
-def _load(path: Path):
+def load_file(path: Path):
     """torch.load, tensors and plain containers only: never unpickle code from a run folder."""
     try:
         return torch.load(path, weights_only=True, map_location="cpu")
@@ -207,8 +207,8 @@ def read(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
         policy = load_pretrained(path / "policy", dtype=dtype)
     except Exception as e:
         raise CheckpointError(f"policy/ or config.yaml cannot be loaded ({type(e).__name__}: {e})") from e
-    draft = _load(path / "draft.pt") if (path / "draft.pt").is_file() else None
-    optim, rng = _load(path / "optim.pt"), _load(path / "rng.pt")
+    draft = load_file(path / "draft.pt") if (path / "draft.pt").is_file() else None
+    optim, rng = load_file(path / "optim.pt"), load_file(path / "rng.pt")
     if not isinstance(config, dict) or not isinstance(optim, dict) or not isinstance(rng, dict) \
             or not isinstance(rng.get("torch"), torch.Tensor) or not isinstance(rng.get("python"), tuple):
         raise CheckpointError("config.yaml, optim.pt or rng.pt does not hold what a checkpoint writes")
