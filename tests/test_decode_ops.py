@@ -9,11 +9,14 @@ import torch.nn.functional as F
 
 from codraft import kernels
 from codraft.attention import cache_causal_mask
-from codraft.kernels import decode_ops
+from codraft.kernels import decode_ops, dispatch, fast_layers
 from codraft.models import ModelConfig, Transformer
 from codraft.models.kv_cache import KVCache
 from codraft.models.layers import apply_rope, rope_cos_sin
 from codraft.models.transformer import DecoderLayer
+
+
+_ALWAYS_FUSED = dispatch.Table(ranges=((1, 128, "fused"),), by_rows=("unfused",) + ("fused",) * 128, times={})
 
 
 @pytest.mark.parametrize("shape", [(1, 576), (3, 5, 17), (2, 8)])
@@ -104,16 +107,16 @@ def test_model_decode_matches_torch_ops(monkeypatch, qk_norm):
             outs += [model(s, cache=cache) for s in steps]
         return outs, cache
 
-    calls = {"cache_attention": 0, "decoder_layer": 0}
+    calls = {"cache_attention": 0, "decoder_layer": 0, "decoder_stack": 0}
     for name in calls:
         real = getattr(decode_ops, name)
         monkeypatch.setattr(decode_ops, name, lambda *a, _n=name, _f=real: calls.update({_n: calls[_n] + 1}) or _f(*a))
     fast, fast_cache = run(model)
     layers = cfg.num_hidden_layers
     if qk_norm:
-        assert calls == {"cache_attention": 3 * layers, "decoder_layer": 0}
-    else:  # every decode step in C; the prefill (into the empty cache) may be too
-        assert calls["cache_attention"] + calls["decoder_layer"] >= 3 * layers
+        assert calls == {"cache_attention": 3 * layers, "decoder_layer": 0, "decoder_stack": 0}
+    else:  # every decode step in C (per op, or the whole stack in one call); the prefill may be too
+        assert calls["cache_attention"] + layers * calls["decoder_stack"] >= 3 * layers
     ran = dict(calls)
     slow, slow_cache = run(plain)
     assert calls == ran  # the plain model stays plain
@@ -207,3 +210,91 @@ def test_layer_applies():
         assert not decode_ops.layer_applies(layer, x.double(), cache)
         assert not decode_ops.layer_applies(bf16, x, cache.double())
         assert not decode_ops.layer_applies(layer.double(), x.double(), cache.double())
+
+
+def _stack_model(dtype, layers=3, seed=0):
+    """A Llama-shaped model (hidden 72, intermediate 100: vector tails run) with weights larger than the
+    init's, projections in ``dtype``; and its kernel-enabled twin."""
+    cfg = ModelConfig(vocab_size=50, hidden_size=72, intermediate_size=100, num_hidden_layers=layers,
+                      num_attention_heads=6, num_key_value_heads=2)
+    torch.manual_seed(seed)
+    plain = Transformer(cfg).eval()
+    with torch.no_grad():
+        for layer in plain.layers:
+            for p in layer.parameters():
+                p.copy_(torch.randn_like(p) * 0.3 if p.dim() == 2 else 1 + 0.1 * torch.randn_like(p))
+            if dtype is torch.bfloat16:
+                _bf16_weights(layer)
+    return plain, kernels.enable(copy.deepcopy(plain))
+
+
+def _stack_run(model, x, lengths, layers: range, taps=(), seed=0):
+    """``model.run_layers`` over ``layers`` on x (B,T,D) into a cache whose rows hold ``lengths``
+    random keys -> (output, taps, cache)."""
+    b, t, _ = x.shape
+    cache = KVCache.for_model(model, b, 40)
+    g = torch.Generator().manual_seed(seed)
+    for c in (cache.k, cache.v):
+        c.normal_(generator=g)
+    cache.set_lengths(lengths, span=int(lengths.max()))
+    with torch.inference_mode():
+        ctx = model.layer_inputs(b, t, "cpu", cache=cache)
+        y, tapped = model.run_layers(x, ctx, layers, taps)
+    return y, tapped, cache
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("b,t,layers", [(1, 1, range(3)), (3, 2, range(3)), (2, 1, range(1, 3)), (4, 4, range(2))])
+def test_decoder_stack_matches_torch(monkeypatch, dtype, b, t, layers):
+    """A run of layers in one C call (the whole stack, or a pipeline stage's part of it) against the
+    plain model's torch layers: output, tapped outputs, and every layer's cache after the write."""
+    monkeypatch.setattr(fast_layers, "layer_table", lambda layer: _ALWAYS_FUSED)
+    calls = []
+    real = decode_ops.decoder_stack
+    monkeypatch.setattr(decode_ops, "decoder_stack", lambda *a: calls.append(a[1:3]) or real(*a))
+    plain, fast = _stack_model(dtype)
+    x = torch.randn(b, t, 72, generator=torch.Generator().manual_seed(1))
+    lengths = torch.randint(0, 30, (b,), generator=torch.Generator().manual_seed(2))
+    taps = (layers.start, layers.stop - 1, 7)  # 7: not in the run, ignored
+    y, tapped, cache = _stack_run(fast, x, lengths, layers, taps)
+    assert len(calls) == 1 and calls[0][0] == layers.start and len(calls[0][1]) == len(layers)
+    want, want_tapped, want_cache = _stack_run(plain, x, lengths, layers, taps)
+    assert want.abs().max() > 10  # the layers' own terms are not lost beside x
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-4)
+    assert tapped.keys() == want_tapped.keys() == {layers.start, layers.stop - 1}
+    for i in tapped:
+        torch.testing.assert_close(tapped[i], want_tapped[i], rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(cache.k, want_cache.k, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(cache.v, want_cache.v, rtol=1e-5, atol=1e-5)
+
+
+def test_decoder_stack_follows_changed_weights(monkeypatch):
+    """The stack keeps the weights' addresses between steps: weights updated in place (an optimiser
+    step, a rollout refresh), swapped for new tensors (``.data =``) or in a replaced module are all
+    what the next call reads."""
+    monkeypatch.setattr(fast_layers, "layer_table", lambda layer: _ALWAYS_FUSED)
+    plain, fast = _stack_model(torch.float32)
+    x, lengths = torch.randn(2, 1, 72), torch.tensor([3, 9])
+
+    def same():
+        torch.testing.assert_close(_stack_run(fast, x, lengths, range(3))[0],
+                                   _stack_run(plain, x, lengths, range(3))[0], rtol=1e-5, atol=1e-4)
+    same()
+    with torch.no_grad():
+        for m in (plain, fast):
+            m.layers[1].mlp.down_proj.weight.mul_(-1)  # in place
+        new = torch.randn(72, 72) * 0.3
+        plain.layers[2].self_attn.q_proj.weight.data = new.clone()
+        fast.layers[2].self_attn.q_proj.weight.data = new.clone()
+    same()
+    up = torch.nn.Linear(72, 100, bias=False)
+    plain.layers[0].mlp.up_proj = copy.deepcopy(up)
+    fast.layers[0].mlp.up_proj = up
+    same()
+    for m in (plain, fast):  # one bf16 projection beside fp32 ones: that layer runs per op, the stack not in one call
+        m.layers[1].mlp.up_proj.to(torch.bfloat16)
+    ran = []
+    real = decode_ops.decoder_stack
+    monkeypatch.setattr(decode_ops, "decoder_stack", lambda *a: ran.append(real(*a)) or ran[-1])
+    same()
+    assert ran == [None]

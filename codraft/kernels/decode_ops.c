@@ -102,13 +102,17 @@ static void product(const float *x, const void *w, int bf16, float *y, int64_t m
 //   y = h + down(silu(gate(n)) * up(n))            with n = rms_norm(h)
 // w: the layer's input norm, q, k, v, o, post-attention norm, gate, up, down weights (HF shapes);
 // the norms fp32, the 7 projections fp32, or bf16 (raw bits) when bf16 is nonzero.
-// k and v are written into this layer's cache as in decode_attention.
-void decode_layer(const float *x, float *y, const void *const *w, const float *cos, const float *sin,
+// k and v are written into this layer's cache as in decode_attention. scratch: layer_scratch floats.
+static int64_t layer_scratch(int64_t m, int64_t D, int64_t nq, int64_t nkv, int64_t I) {
+    return m * (D + nq + 2 * nkv + nq + 2 * I);
+}
+
+static void layer(const float *x, float *y, const void *const *w, const float *cos, const float *sin,
                   float *kc, float *vc, const int64_t *lengths, int64_t B, int64_t T, int64_t D, int64_t H,
-                  int64_t Hkv, int64_t hd, int64_t I, int64_t L, float eps, int bf16) {
+                  int64_t Hkv, int64_t hd, int64_t I, int64_t L, float eps, int bf16, float *scratch) {
     int64_t m = B * T, nq = H * hd, nkv = Hkv * hd;
-    float *n = malloc((m * (D + nq + 2 * nkv + nq + 2 * I)) * sizeof(float));
-    float *q = n + m * D, *k = q + m * nq, *v = k + m * nkv, *att = v + m * nkv, *g = att + m * nq, *u = g + m * I;
+    float *n = scratch, *q = n + m * D, *k = q + m * nq, *v = k + m * nkv, *att = v + m * nkv, *g = att + m * nq,
+          *u = g + m * I;
     rms_norm_rows(x, w[0], n, m, D, eps);
     product(n, w[1], bf16, q, m, D, nq);
     product(n, w[2], bf16, k, m, D, nkv);
@@ -122,5 +126,35 @@ void decode_layer(const float *x, float *y, const void *const *w, const float *c
     for (int64_t i = 0; i < m * I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
     product(g, w[8], bf16, n, m, I, D);
     for (int64_t i = 0; i < m * D; i++) y[i] += n[i];
-    free(n);
+}
+
+void decode_layer(const float *x, float *y, const void *const *w, const float *cos, const float *sin,
+                  float *kc, float *vc, const int64_t *lengths, int64_t B, int64_t T, int64_t D, int64_t H,
+                  int64_t Hkv, int64_t hd, int64_t I, int64_t L, float eps, int bf16) {
+    float *scratch = malloc(layer_scratch(B * T, D, H * hd, Hkv * hd, I) * sizeof(float));
+    layer(x, y, w, cos, sin, kc, vc, lengths, B, T, D, H, Hkv, hd, I, L, eps, bf16, scratch);
+    free(scratch);
+}
+
+// n_layers decoder layers of one shape in one call (a decode step's whole stack): layer l reads
+// w[9 l .. 9 l + 8] and its cache at kc/vc + l * (B*Hkv*L*hd) (the KV cache's (layers, B, Hkv, L, hd)
+// tensors), and when taps[l] is not NULL its output is also copied there. x (B*T, D) in, y out.
+// At batch 1 the Python and ctypes calls around one call per layer cost ~1/4 of the layers' own time.
+void decode_stack(const float *x, float *y, const void *const *w, const float *cos, const float *sin,
+                  float *kc, float *vc, const int64_t *lengths, float *const *taps, int64_t n_layers,
+                  int64_t B, int64_t T, int64_t D, int64_t H, int64_t Hkv, int64_t hd, int64_t I, int64_t L,
+                  float eps, int bf16) {
+    int64_t m = B * T, per_layer = B * Hkv * L * hd;
+    float *scratch = malloc((layer_scratch(m, D, H * hd, Hkv * hd, I) + m * D) * sizeof(float));
+    float *other = scratch + layer_scratch(m, D, H * hd, Hkv * hd, I);
+    // ping-pong so that the last layer writes y: layer l writes y when n_layers - l is odd
+    const float *in = x;
+    for (int64_t l = 0; l < n_layers; l++) {
+        float *out = (n_layers - l) % 2 ? y : other;
+        layer(in, out, w + 9 * l, cos, sin, kc + l * per_layer, vc + l * per_layer, lengths, B, T, D, H, Hkv, hd, I,
+              L, eps, bf16, scratch);
+        if (taps[l]) memcpy(taps[l], out, m * D * sizeof(float));
+        in = out;
+    }
+    free(scratch);
 }

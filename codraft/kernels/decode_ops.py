@@ -6,7 +6,9 @@ small torch ops and Python calls per layer around them (norms, rope, cache scatt
 SDPA, views, module calls) each pay torch's dispatch, which added up to a large part of the
 step (figures in docs/bench-spec.md). A layer without q/k norms can be one C call
 (``layer_applies``), whose products go through the GEMV kernel with the layer's fp32 or bf16
-projection weights (rollout copies; norm weights, activations and the KV cache stay fp32).
+projection weights (rollout copies; norm weights, activations and the KV cache stay fp32); and
+a run of such layers of one shape, a model's whole stack, one C call (``decoder_stack``): the
+Python around a call per layer still cost ~100 us a layer, a quarter of the layer's own time.
 Used on CPU without autograd; built with the GEMV kernel (``codraft.kernels.cbuild``;
 ``CODRAFT_KERNELS=0`` opts out). Results match the torch ops (bf16 weights widened to fp32) up to
 fp32 summation order. Not here: when a model uses them, e.g. up to which row count the one-call
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import weakref
 
 import torch
 
@@ -31,9 +34,11 @@ def kernels():
     if lib is None:
         return None
     lib.rms_norm_rows.restype = lib.decode_attention.restype = lib.decode_layer.restype = None
+    lib.decode_stack.restype = None
     lib.rms_norm_rows.argtypes = [_P, _P, _P, _I, _I, _F]
     lib.decode_attention.argtypes = [_P] * 9 + [_I] * 6 + [_F]
     lib.decode_layer.argtypes = [_P] * 8 + [_I] * 8 + [_F, ctypes.c_int]
+    lib.decode_stack.argtypes = [_P] * 9 + [_I] * 9 + [_F, ctypes.c_int]
     return lib
 
 
@@ -42,12 +47,21 @@ def applies(*tensors: torch.Tensor) -> bool:
     return cbuild.fits(*tensors) and kernels() is not None
 
 
+def _stack_order(layer) -> tuple[torch.Tensor, ...]:
+    """decode_layer's 9 weights (input norm, q, k, v, o, post-attention norm, gate, up, down) by plain
+    dict reads: ``nn.Module.__getattr__`` for all of them cost ~20 us a layer, and this runs every step."""
+    mods = layer._modules
+    a, mlp = mods["self_attn"]._modules, mods["mlp"]._modules
+    return (mods["input_layernorm"]._parameters["weight"], a["q_proj"]._parameters["weight"],
+            a["k_proj"]._parameters["weight"], a["v_proj"]._parameters["weight"], a["o_proj"]._parameters["weight"],
+            mods["post_attention_layernorm"]._parameters["weight"], mlp["gate_proj"]._parameters["weight"],
+            mlp["up_proj"]._parameters["weight"], mlp["down_proj"]._parameters["weight"])
+
+
 def _layer_weights(layer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """A decoder layer's norm weights and its 7 projection weights, in decode_layer's order."""
-    a, mlp = layer.self_attn, layer.mlp
-    return ([layer.input_layernorm.weight, layer.post_attention_layernorm.weight],
-            [a.q_proj.weight, a.k_proj.weight, a.v_proj.weight, a.o_proj.weight,
-             mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight])
+    w = _stack_order(layer)
+    return [w[0], w[5]], [*w[1:5], *w[6:]]
 
 
 def layer_applies(layer, x: torch.Tensor, cache_k: torch.Tensor) -> bool:
@@ -124,3 +138,65 @@ def decoder_layer(layer, x, cos, sin, k_cache, v_cache, lengths) -> torch.Tensor
                            mlp.gate_proj.weight.shape[0], k_cache.shape[2], layer.input_layernorm.eps,
                            dtype is torch.bfloat16)
     return y
+
+
+class _Stack:
+    """What ``decode_stack`` reads for a run of layers: their weights' addresses (kept as a ctypes
+    array) and the layers' dimensions; ``stamp`` (every weight's address and dtype) tells whether the
+    layers still hold those weights, so a step pays one pass of dict reads, not the checks."""
+
+    def __init__(self, layers: list, x: torch.Tensor, cache_k: torch.Tensor, stamp: tuple):
+        first = layers[0]
+        a, mlp = first.self_attn, first.mlp
+        self.dims = (a.q_proj.weight.shape[1], a.n_heads, a.n_kv, a.head_dim, mlp.gate_proj.weight.shape[0])
+        self.eps = first.input_layernorm.eps
+        self.ok = all(layer_applies(l, x, cache_k) and _dims(l) == (self.dims, self.eps) for l in layers)
+        weights = [w for l in layers for w in _stack_order(l)]
+        self.bf16 = weights[1].dtype is torch.bfloat16
+        self.ptrs = (ctypes.c_void_p * len(weights))(*(w.data_ptr() for w in weights))
+        self.stamp = stamp
+
+
+def _dims(layer) -> tuple:
+    a, mlp = layer.self_attn, layer.mlp
+    return ((a.q_proj.weight.shape[1], a.n_heads, a.n_kv, a.head_dim, mlp.gate_proj.weight.shape[0]),
+            layer.input_layernorm.eps)
+
+
+_stacks: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def decoder_stack(model, first: int, layers: list, x, cos, sin, cache, taps=()) -> tuple | None:
+    """``layers`` (decoder layers ``first``, ``first + 1``, ... of ``model``; each ``layer_applies``,
+    one shape) on x (B,T,D) into ``cache`` in one C call -> (output, {i: output of layer i for i in
+    taps}); None when it does not apply (grad mode, a layer that does not fit, other shapes), for the
+    caller to run the layers one by one. Whether one call per layer is the fastest path for the row
+    count is the caller's call."""
+    if torch.is_grad_enabled() or kernels() is None:
+        return None
+    b, t, d = x.shape
+    weights = [w for l in layers for w in _stack_order(l)]
+    stamp = (x.dtype, cache.k.dtype, *(w.data_ptr() for w in weights), *(w.dtype for w in weights))
+    key = (first, len(layers))
+    plans = _stacks.setdefault(model, {})
+    plan = plans.get(key)
+    if plan is None or plan.stamp != stamp:
+        plan = plans[key] = _Stack(layers, x, cache.k, stamp)
+    D, H, Hkv, hd, inter = plan.dims
+    if not plan.ok or d != D or cos.shape != (b, 1, t, hd) or sin.shape != cos.shape:
+        return None
+    _check_cache(cache.k[first], cache.v[first], cache.lengths, b, t, Hkv, hd)
+    if first + len(layers) > cache.k.shape[0] or not (cache.k.is_contiguous() and cache.v.is_contiguous()):
+        raise ValueError(f"layers {first}..{first + len(layers) - 1}: the KV cache {tuple(cache.k.shape)} must hold "
+                         "them and be contiguous (the C code steps through it by layer)")
+    x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+    lengths = cache.lengths.to(torch.int64).contiguous()
+    tapped = {i: torch.empty_like(x) for i in taps if first <= i < first + len(layers)}
+    tap_ptrs = (ctypes.c_void_p * len(layers))(*(tapped[i].data_ptr() if i in tapped else None
+                                                 for i in range(first, first + len(layers))))
+    y = torch.empty_like(x)
+    kc, vc = cache.k[first], cache.v[first]  # layer `first`; the C code steps by one layer's size
+    kernels().decode_stack(x.data_ptr(), y.data_ptr(), plan.ptrs, cos.data_ptr(), sin.data_ptr(), kc.data_ptr(),
+                           vc.data_ptr(), lengths.data_ptr(), tap_ptrs, len(layers), b, t, D, H, Hkv, hd, inter,
+                           cache.k.shape[3], plan.eps, plan.bf16)
+    return y, tapped

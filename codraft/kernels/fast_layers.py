@@ -7,7 +7,8 @@ kernel and torch's two forms for the row count, measured); RMSNorm in C; into a 
 default ``varlen_attention``, RoPE + cache write + attention in C (not for a prefill into an empty
 cache: SDPA); and a whole decoder layer in one C call (``decode_ops.layer_applies``: no q/k norms)
 where that is faster than the layer's C norms + C attention + products, as measured on this
-machine per layer shape, weight dtype and row count (``LAYER``, ``codraft.kernels.dispatch``).
+machine per layer shape, weight dtype and row count (``LAYER``, ``codraft.kernels.dispatch``); there
+the model runs its whole stack of such layers in one C call (``decode_ops.decoder_stack``).
 ``SWAPS`` maps each reference class to its subclass; the subclasses add no parameters, buffers or
 attributes, so only ``type(module)`` changes.
 Not here: the kernels and their build (``gemv``, ``decode_ops``, ``cbuild``), installing these
@@ -19,6 +20,7 @@ import copy
 import itertools
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 from codraft.attention import cache_causal_mask, varlen_attention
@@ -73,41 +75,58 @@ class FastTransformer(Transformer):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return linear(self.norm(h), self.head_weight)
 
+    def run_layers(self, x, ctx, layers: range, taps=None):
+        # a CPU decode step where one C call per layer is the fastest path: the whole run in one call
+        if ctx.cache is not None and ctx.attn is varlen_attention and layers.step == 1 and len(layers):
+            stack = list(self.layers._modules.values())[layers.start:layers.stop]
+            first = stack[0]
+            if isinstance(first, FastDecoderLayer) and all(type(l) is type(first) for l in stack) \
+                    and decode_ops.layer_applies(first, x, ctx.cache.k):
+                by_rows = layer_table(first).by_rows
+                rows = x.shape[0] * x.shape[1]
+                if rows < len(by_rows) and by_rows[rows] == "fused":
+                    done = decode_ops.decoder_stack(self, layers.start, stack, x, ctx.cos, ctx.sin, ctx.cache,
+                                                    taps or ())
+                    if done is not None:
+                        return done
+        return super().run_layers(x, ctx, layers, taps)
+
 
 SWAPS: dict[type, type] = {RMSNorm: FastRMSNorm, MLP: FastMLP, Attention: FastAttention,
                            DecoderLayer: FastDecoderLayer, Transformer: FastTransformer}
 
 
 def _layer_candidates(layer: FastDecoderLayer) -> dict[str, dispatch.At]:
-    """The one-call layer and the per-op one (``DecoderLayer.forward`` over the fast submodules) on a
-    copy of ``layer`` whose projection weights are swapped for another copy before each call; m rows
-    of one new token each after ``CONTEXT`` cached ones."""
+    """The one-call layer (as a decode step runs it: ``decoder_stack``, here over one layer) and the
+    per-op one (``DecoderLayer.forward`` over the fast submodules), each call on the next of copies of
+    ``layer`` (so its weights come from memory); m rows of one new token each after ``CONTEXT`` cached
+    ones."""
     a = layer.self_attn
-    timed = copy.deepcopy(layer)
-    weights = [p for p in timed.parameters() if p.dim() == 2]
-    n = dispatch.copies(sum(w.numel() * w.element_size() for w in weights))
-    stacks = [w.detach().expand(n, *w.shape).contiguous() for w in weights]
+    nbytes = sum(p.numel() * p.element_size() for p in layer.parameters())
+    timed = nn.ModuleList(copy.deepcopy(layer) for _ in range(dispatch.copies(nbytes)))
     turn = itertools.count()
 
     def at(fused: bool):
         def rows(m):
-            cache = KVCache(num_layers=1, batch=m, max_len=CONTEXT + 1, num_kv_heads=a.n_kv, head_dim=a.head_dim,
-                            dtype=layer.input_layernorm.weight.dtype, device="cpu")
+            cache = KVCache(num_layers=len(timed), batch=m, max_len=CONTEXT + 1, num_kv_heads=a.n_kv,
+                            head_dim=a.head_dim, dtype=layer.input_layernorm.weight.dtype, device="cpu")
             cache.set_lengths(torch.full((m,), CONTEXT), span=CONTEXT)
             x = torch.randn(m, 1, a.q_proj.weight.shape[1], dtype=cache.k.dtype)
             cos, sin = torch.ones(m, 1, 1, a.head_dim), torch.zeros(m, 1, 1, a.head_dim)  # RoPE at angle 0
             positions, span = cache.lengths[:, None], CONTEXT + 1
             mask = torch.zeros(()).masked_fill(~cache_causal_mask(cache.lengths, 1, span), float("-inf"))
-            if fused and not decode_ops.layer_applies(timed, x, cache.k):
-                return None
+            with torch.no_grad():  # as a decode step runs (the table may be looked up under autograd)
+                if fused and not decode_ops.layer_applies(layer, x, cache.k):
+                    return None
 
+            @torch.no_grad()
             def run():
-                j = next(turn) % n
-                for w, s in zip(weights, stacks):
-                    w.data = s[j]
+                j = next(turn) % len(timed)
                 if fused:
-                    return decode_ops.decoder_layer(timed, x, cos, sin, cache.k[0], cache.v[0], cache.lengths)
-                return DecoderLayer.forward(timed, x, cos, sin, varlen_attention, mask, cache, 0, positions, span)
+                    out = decode_ops.decoder_stack(timed, j, [timed[j]], x, cos, sin, cache)
+                    assert out is not None, "decoder_stack refused a layer that layer_applies accepted"
+                    return out
+                return DecoderLayer.forward(timed[j], x, cos, sin, varlen_attention, mask, cache, j, positions, span)
             return run
         return rows
     return {"fused": at(True), "unfused": at(False)}

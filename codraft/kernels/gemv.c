@@ -2,7 +2,8 @@
 // (gemv_rows_bf16: the raw uint16 bits, each widened exactly to fp32; products and sums in fp32, so
 // the result is x @ fp32(w)^T up to summation order). Row-major, contiguous.
 // Decoding is bound by how fast the weights stream from memory: every weight row is read from
-// memory once and dotted with the input rows, 4 at a time, while it sits in L1; bf16 weights halve
+// memory once and dotted with the input rows (two weight rows by 4 input rows at a time) while it
+// sits in L1; bf16 weights halve
 // the bytes. One body serves both weight types (a compile-time flag picks the load).
 // Built by codraft/kernels/cbuild.py.
 #include <omp.h>
@@ -23,7 +24,9 @@
 
 // how far ahead of the weight being read to prefetch: the hardware prefetchers alone streamed the
 // weights from DRAM ~25% slower (bf16, 1 row) to ~40% slower (4 rows)
+#ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 4096
+#endif
 
 typedef float vf __attribute__((vector_size(LANES * 4)));
 typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
@@ -93,7 +96,22 @@ static float *deinterleave(const float *x, int64_t m, int64_t n) {
     return out;
 }
 
-// pairwise: log2(LANES) dependent adds, not LANES (this runs once per weight row and 4 input rows)
+// pairwise, in registers: log2(LANES) shuffle + add steps (this runs once per weight row and input
+// row; a store and a scalar loop made it as costly as the dot itself from ~8 rows on)
+#if defined(__has_builtin) && __has_builtin(__builtin_shufflevector)
+typedef float vf8 __attribute__((vector_size(32)));
+typedef float vf4 __attribute__((vector_size(16)));
+INLINE float hsum(vf v) {
+#if LANES == 16
+    vf8 h = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+    vf8 h = v;
+#endif
+    vf4 q = __builtin_shufflevector(h, h, 0, 1, 2, 3) + __builtin_shufflevector(h, h, 4, 5, 6, 7);
+    return (q[0] + q[2]) + (q[1] + q[3]);
+}
+#else
 INLINE float hsum(vf v) {
     float s[LANES];
     memcpy(s, &v, sizeof s);
@@ -101,49 +119,67 @@ INLINE float hsum(vf v) {
         for (int k = 0; k < half; k++) s[k] += s[k + half];
     return s[0];
 }
+#endif
 
-// out[k] = <w, x[k]> for k < nk (nk <= 4, a constant after inlining);
-// two accumulators per row hide the FMA latency
-INLINE void dots(const void *w, const float *const *x, int64_t n, float *out, const int nk, const int bf16) {
-    vf a[4][2] = {{{0}}};
+// out[4 j + k] = <w_j, x[k]> for weight rows j < nw (nw <= 2, `stride` values apart) and input rows
+// k < nk (nk <= 4), constants after inlining. Each block of x is loaded once for both weight rows:
+// from 4 input rows on, a loop over one weight row spent more on loads than on FMAs (9 per 8).
+// One weight row keeps two accumulators per input row to hide the FMA latency; two have 8 chains.
+INLINE void dots(const void *w, int64_t stride, const float *const *x, int64_t n, float *out, const int nw,
+                 const int nk, const int bf16) {
+    const int two = nw == 1;  // second accumulator: a[.][.][1], else the same one
+    vf a[2][4][2] = {{{{0}}}};
     int64_t i = 0;
     for (; i + 2 * LANES <= n; i += 2 * LANES) {
-        vf w0, w1;
-        const char *ahead = (const char *)w + i * (bf16 ? 2 : 4) + PREFETCH_BYTES;
-        for (int b = 0; b < 2 * LANES * (bf16 ? 2 : 4); b += 64) __builtin_prefetch(ahead + b);
-        load_w(w, i, &w0, &w1, bf16);
+        vf w0[2], w1[2];
+        for (int j = 0; j < nw; j++) {
+            const char *ahead = (const char *)w + (j * stride + i) * (bf16 ? 2 : 4) + PREFETCH_BYTES;
+            for (int b = 0; b < 2 * LANES * (bf16 ? 2 : 4); b += 64) __builtin_prefetch(ahead + b);
+            load_w(w, j * stride + i, &w0[j], &w1[j], bf16);
+        }
         for (int k = 0; k < nk; k++) {
-            a[k][0] += w0 * load(x[k] + i);
-            a[k][1] += w1 * load(x[k] + i + LANES);
+            vf x0 = load(x[k] + i), x1 = load(x[k] + i + LANES);
+            for (int j = 0; j < nw; j++) {
+                a[j][k][0] += w0[j] * x0;
+                a[j][k][two] += w1[j] * x1;
+            }
         }
     }
-    for (int k = 0; k < nk; k++) {
-        float s = hsum(a[k][0] + a[k][1]);
-        for (int64_t j = i; j < n; j++) s += w_at(w, j, bf16) * x[k][j];
-        out[k] = s;
-    }
+    for (int j = 0; j < nw; j++)
+        for (int k = 0; k < nk; k++) {
+            float s = hsum(two ? a[j][k][0] + a[j][k][1] : a[j][k][0]);
+            for (int64_t t = i; t < n; t++) s += w_at(w, j * stride + t, bf16) * x[k][t];
+            out[4 * j + k] = s;
+        }
 }
 
-// columns o0..o1 of y: weight rows o0..o1 against every row of x, 4 rows of x at a time. The weight
-// rows (one chunk) stay in L1 while the blocks of x pass them, so x (up to ~150 KB at 64 rows) comes
-// from L2 once per chunk, not once per weight row.
+// columns o0..o1 of y: weight rows o0..o1 against every row of x, 2 weight rows and 4 rows of x at a
+// time. The weight rows (one chunk) stay in L1 while the blocks of x pass them, so x (up to ~150 KB at
+// 64 rows) comes from L2 once per chunk, not once per weight row.
+#define DOTS(nw, nk) dots(row, in, xs, in, d, nw, nk, bf16)
 INLINE void weight_rows(const float *x, const void *w, float *y, int64_t m, int64_t in, int64_t out,
                         int64_t o0, int64_t o1, const int bf16) {
     for (int64_t r = 0; r < m; r += 4) {
         const float *xs[4];
         int nk = m - r < 4 ? (int)(m - r) : 4;
         for (int k = 0; k < nk; k++) xs[k] = x + (r + k) * in;
-        for (int64_t o = o0; o < o1; o++) {
+        for (int64_t o = o0; o < o1; o += 2) {
             const void *row = bf16 ? (const void *)((const uint16_t *)w + o * in)
                                    : (const void *)((const float *)w + o * in);
-            float d[4];
-            switch (nk) {  // a constant nk per call lets the compiler unroll the rows
-                case 1: dots(row, xs, in, d, 1, bf16); break;
-                case 2: dots(row, xs, in, d, 2, bf16); break;
-                case 3: dots(row, xs, in, d, 3, bf16); break;
-                default: dots(row, xs, in, d, 4, bf16);
+            int nw = o + 1 < o1 ? 2 : 1;
+            float d[8];
+            switch (nk * 2 + nw - 3) {  // constant nw, nk per call let the compiler unroll them
+                case 0: DOTS(1, 1); break;
+                case 1: DOTS(2, 1); break;
+                case 2: DOTS(1, 2); break;
+                case 3: DOTS(2, 2); break;
+                case 4: DOTS(1, 3); break;
+                case 5: DOTS(2, 3); break;
+                case 6: DOTS(1, 4); break;
+                default: DOTS(2, 4);
             }
-            for (int k = 0; k < nk; k++) y[(r + k) * out + o] = d[k];
+            for (int j = 0; j < nw; j++)
+                for (int k = 0; k < nk; k++) y[(r + k) * out + o + j] = d[4 * j + k];
         }
     }
 }
@@ -152,7 +188,7 @@ INLINE void weight_rows(const float *x, const void *w, float *y, int64_t m, int6
 static int64_t chunk_rows(int64_t in, int64_t out, int64_t weight_size) {
     int64_t fit = 16384 / (in * weight_size + 1), balanced = out / (4 * omp_get_max_threads());
     int64_t rows = fit < balanced ? fit : balanced;
-    return rows > 0 ? rows : 1;
+    return rows > 1 ? rows & ~(int64_t)1 : 1;  // even: weight rows go in pairs
 }
 
 void gemv_rows(const float *x, const float *w, float *y, int64_t m, int64_t in, int64_t out) {
