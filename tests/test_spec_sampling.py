@@ -216,3 +216,39 @@ def test_oracles_agree():
     for s in settings:
         expected = oracle_logprobs(logits, s["temperature"], s["top_k"], s["top_p"]).exp()
         torch.testing.assert_close(sampling_probs(logits, **s), expected, rtol=1e-12, atol=1e-12)
+
+
+# ---- drawing a token from a row of weights ------------------------------------------------------------
+
+def test_inverse_cdf_picks_each_token_over_its_share_of_u():
+    """Deterministic: u at both ends of every token's interval, zero weights never picked, unnormalised
+    and batched rows; a token of weight 1e-4 beside 49 151 tokens of weight 1 keeps its interval (the
+    fp32 running sum would round it away: 49 151 + 1e-4 == 49 151 in fp32)."""
+    from codraft.spec.sampling import inverse_cdf
+    w = torch.tensor([0.0, 2.0, 0.0, 1.0, 1.0])  # total 4: intervals [0, .5), [.5, .75), [.75, 1)
+    u = torch.tensor([0.0, 0.4999, 0.5, 0.7499, 0.75, 0.9999], dtype=torch.float64)
+    assert inverse_cdf(w.expand(6, 5), u).tolist() == [1, 1, 3, 3, 4, 4]
+    batched = torch.stack([w, w.flip(0)])[:, None].expand(2, 3, 5)  # (2, 3, V), leading dims kept
+    assert inverse_cdf(batched, torch.full((2, 3), 0.1, dtype=torch.float64)).tolist() == [[1] * 3, [0] * 3]
+    assert inverse_cdf(torch.zeros(5), torch.tensor(0.3, dtype=torch.float64)).item() == 4
+    big = torch.ones(49152)
+    big[-1] = 1e-4
+    assert float(big[:-1].sum() + big[-1]) == float(big[:-1].sum())  # what fp32 would lose
+    total = 49151 + 1e-4
+    inside = torch.tensor([(49151 + 0.5e-4) / total], dtype=torch.float64)
+    assert inverse_cdf(big, inside).item() == 49151
+    assert inverse_cdf(big, torch.tensor([(49151 - 0.5) / total], dtype=torch.float64)).item() == 49150
+
+
+@pytest.mark.parametrize("shape", [(6,), (3, 6), (2, 2, 6)])
+def test_sample_follows_the_weights(shape):
+    """Sampler.sample against the normalised weights (chi-square, 40 000 draws per row position),
+    unnormalised weights with zeros (never drawn); one generator seed reproduces the draws."""
+    w = torch.tensor([0.0, 3.0, 1.0, 0.0, 0.5, 0.01]).expand(*shape).contiguous()
+    sampler = Sampler(temperature=1.0, generator=torch.Generator().manual_seed(0))
+    draws = torch.stack([sampler.sample(w) for _ in range(40_000)])  # (N, *shape[:-1])
+    counts = torch.zeros(6).index_add_(0, draws.flatten(), torch.ones(draws.numel()))
+    fits, stat, crit = spec_harness.chi2_fits(counts, w.reshape(-1, 6)[0], alpha=1e-4)
+    assert fits, (stat, crit, counts.tolist())
+    again = Sampler(temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(torch.stack([again.sample(w) for _ in range(100)]), draws[:100])

@@ -14,9 +14,13 @@ Greedy (temperature == 0): the token is the argmax of the raw logits, and the lo
 reported for it is log_softmax(logits) at temperature 1 without filtering (the policy's
 own probability of the token; RL code usually wants exactly that).
 
-Sampling from a probability row uses the exponential race: argmax(p_i / E_i) with
-E_i ~ Exp(1) i.i.d. picks i with probability p_i / sum(p). It needs no normalisation
-and, unlike ``torch.multinomial``, no host sync. All randomness comes from one
+Sampling from a row of weights inverts its CDF: the first i whose running sum exceeds u times
+the total, u ~ U[0, 1), picks i with probability p_i / sum(p). It needs no normalisation and,
+unlike ``torch.multinomial``, no host sync; the sums are fp64, so each token's odds are exact to
+~1e-16 of the total (in fp32 a 1e-6 token's share of a running sum near 1 is off by several
+per cent). One uniform per row, where the exponential race (argmax p_i / E_i) drew one exponential per
+vocabulary entry: 1.4 ms per row of SmolLM2's vocabulary on a 2-core Xeon, 10 ms at batch 8,
+against 0.08 / 0.36 ms (a fifth of a batch-8 decode step at T = 1). All randomness comes from one
 ``torch.Generator`` on the model's device, so a seed reproduces a whole generation.
 """
 from __future__ import annotations
@@ -38,6 +42,15 @@ def filter_logits(x: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.
         drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
         x = x.masked_fill(drop, float("-inf"))
     return x
+
+
+def inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """(..., V) non-negative weights, (...) fp64 uniforms in [0, 1) -> (...) the first index whose
+    running sum (fp64) exceeds u times the row's total: index i for u in [cdf_(i-1), cdf_i) / total,
+    so a zero weight is never picked; an all-zero row gives the last index."""
+    cdf = weights.double().cumsum(-1)
+    picked = torch.searchsorted(cdf, (u[..., None] * cdf[..., -1:]), right=True).squeeze(-1)
+    return picked.clamp_max_(weights.shape[-1] - 1)
 
 
 class Sampler:
@@ -76,8 +89,8 @@ class Sampler:
         """(..., V) non-negative weights (need not sum to 1) -> (...,) token ids."""
         if self.greedy:
             return probs.argmax(-1)
-        race = torch.empty_like(probs).exponential_(generator=self.generator)
-        return (probs / race.clamp_min_(torch.finfo(race.dtype).tiny)).argmax(-1)  # never 0/0
+        u = torch.rand(probs.shape[:-1], generator=self.generator, dtype=torch.float64, device=probs.device)
+        return inverse_cdf(probs, u)
 
     def sample_logits(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(..., V) logits -> (token ids (...,), their logprobs (...,)) under the convention above."""
