@@ -57,8 +57,9 @@ class ModelDraft(nn.Module, Draft):
         nxt = rows + 1
         mask = (nxt < t) & batch.loss_mask[0, nxt.clamp(max=t - 1)]  # (R,) extra teacher rows are dropped
         h = self.net(batch.input_ids, cu_seqlens=batch.cu_seqlens, head=False)  # (1,T,H)
-        logits = self.net.logits(h[0, rows]).float()  # (R,V)
-        teacher = batch.teacher_logits.float().softmax(-1)
+        logits = self.net.logits(h[0, rows])  # (R,V)
+        dt = torch.promote_types(torch.promote_types(logits.dtype, batch.teacher_logits.dtype), torch.float32)
+        logits, teacher = logits.to(dt), batch.teacher_logits.to(dt).softmax(-1)  # the loss in >= fp32
         ce = -(teacher * logits.log_softmax(-1)).sum(-1)  # (R,)
         n = mask.sum().clamp_min(1)
         ctx = batch.context
