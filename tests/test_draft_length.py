@@ -8,6 +8,7 @@ trusted); losslessness with the number of drafts changing every round as a funct
 past (``spec_harness``: chi-square against the exact enumerated distribution); the trainer's
 metrics and an exact resume with draft_length=auto.
 """
+import copy
 import json
 import warnings
 
@@ -17,7 +18,9 @@ import torch
 import codraft.rollout.draft_length as dl
 import codraft.rollout.engine as engine_mod
 import spec_harness
+from codraft import kernels
 from codraft.drafts import build_draft
+from codraft.kernels import dispatch, fast_layers
 from codraft.models import ModelConfig, Transformer
 from codraft.rl import trainer as trainer_mod
 from codraft.rl.logger import read_metrics
@@ -231,6 +234,22 @@ def test_cache_key_follows_the_model_draft_and_threads(small, calibrations, tmp_
     finally:
         torch.set_num_threads(threads)
     assert len(calibrations) == 4 and len(list(tmp_path.glob("*.json"))) == 4
+
+
+def test_cache_key_follows_the_kernels_build(small, calibrations, tmp_path, monkeypatch):
+    """A calibration timed on another build of the C kernels (they changed, or were turned off) is not
+    reused: the decode path is part of the key."""
+    model, draft = small
+    fast = kernels.enable(copy.deepcopy(model))
+    assert isinstance(fast, fast_layers.FastTransformer)  # (the suite needs the C compiler: test_gemv)
+    load_or_calibrate(fast, draft, 2, 1, folder=tmp_path)
+    load_or_calibrate(fast, draft, 2, 1, folder=tmp_path)
+    assert len(calibrations) == 1
+    monkeypatch.setattr(fast_layers.FastTransformer, "decode_path", property(lambda self: "kernels-rebuilt.so"))
+    load_or_calibrate(fast, draft, 2, 1, folder=tmp_path)
+    assert len(calibrations) == 2 and len(list(tmp_path.glob("*.json"))) == 2
+    keys = [json.loads(p.read_text())["key"]["model"]["decode_path"] for p in tmp_path.glob("*.json")]
+    assert sorted(keys) == sorted([dispatch.machine()["kernels"], "kernels-rebuilt.so"])
 
 
 def test_engine_calibrates_once_into_the_cache_folder(small, calibrations, tmp_path, monkeypatch):

@@ -75,6 +75,12 @@ class FastTransformer(Transformer):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         return linear(self.norm(h), self.head_weight)
 
+    @property
+    def decode_path(self) -> str:
+        """What this model's CPU decode steps run on (the kernel library's file name, ``off``): a timing
+        kept across runs (the draft-length cost model) holds for this build only."""
+        return dispatch.machine()["kernels"]
+
     def run_layers(self, x, ctx, layers: range, taps=None):
         # a CPU decode step where one C call per layer is the fastest path: the whole run in one call
         if ctx.cache is not None and ctx.attn is varlen_attention and layers.step == 1 and len(layers):

@@ -3,8 +3,8 @@
 // the result is x @ fp32(w)^T up to summation order). Row-major, contiguous.
 // Decoding is bound by how fast the weights stream from memory: every weight row is read from
 // memory once and dotted with the input rows (two weight rows by 4 input rows at a time) while it
-// sits in L1; bf16 weights halve
-// the bytes. One body serves both weight types (a compile-time flag picks the load).
+// sits in L1; bf16 weights halve the bytes. One body serves both weight types (a compile-time flag
+// picks the load).
 // Built by codraft/kernels/cbuild.py.
 #include <omp.h>
 #include <stdint.h>
@@ -24,9 +24,7 @@
 
 // how far ahead of the weight being read to prefetch: the hardware prefetchers alone streamed the
 // weights from DRAM ~25% slower (bf16, 1 row) to ~40% slower (4 rows)
-#ifndef PREFETCH_BYTES
 #define PREFETCH_BYTES 4096
-#endif
 
 typedef float vf __attribute__((vector_size(LANES * 4)));
 typedef uint32_t vu __attribute__((vector_size(LANES * 4)));

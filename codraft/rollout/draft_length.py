@@ -263,7 +263,8 @@ def signature(model: nn.Module, draft, max_gamma: int) -> dict:
     return {
         "format": FORMAT,
         "model": {"class": type(model).__name__, "dtype": str(next(model.parameters()).dtype),
-                  "config": dataclasses.asdict(model.config)},
+                  "config": dataclasses.asdict(model.config),
+                  "decode_path": getattr(model, "decode_path", "reference")},  # the kernels' build, if any
         "draft": {"class": type(draft).__name__, "feature_layers": list(draft.feature_layers),
                   "tensors": hashlib.sha256(json.dumps(shapes).encode()).hexdigest()[:16]},
         "max_gamma": max_gamma,
