@@ -204,36 +204,40 @@ def bench_model(model_name: str, *, batches, max_new: int, drafts, gamma: int, r
         load = meter.read()
         ref = next((s.last["tokens"] for s in these if s.name == "hf generate"), None)
         plains = {s.dtype: s for s in these if s.name.startswith("codraft plain")}
-        for s in these:
-            n_tok = sum(map(len, s.last["tokens"]))
-            plain = plains[s.dtype]  # (every side has a plain side of its dtype: hf's are float32)
-            row = {"batch": b, "side": s.name, "dtype": s.dtype, "new_tokens": n_tok, "seconds": s.times,
-                   "tokens_per_s": n_tok / median(s.times), "others_cores": load.get("others_cores")}
-            if n_tok != b * max_new:
-                row["warning"] = f"{n_tok} tokens instead of {b * max_new}"
-            st = s.last.get("stats")
-            if st is not None:
-                row["stats_greedy"] = st
-                row["tau_greedy"] = st["acceptance_length"]
-                row["gamma_chosen"] = st["gamma_chosen"]  # rounds that drafted 0, 1, … tokens
-                # target forward + sampling/accept per round: a plain decode step, or one γ+1-token verify
-                row["ms_per_forward"] = 1e3 * st["verify_s"] / max(st["rounds"], 1)
-            if s.sampled:  # tokens over time summed over the repetitions: their lengths differ
-                row["seconds_t1"] = s.times_t1
-                row["tokens_per_s_t1"] = sum(s.tokens_t1) / sum(s.times_t1)
-                row["speedup_t1"] = row["tokens_per_s_t1"] / (sum(plain.tokens_t1) / sum(plain.times_t1))
-            if s.name.startswith("codraft spec/"):
-                row["identical_to_plain"] = s.last["tokens"] == plain.last["tokens"]
-                t1 = _pooled(s.stats_t1)
-                row["stats_t1"] = t1
-                row["tau_t1"] = t1["acceptance_length"]
-                row["acceptance_per_position_t1"] = t1["acceptance_per_position"]
-                row["gamma_chosen_t1"] = t1["gamma_chosen"]
-            if ref is not None and s is plain and s.dtype == "float32":
-                row["match_hf"] = _match(plain.last["tokens"], ref)
-            out["rows"].append(row)
+        out["rows"] += [_row(s, plains[s.dtype], b, max_new, load, ref) for s in these]
         log(f"  {model_name} batch {b}: done ({load.get('others_cores', float('nan')):.2f} cores busy elsewhere)")
     return out
+
+
+def _row(s: Side, plain: Side, b: int, max_new: int, load: dict, ref) -> dict:
+    """One side's figures at batch b; ``plain``: the plain side of its dtype (hf's are float32), ``ref``:
+    HF's greedy tokens, or None."""
+    n_tok = sum(map(len, s.last["tokens"]))
+    row = {"batch": b, "side": s.name, "dtype": s.dtype, "new_tokens": n_tok, "seconds": s.times,
+           "tokens_per_s": n_tok / median(s.times), "others_cores": load.get("others_cores")}
+    if n_tok != b * max_new:
+        row["warning"] = f"{n_tok} tokens instead of {b * max_new}"
+    st = s.last.get("stats")
+    if st is not None:
+        row["stats_greedy"] = st
+        row["tau_greedy"] = st["acceptance_length"]
+        row["gamma_chosen"] = st["gamma_chosen"]  # rounds that drafted 0, 1, … tokens
+        # target forward + sampling/accept per round: a plain decode step, or one γ+1-token verify
+        row["ms_per_forward"] = 1e3 * st["verify_s"] / max(st["rounds"], 1)
+    if s.sampled:  # tokens over time summed over the repetitions: their lengths differ
+        row["seconds_t1"] = s.times_t1
+        row["tokens_per_s_t1"] = sum(s.tokens_t1) / sum(s.times_t1)
+        row["speedup_t1"] = row["tokens_per_s_t1"] / (sum(plain.tokens_t1) / sum(plain.times_t1))
+    if s.name.startswith("codraft spec/"):
+        row["identical_to_plain"] = s.last["tokens"] == plain.last["tokens"]
+        t1 = _pooled(s.stats_t1)
+        row["stats_t1"] = t1
+        row["tau_t1"] = t1["acceptance_length"]
+        row["acceptance_per_position_t1"] = t1["acceptance_per_position"]
+        row["gamma_chosen_t1"] = t1["gamma_chosen"]
+    if ref is not None and s is plain and s.dtype == "float32":
+        row["match_hf"] = _match(plain.last["tokens"], ref)
+    return row
 
 
 _TAGS = {"float32": "", "bfloat16": " bf16"}

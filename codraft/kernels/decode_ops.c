@@ -144,9 +144,8 @@ void decode_stack(const float *x, float *y, const void *const *w, const float *c
                   float *kc, float *vc, const int64_t *lengths, float *const *taps, int64_t n_layers,
                   int64_t B, int64_t T, int64_t D, int64_t H, int64_t Hkv, int64_t hd, int64_t I, int64_t L,
                   float eps, int bf16) {
-    int64_t m = B * T, per_layer = B * Hkv * L * hd;
-    float *scratch = malloc((layer_scratch(m, D, H * hd, Hkv * hd, I) + m * D) * sizeof(float));
-    float *other = scratch + layer_scratch(m, D, H * hd, Hkv * hd, I);
+    int64_t m = B * T, per_layer = B * Hkv * L * hd, own = layer_scratch(m, D, H * hd, Hkv * hd, I);
+    float *scratch = malloc((own + m * D) * sizeof(float)), *other = scratch + own;
     // ping-pong so that the last layer writes y: layer l writes y when n_layers - l is odd
     const float *in = x;
     for (int64_t l = 0; l < n_layers; l++) {

@@ -124,11 +124,11 @@ def decoder_layer(layer, x, cos, sin, k_cache, v_cache, lengths) -> torch.Tensor
     if d != a.q_proj.weight.shape[1] or cos.shape != (b, 1, t, a.head_dim) or sin.shape != cos.shape:
         raise ValueError(f"decoder_layer: x {tuple(x.shape)}, cos/sin {tuple(cos.shape)} do not fit the layer")
     _check_cache(k_cache, v_cache, lengths, b, t, a.n_kv, a.head_dim)
-    (norm_in, norm_post), projections = _layer_weights(layer)
+    _, projections = _layer_weights(layer)
     dtype = projections[0].dtype
     if dtype not in cbuild.WEIGHT_DTYPES or any(w.dtype is not dtype for w in projections):
         raise ValueError(f"decoder_layer: projection weights {[w.dtype for w in projections]}: all fp32 or all bf16")
-    weights = [w.contiguous() for w in (norm_in, *projections[:4], norm_post, *projections[4:])]
+    weights = [w.contiguous() for w in _stack_order(layer)]
     ptrs = (ctypes.c_void_p * 9)(*(w.data_ptr() for w in weights))  # (held: the C call reads them)
     x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
     lengths = lengths.to(torch.int64).contiguous()
@@ -145,19 +145,18 @@ class _Stack:
     array) and the layers' dimensions; ``stamp`` (every weight's address and dtype) tells whether the
     layers still hold those weights, so a step pays one pass of dict reads, not the checks."""
 
-    def __init__(self, layers: list, x: torch.Tensor, cache_k: torch.Tensor, stamp: tuple):
-        first = layers[0]
-        a, mlp = first.self_attn, first.mlp
-        self.dims = (a.q_proj.weight.shape[1], a.n_heads, a.n_kv, a.head_dim, mlp.gate_proj.weight.shape[0])
-        self.eps = first.input_layernorm.eps
+    def __init__(self, layers: list, weights: list[torch.Tensor], x: torch.Tensor, cache_k: torch.Tensor,
+                 stamp: tuple):
+        self.dims, self.eps = _dims(layers[0])
         self.ok = all(layer_applies(l, x, cache_k) and _dims(l) == (self.dims, self.eps) for l in layers)
-        weights = [w for l in layers for w in _stack_order(l)]
         self.bf16 = weights[1].dtype is torch.bfloat16
         self.ptrs = (ctypes.c_void_p * len(weights))(*(w.data_ptr() for w in weights))
         self.stamp = stamp
 
 
 def _dims(layer) -> tuple:
+    """((hidden, heads, KV heads, head size, intermediate), RMSNorm eps): what decode_stack takes once
+    for all the layers."""
     a, mlp = layer.self_attn, layer.mlp
     return ((a.q_proj.weight.shape[1], a.n_heads, a.n_kv, a.head_dim, mlp.gate_proj.weight.shape[0]),
             layer.input_layernorm.eps)
@@ -181,7 +180,7 @@ def decoder_stack(model, first: int, layers: list, x, cos, sin, cache, taps=()) 
     plans = _stacks.setdefault(model, {})
     plan = plans.get(key)
     if plan is None or plan.stamp != stamp:
-        plan = plans[key] = _Stack(layers, x, cache.k, stamp)
+        plan = plans[key] = _Stack(layers, weights, x, cache.k, stamp)
     D, H, Hkv, hd, inter = plan.dims
     if not plan.ok or d != D or cos.shape != (b, 1, t, hd) or sin.shape != cos.shape:
         return None
