@@ -6,7 +6,7 @@ oversubscribe the machine and make small ops many times slower.
 import pytest
 import torch
 
-from codraft.kernels import cbuild, decode_ops, gemv
+from codraft.kernels import amx, cbuild, decode_ops, gemv
 
 torch.set_num_threads(1)
 
@@ -24,7 +24,7 @@ def one_thread():
 @pytest.fixture
 def fresh_kernels():
     """The C kernels looked up again in the test (and after it): for tests that change how they build."""
-    caches = (cbuild.library, gemv.kernel, decode_ops.kernels)
+    caches = (cbuild.library, gemv.kernel, amx.kernel, decode_ops.kernels)
     for c in caches:
         c.cache_clear()
     yield

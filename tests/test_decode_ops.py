@@ -9,14 +9,18 @@ import torch.nn.functional as F
 
 from codraft import kernels
 from codraft.attention import cache_causal_mask
-from codraft.kernels import decode_ops, dispatch, fast_layers
+from codraft.kernels import amx, decode_ops, dispatch, fast_layers
 from codraft.models import ModelConfig, Transformer
 from codraft.models.kv_cache import KVCache
 from codraft.models.layers import apply_rope, rope_cos_sin
 from codraft.models.transformer import DecoderLayer
 
 
-_ALWAYS_FUSED = dispatch.Table(ranges=((1, 128, "fused"),), by_rows=("unfused",) + ("fused",) * 128, times={})
+def _always(path: str) -> dispatch.Table:
+    return dispatch.Table(ranges=((1, 128, path),), by_rows=("unfused",) + (path,) * 128, times={})
+
+
+_ALWAYS_FUSED = _always("fused")
 
 
 @pytest.mark.parametrize("shape", [(1, 576), (3, 5, 17), (2, 8)])
@@ -110,7 +114,7 @@ def test_model_decode_matches_torch_ops(monkeypatch, qk_norm):
     calls = {"cache_attention": 0, "decoder_layer": 0, "decoder_stack": 0}
     for name in calls:
         real = getattr(decode_ops, name)
-        monkeypatch.setattr(decode_ops, name, lambda *a, _n=name, _f=real: calls.update({_n: calls[_n] + 1}) or _f(*a))
+        monkeypatch.setattr(decode_ops, name, lambda *a, _n=name, _f=real, **k: calls.update({_n: calls[_n] + 1}) or _f(*a, **k))
     fast, fast_cache = run(model)
     layers = cfg.num_hidden_layers
     if qk_norm:
@@ -212,11 +216,12 @@ def test_layer_applies():
         assert not decode_ops.layer_applies(layer.double(), x.double(), cache.double())
 
 
-def _stack_model(dtype, layers=3, seed=0):
-    """A Llama-shaped model (hidden 72, intermediate 100: vector tails run) with weights larger than the
-    init's, projections in ``dtype``; and its kernel-enabled twin."""
-    cfg = ModelConfig(vocab_size=50, hidden_size=72, intermediate_size=100, num_hidden_layers=layers,
-                      num_attention_heads=6, num_key_value_heads=2)
+def _stack_model(dtype, layers=3, seed=0, hidden=72, intermediate=100):
+    """A Llama-shaped model (hidden 72, intermediate 100: vector tails run; 64 and 96 with 16-wide
+    heads: shapes AMX takes) with weights larger than the init's, projections in ``dtype``; and its
+    kernel-enabled twin."""
+    cfg = ModelConfig(vocab_size=50, hidden_size=hidden, intermediate_size=intermediate, num_hidden_layers=layers,
+                      num_attention_heads=hidden // 12 if hidden == 72 else hidden // 16, num_key_value_heads=2)
     torch.manual_seed(seed)
     plain = Transformer(cfg).eval()
     with torch.no_grad():
@@ -243,21 +248,29 @@ def _stack_run(model, x, lengths, layers: range, taps=(), seed=0):
     return y, tapped, cache
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("b,t,layers", [(1, 1, range(3)), (3, 2, range(3)), (2, 1, range(1, 3)), (4, 4, range(2))])
-def test_decoder_stack_matches_torch(monkeypatch, dtype, b, t, layers):
-    """A run of layers in one C call (the whole stack, or a pipeline stage's part of it) against the
-    plain model's torch layers: output, tapped outputs, and every layer's cache after the write."""
-    monkeypatch.setattr(fast_layers, "layer_table", lambda layer: _ALWAYS_FUSED)
+@pytest.mark.parametrize("dtype,path", [(torch.float32, "fused"), (torch.bfloat16, "fused"),
+                                        (torch.bfloat16, "fused-amx")])
+@pytest.mark.parametrize("b,t,layers", [(1, 1, range(3)), (3, 2, range(3)), (2, 1, range(1, 3)), (4, 4, range(2)),
+                                        (9, 2, range(3))])  # 18 rows: two blocks of AMX tiles
+def test_decoder_stack_matches_torch(monkeypatch, dtype, path, b, t, layers):
+    """A run of layers in one C call (the whole stack, or a pipeline stage's part of it; bf16 products
+    on the vector kernel or on AMX tiles, of shapes AMX takes) against the plain model's torch layers:
+    output, tapped outputs, and every layer's cache after the write. (Without AMX on this CPU the C
+    code runs "fused-amx" products on the vector kernel: test_amx checks the CPU has none.)"""
+    monkeypatch.setattr(fast_layers, "layer_table", lambda layer: _always(path))
     calls = []
     real = decode_ops.decoder_stack
-    monkeypatch.setattr(decode_ops, "decoder_stack", lambda *a: calls.append(a[1:3]) or real(*a))
-    plain, fast = _stack_model(dtype)
-    x = torch.randn(b, t, 72, generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(decode_ops, "decoder_stack", lambda *a, **k: calls.append((*a[1:3], k)) or real(*a, **k))
+    hidden, intermediate = (64, 96) if path == "fused-amx" else (72, 100)
+    plain, fast = _stack_model(dtype, hidden=hidden, intermediate=intermediate)
+    if path == "fused-amx":
+        assert fast_layers._amx_fits(fast.layers[0]) == amx.ready()
+    x = torch.randn(b, t, hidden, generator=torch.Generator().manual_seed(1))
     lengths = torch.randint(0, 30, (b,), generator=torch.Generator().manual_seed(2))
     taps = (layers.start, layers.stop - 1, 7)  # 7: not in the run, ignored
     y, tapped, cache = _stack_run(fast, x, lengths, layers, taps)
     assert len(calls) == 1 and calls[0][0] == layers.start and len(calls[0][1]) == len(layers)
+    assert calls[0][2]["amx"] == (path == "fused-amx")
     want, want_tapped, want_cache = _stack_run(plain, x, lengths, layers, taps)
     assert want.abs().max() > 10  # the layers' own terms are not lost beside x
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-4)
@@ -295,6 +308,6 @@ def test_decoder_stack_follows_changed_weights(monkeypatch):
         m.layers[1].mlp.up_proj.to(torch.bfloat16)
     ran = []
     real = decode_ops.decoder_stack
-    monkeypatch.setattr(decode_ops, "decoder_stack", lambda *a: ran.append(real(*a)) or ran[-1])
+    monkeypatch.setattr(decode_ops, "decoder_stack", lambda *a, **k: ran.append(real(*a, **k)) or ran[-1])
     same()
     assert ran == [None]

@@ -72,7 +72,7 @@ def test_same_logits_as_plain(monkeypatch, fused_up_to_8_rows, arch, batch, step
     calls = dict.fromkeys(["kernel", "transposed", "decoder_stack", "decoder_layer", "cache_attention", "rms_norm"], 0)
 
     def counted(name, fn):
-        return lambda *a: calls.update({name: calls[name] + 1}) or fn(*a)
+        return lambda *a, **k: calls.update({name: calls[name] + 1}) or fn(*a, **k)
     for name in ("kernel", "transposed"):
         monkeypatch.setitem(products.PATHS, name, counted(name, products.PATHS[name]))
     for name in ("decoder_stack", "decoder_layer", "cache_attention", "rms_norm"):

@@ -6,7 +6,8 @@ row range -> path, per product shape and for the one-call decoder layer; measure
 machine has none, or with ``remeasure``). Then, for each row count, the same run times,
 interleaved, every 2-D weight a decode step multiplies (all layers' projections and the LM head, in
 forward order): a ``sum`` over each weight (what reading it costs, the floor), each single product
-path (``codraft.kernels.products.PATHS``: the C kernel, ``F.linear``, ``(w @ xᵀ)ᵀ``), the chosen
+path (``codraft.kernels.products.PATHS``: the C kernel, ``F.linear``, ``(w @ xᵀ)ᵀ``, the AMX kernel
+for bf16 weights where the CPU has it), the chosen
 one (each weight's path from its table, called the same way) and the same through
 ``products.linear`` (what the fast layers call: plus a reshape, the checks and the table lookup,
 a few µs per product). Figures are ms for all the products (best of ``repeats``) and GB/s of
@@ -23,7 +24,7 @@ import torch
 
 from codraft.bench import format_table
 from codraft.bench.spec import MODELS
-from codraft.kernels import dispatch, gemv, products
+from codraft.kernels import dispatch, products
 from codraft.kernels.fast_layers import layer_table
 from codraft.policy import load_policy
 from codraft.rollout.weights import RolloutWeights
@@ -70,13 +71,13 @@ def measure(weights: list[torch.Tensor], rows: list[int], repeats: int = 5) -> l
     with torch.inference_mode():
         for m in rows:
             xs = [torch.randn(m, w.shape[1]) for w in weights]  # (the same x for every side)
-            chosen = [products.PATHS[t.by_rows[m]] if m < len(t.by_rows) else products.torch_linear
-                      for t in map(products.table, weights)]
+            chosen = [products.PATHS[t.by_rows[m if m < len(t.by_rows) else 0]] for t in map(products.table, weights)]
             sides = {name: [fn] * len(weights) for name, fn in
                      {"sum": lambda x, w: w.sum(), **products.PATHS, "via_linear": products.linear}.items()}
             sides["chosen"] = chosen
-            if not all(gemv.applies(x, w) for x, w in zip(xs, weights)):
-                del sides["kernel"]
+            for name, applies in products.APPLIES.items():
+                if not all(applies(x, w) for x, w in zip(xs, weights)):
+                    del sides[name]
             best = dict.fromkeys(sides, float("inf"))
             names = list(sides)
             for r in range(repeats + 1):  # the first round warms up

@@ -86,22 +86,28 @@ void decode_attention(const float *q, const float *k, const float *v, const floa
     }
 }
 
-// gemv.c: fp32 or bf16 weights
+// gemv.c: fp32 or bf16 weights; amx.c: bf16 weights on AMX tiles (where the row count makes it faster)
 void gemv_rows(const float *x, const float *w, float *y, int64_t m, int64_t in, int64_t out);
 void gemv_rows_bf16(const float *x, const uint16_t *w, float *y, int64_t m, int64_t in, int64_t out);
+void gemm_amx_bf16(const float *x, const uint16_t *w, float *y, int64_t m, int64_t in, int64_t out);
 
-static void product(const float *x, const void *w, int bf16, float *y, int64_t m, int64_t in, int64_t out) {
-    if (bf16)
+// how a layer's products run: fp32 weights (gemv.c), bf16 (gemv.c), bf16 on AMX tiles (amx.c)
+enum { FP32, BF16, BF16_AMX };
+
+static void product(const float *x, const void *w, int kind, float *y, int64_t m, int64_t in, int64_t out) {
+    if (kind == BF16_AMX)
+        gemm_amx_bf16(x, w, y, m, in, out);
+    else if (kind == BF16)
         gemv_rows_bf16(x, w, y, m, in, out);
     else
         gemv_rows(x, w, y, m, in, out);
 }
 
-// One decoder layer for m = B*T new tokens (the products go through gemv.c):
+// One decoder layer for m = B*T new tokens (the products go through gemv.c or amx.c, per `kind`):
 //   h = x + o_proj(attention(rope(q, k), cache))   with q, k, v = projections of rms_norm(x)
 //   y = h + down(silu(gate(n)) * up(n))            with n = rms_norm(h)
 // w: the layer's input norm, q, k, v, o, post-attention norm, gate, up, down weights (HF shapes);
-// the norms fp32, the 7 projections fp32, or bf16 (raw bits) when bf16 is nonzero.
+// the norms fp32, the 7 projections fp32 (kind FP32) or bf16 (raw bits; kind BF16 or BF16_AMX).
 // k and v are written into this layer's cache as in decode_attention. scratch: layer_scratch floats.
 static int64_t layer_scratch(int64_t m, int64_t D, int64_t nq, int64_t nkv, int64_t I) {
     return m * (D + nq + 2 * nkv + nq + 2 * I);
@@ -109,30 +115,30 @@ static int64_t layer_scratch(int64_t m, int64_t D, int64_t nq, int64_t nkv, int6
 
 static void layer(const float *x, float *y, const void *const *w, const float *cos, const float *sin,
                   float *kc, float *vc, const int64_t *lengths, int64_t B, int64_t T, int64_t D, int64_t H,
-                  int64_t Hkv, int64_t hd, int64_t I, int64_t L, float eps, int bf16, float *scratch) {
+                  int64_t Hkv, int64_t hd, int64_t I, int64_t L, float eps, int kind, float *scratch) {
     int64_t m = B * T, nq = H * hd, nkv = Hkv * hd;
     float *n = scratch, *q = n + m * D, *k = q + m * nq, *v = k + m * nkv, *att = v + m * nkv, *g = att + m * nq,
           *u = g + m * I;
     rms_norm_rows(x, w[0], n, m, D, eps);
-    product(n, w[1], bf16, q, m, D, nq);
-    product(n, w[2], bf16, k, m, D, nkv);
-    product(n, w[3], bf16, v, m, D, nkv);
+    product(n, w[1], kind, q, m, D, nq);
+    product(n, w[2], kind, k, m, D, nkv);
+    product(n, w[3], kind, v, m, D, nkv);
     decode_attention(q, k, v, cos, sin, kc, vc, lengths, att, B, T, H, Hkv, hd, L, 1.0f / sqrtf((float)hd));
-    product(att, w[4], bf16, y, m, nq, D);
+    product(att, w[4], kind, y, m, nq, D);
     for (int64_t i = 0; i < m * D; i++) y[i] += x[i];
     rms_norm_rows(y, w[5], n, m, D, eps);
-    product(n, w[6], bf16, g, m, D, I);
-    product(n, w[7], bf16, u, m, D, I);
+    product(n, w[6], kind, g, m, D, I);
+    product(n, w[7], kind, u, m, D, I);
     for (int64_t i = 0; i < m * I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    product(g, w[8], bf16, n, m, I, D);
+    product(g, w[8], kind, n, m, I, D);
     for (int64_t i = 0; i < m * D; i++) y[i] += n[i];
 }
 
 void decode_layer(const float *x, float *y, const void *const *w, const float *cos, const float *sin,
                   float *kc, float *vc, const int64_t *lengths, int64_t B, int64_t T, int64_t D, int64_t H,
-                  int64_t Hkv, int64_t hd, int64_t I, int64_t L, float eps, int bf16) {
+                  int64_t Hkv, int64_t hd, int64_t I, int64_t L, float eps, int kind) {
     float *scratch = malloc(layer_scratch(B * T, D, H * hd, Hkv * hd, I) * sizeof(float));
-    layer(x, y, w, cos, sin, kc, vc, lengths, B, T, D, H, Hkv, hd, I, L, eps, bf16, scratch);
+    layer(x, y, w, cos, sin, kc, vc, lengths, B, T, D, H, Hkv, hd, I, L, eps, kind, scratch);
     free(scratch);
 }
 
@@ -143,7 +149,7 @@ void decode_layer(const float *x, float *y, const void *const *w, const float *c
 void decode_stack(const float *x, float *y, const void *const *w, const float *cos, const float *sin,
                   float *kc, float *vc, const int64_t *lengths, float *const *taps, int64_t n_layers,
                   int64_t B, int64_t T, int64_t D, int64_t H, int64_t Hkv, int64_t hd, int64_t I, int64_t L,
-                  float eps, int bf16) {
+                  float eps, int kind) {
     int64_t m = B * T, per_layer = B * Hkv * L * hd, own = layer_scratch(m, D, H * hd, Hkv * hd, I);
     float *scratch = malloc((own + m * D) * sizeof(float)), *other = scratch + own;
     // ping-pong so that the last layer writes y: layer l writes y when n_layers - l is odd
@@ -151,7 +157,7 @@ void decode_stack(const float *x, float *y, const void *const *w, const float *c
     for (int64_t l = 0; l < n_layers; l++) {
         float *out = (n_layers - l) % 2 ? y : other;
         layer(in, out, w + 9 * l, cos, sin, kc + l * per_layer, vc + l * per_layer, lengths, B, T, D, H, Hkv, hd, I,
-              L, eps, bf16, scratch);
+              L, eps, kind, scratch);
         if (taps[l]) memcpy(taps[l], out, m * D * sizeof(float));
         in = out;
     }

@@ -6,7 +6,8 @@ small torch ops and Python calls per layer around them (norms, rope, cache scatt
 SDPA, views, module calls) each pay torch's dispatch, which added up to a large part of the
 step (figures in docs/bench-spec.md). A layer without q/k norms can be one C call
 (``layer_applies``), whose products go through the GEMV kernel with the layer's fp32 or bf16
-projection weights (rollout copies; norm weights, activations and the KV cache stay fp32); and
+projection weights (rollout copies; norm weights, activations and the KV cache stay fp32), or
+with bf16 weights through the AMX kernel (``amx=True``: ``codraft.kernels.amx``); and
 a run of such layers of one shape, a model's whole stack, one C call (``decoder_stack``): the
 Python around a call per layer still cost ~100 us a layer, a quarter of the layer's own time.
 Used on CPU without autograd; built with the GEMV kernel (``codraft.kernels.cbuild``;
@@ -115,10 +116,15 @@ def cache_attention(q, k, v, cos, sin, k_cache, v_cache, lengths) -> torch.Tenso
     return out
 
 
-def decoder_layer(layer, x, cos, sin, k_cache, v_cache, lengths) -> torch.Tensor:
+def _kind(bf16: bool, amx: bool) -> int:
+    """decode_ops.c's FP32, BF16 or BF16_AMX: how the layer's products run."""
+    return 2 if bf16 and amx else int(bf16)
+
+
+def decoder_layer(layer, x, cos, sin, k_cache, v_cache, lengths, amx: bool = False) -> torch.Tensor:
     """``layer`` (a ``DecoderLayer`` without q/k norms; fp32 or bf16 projection weights) on x
-    (B,T,D) of T new tokens per row: the same as its torch forward into a KV cache, in one C call.
-    The caller checked ``layer_applies``."""
+    (B,T,D) of T new tokens per row: the same as its torch forward into a KV cache, in one C call;
+    ``amx``: bf16 products on AMX tiles (where ``amx.ready()``). The caller checked ``layer_applies``."""
     a, mlp = layer.self_attn, layer.mlp
     b, t, d = x.shape
     if d != a.q_proj.weight.shape[1] or cos.shape != (b, 1, t, a.head_dim) or sin.shape != cos.shape:
@@ -136,7 +142,7 @@ def decoder_layer(layer, x, cos, sin, k_cache, v_cache, lengths) -> torch.Tensor
     kernels().decode_layer(x.data_ptr(), y.data_ptr(), ptrs, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
                            v_cache.data_ptr(), lengths.data_ptr(), b, t, d, a.n_heads, a.n_kv, a.head_dim,
                            mlp.gate_proj.weight.shape[0], k_cache.shape[2], layer.input_layernorm.eps,
-                           dtype is torch.bfloat16)
+                           _kind(dtype is torch.bfloat16, amx))
     return y
 
 
@@ -165,12 +171,12 @@ def _dims(layer) -> tuple:
 _stacks: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def decoder_stack(model, first: int, layers: list, x, cos, sin, cache, taps=()) -> tuple | None:
+def decoder_stack(model, first: int, layers: list, x, cos, sin, cache, taps=(), amx: bool = False) -> tuple | None:
     """``layers`` (decoder layers ``first``, ``first + 1``, ... of ``model``; each ``layer_applies``,
     one shape) on x (B,T,D) into ``cache`` in one C call -> (output, {i: output of layer i for i in
     taps}); None when it does not apply (grad mode, a layer that does not fit, other shapes), for the
-    caller to run the layers one by one. Whether one call per layer is the fastest path for the row
-    count is the caller's call."""
+    caller to run the layers one by one. ``amx``: bf16 products on AMX tiles. Whether one call per
+    layer (and which products) is the fastest path for the row count is the caller's call."""
     if torch.is_grad_enabled() or kernels() is None:
         return None
     b, t, d = x.shape
@@ -197,5 +203,5 @@ def decoder_stack(model, first: int, layers: list, x, cos, sin, cache, taps=()) 
     kc, vc = cache.k[first], cache.v[first]  # layer `first`; the C code steps by one layer's size
     kernels().decode_stack(x.data_ptr(), y.data_ptr(), plan.ptrs, cos.data_ptr(), sin.data_ptr(), kc.data_ptr(),
                            vc.data_ptr(), lengths.data_ptr(), tap_ptrs, len(layers), b, t, D, H, Hkv, hd, inter,
-                           cache.k.shape[3], plan.eps, plan.bf16)
+                           cache.k.shape[3], plan.eps, _kind(plan.bf16, amx))
     return y, tapped

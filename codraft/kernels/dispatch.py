@@ -17,7 +17,9 @@ shapes and dtype) on this machine, measured on a miss:
   call works on another of ``copies`` copies of the operands, so they stream from memory as in a
   decode step, not from a warm cache.
 * **Ranges** (``ranges``): a row count between two grid points takes the choice of the nearer one
-  (the lower on a tie); above ``GRID[-1]`` (and at 0 rows) the operation's ``beyond`` path.
+  (the lower on a tie); above ``GRID[-1]`` (and at 0 rows) the fastest at ``GRID[-1]`` if it is one
+  of the operation's paths that ``scales`` (whose speed there carries over to prefills), else its
+  ``beyond`` path.
 * **Cache**: JSON under ``cache_root()/dispatch``, one file per operation and key, named by a
   hash of the key together with this machine's: CPU model and flags (what ``-march=native`` sees),
   torch's thread count, torch's version and the built kernel library (``CODRAFT_KERNELS=0``: "off",
@@ -74,17 +76,19 @@ Timer = Callable[[str, int, Run], float]  # (candidate, rows, run) -> seconds
 @dataclass(frozen=True)
 class Operation:
     """A decode operation with interchangeable implementations: ``paths`` names them, ``beyond`` is
-    the one used above the grid, ``candidates(*args)`` builds ``{name: At}`` to time them."""
+    the one used above the grid unless the fastest at its top is one that ``scales``;
+    ``candidates(*args)`` builds ``{name: At}`` to time them."""
     name: str
     paths: tuple[str, ...]
     beyond: str
     candidates: Callable[..., dict[str, At]]
+    scales: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
 class Table:
     """The measured choice: ``ranges`` [(first row, last row, path)] cover 1..GRID[-1];
-    ``by_rows[m]`` is the path for m rows, for m < len(by_rows) (index 0: ``beyond``);
+    ``by_rows[m]`` is the path for m rows, for m < len(by_rows) (index 0: above the grid);
     ``times`` {rows: {path: best seconds}} at the grid points; ``busy``: cores other processes
     used while it was measured, when that made it untrustworthy (else 0)."""
     ranges: tuple[tuple[int, int, str], ...]
@@ -256,7 +260,8 @@ def _load_or_measure(op: Operation, key: tuple, args: tuple) -> Table:
 
 
 def _table(rs, times: dict[int, dict[str, float]], op: Operation) -> Table:
-    by_rows = [op.beyond] + [name for lo, hi, name in rs for _ in range(lo, hi + 1)]
+    top = rs[-1][2]  # the fastest at the top of the grid
+    by_rows = [top if top in op.scales else op.beyond] + [name for lo, hi, name in rs for _ in range(lo, hi + 1)]
     return Table(tuple(map(tuple, rs)), tuple(by_rows), times)
 
 

@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from codraft.attention import cache_causal_mask, varlen_attention
-from codraft.kernels import decode_ops, dispatch
+from codraft.kernels import amx, decode_ops, dispatch
 from codraft.kernels.products import linear
 from codraft.models.kv_cache import KVCache
 from codraft.models.layers import MLP, RMSNorm
@@ -66,8 +66,10 @@ class FastDecoderLayer(DecoderLayer):
         if cache is not None and attn is varlen_attention and decode_ops.layer_applies(self, x, cache.k):
             by_rows = layer_table(self).by_rows
             rows = x.shape[0] * x.shape[1]
-            if rows < len(by_rows) and by_rows[rows] == "fused":
-                return decode_ops.decoder_layer(self, x, cos, sin, cache.k[layer], cache.v[layer], cache.lengths)
+            path = by_rows[rows] if rows < len(by_rows) else "unfused"
+            if path in FUSED:
+                return decode_ops.decoder_layer(self, x, cos, sin, cache.k[layer], cache.v[layer], cache.lengths,
+                                                amx=path == "fused-amx")
         return super().forward(x, cos, sin, attn, mask, cache, layer, positions, span)
 
 
@@ -90,9 +92,10 @@ class FastTransformer(Transformer):
                     and decode_ops.layer_applies(first, x, ctx.cache.k):
                 by_rows = layer_table(first).by_rows
                 rows = x.shape[0] * x.shape[1]
-                if rows < len(by_rows) and by_rows[rows] == "fused":
+                path = by_rows[rows] if rows < len(by_rows) else "unfused"
+                if path in FUSED:
                     done = decode_ops.decoder_stack(self, layers.start, stack, x, ctx.cos, ctx.sin, ctx.cache,
-                                                    taps or ())
+                                                    taps or (), amx=path == "fused-amx")
                     if done is not None:
                         return done
         return super().run_layers(x, ctx, layers, taps)
@@ -102,9 +105,18 @@ SWAPS: dict[type, type] = {RMSNorm: FastRMSNorm, MLP: FastMLP, Attention: FastAt
                            DecoderLayer: FastDecoderLayer, Transformer: FastTransformer}
 
 
+def _amx_fits(layer) -> bool:
+    """Whether the one-call layer can run its products on AMX: bf16 weights of shapes the tile
+    kernel takes, on a CPU that has it."""
+    _, projections = decode_ops._layer_weights(layer)
+    with torch.no_grad():  # (decode steps run without autograd; the weights are the trainer's parameters)
+        return all(amx.applies(torch.empty(1, w.shape[1]), w) for w in projections)
+
+
 def _layer_candidates(layer: FastDecoderLayer) -> dict[str, dispatch.At]:
-    """The one-call layer (as a decode step runs it: ``decoder_stack``, here over one layer) and the
-    per-op one (``DecoderLayer.forward`` over the fast submodules), each call on the next of copies of
+    """The one-call layer (as a decode step runs it: ``decoder_stack``, here over one layer; its
+    products on the vector kernel, and for bf16 weights where it applies on AMX tiles) and the per-op
+    one (``DecoderLayer.forward`` over the fast submodules), each call on the next of copies of
     ``layer`` (so its weights come from memory); m rows of one new token each after ``CONTEXT`` cached
     ones."""
     a = layer.self_attn
@@ -112,7 +124,7 @@ def _layer_candidates(layer: FastDecoderLayer) -> dict[str, dispatch.At]:
     timed = nn.ModuleList(copy.deepcopy(layer) for _ in range(dispatch.copies(nbytes)))
     turn = itertools.count()
 
-    def at(fused: bool):
+    def at(fused: bool, on_amx: bool = False):
         def rows(m):
             cache = KVCache(num_layers=len(timed), batch=m, max_len=CONTEXT + 1, num_kv_heads=a.n_kv,
                             head_dim=a.head_dim, dtype=layer.input_layernorm.weight.dtype, device="cpu")
@@ -122,23 +134,24 @@ def _layer_candidates(layer: FastDecoderLayer) -> dict[str, dispatch.At]:
             positions, span = cache.lengths[:, None], CONTEXT + 1
             mask = torch.zeros(()).masked_fill(~cache_causal_mask(cache.lengths, 1, span), float("-inf"))
             with torch.no_grad():  # as a decode step runs (the table may be looked up under autograd)
-                if fused and not decode_ops.layer_applies(layer, x, cache.k):
+                if fused and not decode_ops.layer_applies(layer, x, cache.k) or on_amx and not _amx_fits(layer):
                     return None
 
             @torch.no_grad()
             def run():
                 j = next(turn) % len(timed)
                 if fused:
-                    out = decode_ops.decoder_stack(timed, j, [timed[j]], x, cos, sin, cache)
+                    out = decode_ops.decoder_stack(timed, j, [timed[j]], x, cos, sin, cache, amx=on_amx)
                     assert out is not None, "decoder_stack refused a layer that layer_applies accepted"
                     return out
                 return DecoderLayer.forward(timed[j], x, cos, sin, varlen_attention, mask, cache, j, positions, span)
             return run
         return rows
-    return {"fused": at(True), "unfused": at(False)}
+    return {"fused": at(True), "fused-amx": at(True, on_amx=True), "unfused": at(False)}
 
 
-LAYER = dispatch.Operation("layer", ("fused", "unfused"), "unfused", _layer_candidates)
+FUSED = ("fused", "fused-amx")  # the one-call layer, its products on the vector kernel or AMX tiles
+LAYER = dispatch.Operation("layer", (*FUSED, "unfused"), "unfused", _layer_candidates)
 
 
 def layer_table(layer: FastDecoderLayer) -> dispatch.Table:

@@ -2,10 +2,12 @@
 
 Three paths compute the same product: the C kernel (``codraft.kernels.gemv``), MKL's ``x @ wᵀ``
 (``F.linear``) and the same computed as ``(w @ xᵀ)ᵀ``, which MKL runs through other code that can
-be faster for some row counts. Which one is fastest for a weight's shape and dtype at a row count is
+be faster for some row counts; with bf16 weights on a CPU with AMX, a fourth: the tile kernel
+(``codraft.kernels.amx``). Which one is fastest for a weight's shape and dtype at a row count is
 measured on this machine the first time the shape is used (``codraft.kernels.dispatch``; above the
-measured row counts, ``F.linear``). A bf16 weight (weight-only rollout copies; x stays fp32) goes
-to the kernel as is and to torch's products widened per call. Autograd, other devices and other
+measured row counts (prefills), the fastest at the largest one of the paths that scale: torch's
+and AMX). A bf16 weight (weight-only rollout copies; x stays fp32) goes to the kernels as is and to
+torch's products widened per call. Autograd, other devices and other
 dtypes keep ``F.linear``. Outputs match ``F.linear`` (of the widened weight) up to fp32 summation
 order. Not here: the kernel itself, and which modules use this (``codraft.kernels.fast_layers``).
 """
@@ -16,7 +18,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from codraft.kernels import cbuild, dispatch, gemv
+from codraft.kernels import amx, cbuild, dispatch, gemv
 
 
 def torch_linear(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -29,7 +31,8 @@ def transposed(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return ((w if w.dtype is x2.dtype else w.to(x2.dtype)) @ x2.T).T.contiguous()
 
 
-PATHS = {"kernel": gemv.gemv, "linear": torch_linear, "transposed": transposed}
+PATHS = {"kernel": gemv.gemv, "linear": torch_linear, "transposed": transposed, "amx": amx.gemm}
+APPLIES = {"kernel": gemv.applies, "amx": amx.applies}  # torch's paths take every product
 
 
 def _candidates(w: torch.Tensor) -> dict[str, dispatch.At]:
@@ -41,14 +44,14 @@ def _candidates(w: torch.Tensor) -> dict[str, dispatch.At]:
     def at(name):
         def rows(m):
             x = torch.randn(m, w.shape[1])
-            if name == "kernel" and not gemv.applies(x, ws[0]):
+            if name in APPLIES and not APPLIES[name](x, ws[0]):
                 return None
             return lambda: PATHS[name](x, ws[next(turn) % n])
         return rows
     return {name: at(name) for name in PATHS}
 
 
-PRODUCT = dispatch.Operation("product", tuple(PATHS), "linear", _candidates)
+PRODUCT = dispatch.Operation("product", tuple(PATHS), "linear", _candidates, scales=("linear", "transposed", "amx"))
 
 
 def table(w: torch.Tensor) -> dispatch.Table:
@@ -63,6 +66,5 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     path = torch_linear
     if cbuild.fits(x2) and cbuild.weight_fits(w):
         by_rows = table(w).by_rows
-        if x2.shape[0] < len(by_rows):
-            path = PATHS[by_rows[x2.shape[0]]]
+        path = PATHS[by_rows[x2.shape[0] if x2.shape[0] < len(by_rows) else 0]]
     return path(x2, w).view(*x.shape[:-1], w.shape[0])
