@@ -114,7 +114,8 @@ def test_model_decode_matches_torch_ops(monkeypatch, qk_norm):
     calls = {"cache_attention": 0, "decoder_layer": 0, "decoder_stack": 0}
     for name in calls:
         real = getattr(decode_ops, name)
-        monkeypatch.setattr(decode_ops, name, lambda *a, _n=name, _f=real, **k: calls.update({_n: calls[_n] + 1}) or _f(*a, **k))
+        monkeypatch.setattr(decode_ops, name,
+                            lambda *a, _n=name, _f=real, **k: calls.update({_n: calls[_n] + 1}) or _f(*a, **k))
     fast, fast_cache = run(model)
     layers = cfg.num_hidden_layers
     if qk_norm:

@@ -310,7 +310,8 @@ def test_decoder_layer_takes_the_chosen_path(made_up_times, monkeypatch):
                                              "kernel": 1.0, "linear": 2.0, "transposed": 3.0}[name])
     calls = []
     real = decode_ops.decoder_stack  # one layer, one call for the stack
-    monkeypatch.setattr(decode_ops, "decoder_stack", lambda *a, **k: calls.append(a[3].shape[0] * a[3].shape[1]) or real(*a, **k))
+    monkeypatch.setattr(decode_ops, "decoder_stack",
+                        lambda *a, **k: calls.append(a[3].shape[0] * a[3].shape[1]) or real(*a, **k))
     model, _ = _layer_and_cache(torch.float32, 1, 1, seed=0)
     cache = KVCache.for_model(model, 2, 40)
     with torch.inference_mode():

@@ -7,8 +7,9 @@
 // kernel; subnormals flush to zero).
 // Layout: the weight is read as is, 16 rows x 32 values per A tile; the 16 rows of a block of x are
 // packed per part in AMX's pair-interleaved B layout, so a C tile holds y^T (16 outputs x 16 rows).
-// Needs I % 32 == 0 and O % 16 == 0 (amx_applies). Built by codraft/kernels/cbuild.py with
-// -march=native: a CPU without AMX gets the stubs at the end (amx_ready() == 0).
+// Needs I % 32 == 0 and O % 16 == 0 (codraft/kernels/amx.py checks; given other shapes, or before Linux
+// grants the tile state, it runs gemv.c's kernel instead of faulting). Built by codraft/kernels/cbuild.py
+// with -march=native: a CPU without AMX gets the stubs at the end (amx_ready() == 0).
 #include <stdint.h>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
