@@ -127,6 +127,7 @@ class BlockDraftConfig:
     loss_decay: float = 7.0
     num_anchors: int = 128  # per packed sequence and step
     loss_chunk_blocks: int = 256  # head + loss run over this many blocks at a time (checkpointed)
+    draft_vocab_size: int = 0  # K > 0: the draft predicts only K target tokens (``set_vocabulary``); 0: all
 
     def layer_config(self) -> ModelConfig:
         """The Qwen3-style decoder config of one draft layer (q/k norm, GQA, SwiGLU)."""
@@ -143,7 +144,8 @@ _LAYER_KEYS = ("intermediate_size", "num_attention_heads", "num_key_value_heads"
 
 
 def make_config(target: ModelConfig, *, num_layers: int, block_size: int, layers, mask_token_id,
-                decay: float, num_anchors: int, loss_chunk_blocks: int, overrides: dict) -> BlockDraftConfig:
+                decay: float, num_anchors: int, loss_chunk_blocks: int, overrides: dict,
+                draft_vocab_size: int = 0) -> BlockDraftConfig:
     """The draft config for ``target``: its widths, K layers, tapped layers, with ``overrides``."""
     bad = set(overrides) - set(_LAYER_KEYS)
     if bad:
@@ -155,6 +157,8 @@ def make_config(target: ModelConfig, *, num_layers: int, block_size: int, layers
         raise ValueError(f"target layer ids {ids} must lie in [0, {target.num_hidden_layers})")
     if mask_token_id is not None and not 0 <= mask_token_id < target.vocab_size:
         raise ValueError(f"mask_token_id={mask_token_id} outside the target vocabulary [0, {target.vocab_size})")
+    if not 0 <= draft_vocab_size <= target.vocab_size:
+        raise ValueError(f"draft_vocab_size={draft_vocab_size}: 0 (the whole vocabulary) or 1..{target.vocab_size}")
     base = {k: getattr(target, k) for k in _LAYER_KEYS}
     if {"num_attention_heads"} & overrides.keys():  # re-derive dependent widths unless given
         base["head_dim"] = target.hidden_size // overrides["num_attention_heads"]
@@ -164,7 +168,7 @@ def make_config(target: ModelConfig, *, num_layers: int, block_size: int, layers
         vocab_size=target.vocab_size, hidden_size=target.hidden_size, num_hidden_layers=num_layers,
         target_hidden_size=target.hidden_size, num_target_layers=target.num_hidden_layers,
         target_layer_ids=ids, block_size=block_size, mask_token_id=mask_token_id, loss_decay=float(decay),
-        num_anchors=num_anchors, loss_chunk_blocks=loss_chunk_blocks, **base)
+        num_anchors=num_anchors, loss_chunk_blocks=loss_chunk_blocks, draft_vocab_size=draft_vocab_size, **base)
 
 
 # ---- layers ----------------------------------------------------------------------------------
@@ -277,6 +281,14 @@ class BlockDraftBase(nn.Module, Draft):
                                else None)
         self.register_buffer("inv_freq", rope_inv_freq(lc), persistent=False)
         self._target: _Bound | None = None  # the target's (embed, head): not registered, not saved
+        k = config.draft_vocab_size
+        # the draft's vocabulary: draft index -> target token (saved), and back (-1: not in it)
+        self.register_buffer("draft_vocab", torch.arange(k) if k else None)
+        self.register_buffer("to_draft_index", torch.arange(k) if k else None, persistent=False)
+        if k:
+            self.set_vocabulary(torch.arange(k))
+            self.register_load_state_dict_post_hook(lambda module, _: module.set_vocabulary(module.draft_vocab))
+        self._head_rows = None  # (key, the head's rows for the draft's vocabulary), see head_rows
         self.reset_parameters()
 
     def reset_parameters(self):
@@ -312,9 +324,66 @@ class BlockDraftBase(nn.Module, Draft):
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(ids, self._bound()[0]).to(self.dtype)
 
-    def logits(self, h: torch.Tensor) -> torch.Tensor:
-        """Final-normed hidden (…,H) -> float32 logits (…,V) through the frozen target head."""
+    # ---- the draft's vocabulary (EAGLE-3's d2t): the target tokens it can propose ----
+
+    @property
+    def out_vocab(self) -> int:
+        """How many tokens the draft's logits cover: K, or the target's whole vocabulary."""
+        return self.config.draft_vocab_size or self.config.vocab_size
+
+    def set_vocabulary(self, tokens: torch.Tensor) -> None:
+        """The K target tokens the draft predicts (K = ``config.draft_vocab_size``, distinct, in range), e.g.
+        the most frequent ones in its training data. The LM head's rows and every loss and proposal
+        are over them: the head product and the losses' passes over the vocabulary shrink by V/K. The
+        draft's proposals stay exact (a draft distribution with zeros outside them)."""
+        k, v = self.config.draft_vocab_size, self.config.vocab_size
+        tokens = torch.as_tensor(tokens).to(torch.long).flatten()
+        if not k:
+            raise ValueError("this draft predicts the whole vocabulary (config.draft_vocab_size = 0)")
+        if tokens.numel() != k or tokens.unique().numel() != k or int(tokens.min()) < 0 or int(tokens.max()) >= v:
+            raise ValueError(f"a draft vocabulary is {k} distinct token ids in [0, {v}); got {tokens.numel()} "
+                             f"({tokens.unique().numel()} distinct, range {int(tokens.min())}..{int(tokens.max())})")
+        dev = self.draft_vocab.device
+        self.draft_vocab.copy_(tokens.to(dev))
+        index = torch.full((v,), -1, dtype=torch.long, device=dev)
+        index[self.draft_vocab] = torch.arange(k, device=dev)
+        self.to_draft_index = index
+        self._head_rows = None
+
+    def to_draft(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Target token ids -> the draft's indices (-1 where not in its vocabulary); identity without one."""
+        return tokens if self.draft_vocab is None else self.to_draft_index[tokens]
+
+    def to_target(self, index: torch.Tensor) -> torch.Tensor:
+        """The draft's indices -> target token ids."""
+        return index if self.draft_vocab is None else self.draft_vocab[index]
+
+    def full_probs(self, q: torch.Tensor) -> torch.Tensor:
+        """A distribution over the draft's vocabulary (…,K) as one over the target's (…,V), zeros outside:
+        what the engine's verification compares with the target's."""
+        if self.draft_vocab is None:
+            return q
+        full = q.new_zeros(*q.shape[:-1], self.config.vocab_size)
+        return full.index_copy_(-1, self.draft_vocab, q)
+
+    def head_rows(self) -> torch.Tensor:
+        """The target head's rows the draft's logits use (K,H), gathered once per version of the head
+        (an optimiser step or a rollout refresh changes it in place), or the whole head (V,H)."""
         w = self._bound()[1]
+        if self.draft_vocab is None:
+            return w
+        try:
+            key = (w.data_ptr(), w._version, w.dtype, w.device)
+        except RuntimeError:  # an inference-mode tensor keeps no version: gather every call
+            key = None
+        if key is None or self._head_rows is None or self._head_rows[0] != key:
+            self._head_rows = (key, w.index_select(0, self.draft_vocab.to(w.device)))
+        return self._head_rows[1]
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Final-normed hidden (…,H) -> float32 logits (…,K) through the frozen target head's rows of the
+        draft's vocabulary (K = V without one)."""
+        w = self.head_rows()
         return self.head_product(h.to(w.dtype), w).float()
 
     def mask_vector(self) -> torch.Tensor:

@@ -68,8 +68,9 @@ class DFlashDraft(BlockDraftBase):
         lab_pos = blocks.anchors[:, None] + torch.arange(s, device=dev)  # (N,S): slot k -> a+k
         in_seq = lab_pos < blocks.seq_end[:, None]
         lab_pos = lab_pos.clamp(max=t - 1)
-        labels = batch.input_ids[0, lab_pos]  # (N,S)
-        m = in_seq & batch.loss_mask[0, lab_pos]
+        labels = self.to_draft(batch.input_ids[0, lab_pos])  # (N,S) in the draft's vocabulary (-1: outside it)
+        m = in_seq & batch.loss_mask[0, lab_pos] & (labels >= 0)  # a token the draft cannot propose: no loss
+        labels = labels.clamp_min(0)
         m[:, 0] = False  # slot 0 is the anchor, not a prediction
         m = m.float()
         count = m.sum(0)  # (S,) global
@@ -78,7 +79,7 @@ class DFlashDraft(BlockDraftBase):
         h = self.block_hidden(batch, blocks, s, held)[0]  # (N_l,S,H)
 
         def slot_sums(h_c, labels_c, m_c):
-            logits = self.logits(h_c)  # (n,S,V) float32
+            logits = self.logits(h_c)  # (n,S,K) float32
             ce = torch.logsumexp(logits, -1) - logits.gather(-1, labels_c[..., None])[..., 0]  # (n,S)
             hit = (logits.argmax(-1) == labels_c).float()
             return (ce * m_c).sum(0), (hit * m_c).sum(0).detach()  # (S,), (S,)
@@ -101,11 +102,11 @@ class DFlashDraft(BlockDraftBase):
     def propose(self, state: BlockDraftState, gamma: int, sampler: Sampler, *, context_len: int):
         slots = max(self.config.block_size, gamma + 1)
         h = self.decode_hidden(state, slots, context_len)[:, 1:gamma + 1]  # (B,γ,H) slots 1..γ
-        logits = self.logits(h)  # (B,γ,V)
+        logits = self.logits(h)  # (B,γ,K)
         if sampler.greedy:
-            return logits.argmax(-1), None
-        q = sampler.probs(logits)  # (B,γ,V): the rows x_k is drawn from
-        return sampler.sample(q), q
+            return self.to_target(logits.argmax(-1)), None
+        q = sampler.probs(logits)  # (B,γ,K): the rows x_k is drawn from
+        return self.to_target(sampler.sample(q)), self.full_probs(q)
 
     # ---- save / load ----
 
@@ -129,13 +130,15 @@ class DFlashDraft(BlockDraftBase):
 
 def build(target_config: ModelConfig, *, num_layers: int = 1, block_size: int | None = None,
           gamma: int | None = None, layers=None, mask_token_id: int | None = None, decay: float = 7.0,
-          num_anchors: int = 128, loss_chunk_blocks: int = 256,
+          num_anchors: int = 128, loss_chunk_blocks: int = 256, draft_vocab_size: int = 0,
           weights: str | os.PathLike | None = None, **overrides) -> DFlashDraft:
     """A DFlash draft for ``target_config`` (random init, or ``weights`` = a folder written by ``save``).
 
     block_size: S (default 7), drafting S − 1 tokens per round; or give ``gamma`` (drafted tokens)
     for S = gamma + 1. layers: tapped target layers (default ``build_target_layer_ids(L, num_layers)``).
     mask_token_id: a spare target token for MASK slots; None = a learned mask embedding.
+    draft_vocab_size: K > 0 predicts K target tokens only, set by ``draft.set_vocabulary`` (e.g. the
+    most frequent in the training data: ``codraft.train.offline_draft``); 0 = all of them.
     overrides: intermediate_size, num_attention_heads, num_key_value_heads, head_dim, rope_theta, ….
     Bind the target's embedding and head with ``draft.bind_target(embed_weight, head_weight)``.
     """
@@ -146,7 +149,8 @@ def build(target_config: ModelConfig, *, num_layers: int = 1, block_size: int | 
         raise ValueError(f"a DFlash block needs >= 2 slots (anchor + drafts), got block_size={block_size}")
     cfg = make_config(target_config, num_layers=num_layers, block_size=block_size, layers=layers,
                       mask_token_id=mask_token_id, decay=decay, num_anchors=num_anchors,
-                      loss_chunk_blocks=loss_chunk_blocks, overrides=overrides)
+                      loss_chunk_blocks=loss_chunk_blocks, overrides=overrides,
+                      draft_vocab_size=draft_vocab_size)
     return DFlashDraft(cfg)
 
 

@@ -54,17 +54,18 @@ MARKOV_KINDS = ("vanilla", "gated")
 
 
 class MarkovHead(nn.Module):
-    """Low-rank transition bias B(h_k, x_{k−1}) (…,V) added to the base logits."""
+    """Low-rank transition bias B(h_k, x_{k−1}) (…,K) added to the base logits: ``inputs`` previous
+    tokens (the draft's vocabulary, plus one row for every token outside it), ``outputs`` logits."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, rank: int, kind: str):
+    def __init__(self, inputs: int, outputs: int, hidden_size: int, rank: int, kind: str):
         super().__init__()
         if kind not in MARKOV_KINDS:
             raise ValueError(f"markov must be one of {MARKOV_KINDS}, got {kind!r}")
         if rank < 1:
             raise ValueError(f"markov_rank must be >= 1, got {rank}")
         self.kind = kind
-        self.w1 = nn.Embedding(vocab_size, rank)
-        self.w2 = nn.Linear(rank, vocab_size, bias=False)
+        self.w1 = nn.Embedding(inputs, rank)
+        self.w2 = nn.Linear(rank, outputs, bias=False)
         self.gate = nn.Linear(hidden_size + rank, rank) if kind == "gated" else None
         nn.init.normal_(self.w1.weight, std=1.0)
         nn.init.zeros_(self.w2.weight)
@@ -87,14 +88,24 @@ class DSparkDraft(BlockDraftBase):
         self.default_gamma = config.block_size
         self.markov_kind, self.markov_rank = markov, markov_rank
         self.ce_weight, self.tv_weight, self.conf_weight = ce_weight, tv_weight, conf_weight
-        self.markov_head = MarkovHead(config.vocab_size, config.hidden_size, markov_rank, markov)
+        k = self.out_vocab
+        self.markov_head = MarkovHead(k + 1 if config.draft_vocab_size else k, k, config.hidden_size, markov_rank,
+                                      markov)
         self.confidence_head = nn.Linear(config.hidden_size + markov_rank, 1)
         nn.init.normal_(self.confidence_head.weight, std=0.02)
         nn.init.zeros_(self.confidence_head.bias)
 
+    def markov_input(self, prev: torch.Tensor) -> torch.Tensor:
+        """Previous target tokens -> rows of W1: their draft index, or the last row (K) outside it."""
+        if self.draft_vocab is None:
+            return prev
+        d = self.to_draft(prev)
+        return torch.where(d >= 0, d, self.config.draft_vocab_size)
+
     def slot_logits(self, h: torch.Tensor, prev: torch.Tensor):
-        """h (…,H) final-normed slot hidden, prev (…) previous tokens -> (z = U + B (…,V) float, e (…,r))."""
-        e = self.markov_head.w1(prev)
+        """h (…,H) final-normed slot hidden, prev (…) previous target tokens -> (z = U + B (…,K) float,
+        e (…,r))."""
+        e = self.markov_head.w1(self.markov_input(prev))
         return self.logits(h) + self.markov_head(h, e), e
 
     # ---- training ----
@@ -120,19 +131,19 @@ class DSparkDraft(BlockDraftBase):
         src = src.clamp(max=t - 1)
         lab_pos = (src + 1).clamp(max=t - 1)
         ids = batch.input_ids[0]
-        labels, prev = ids[lab_pos], ids[src]  # (N,S) x_{a+k+1}, x_{a+k}
-        m = (in_seq & batch.loss_mask[0, lab_pos]).float()
+        labels, prev = self.to_draft(ids[lab_pos]), ids[src]  # (N,S) x_{a+k+1} (draft index, -1 outside), x_{a+k}
+        m = (in_seq & batch.loss_mask[0, lab_pos] & (labels >= 0)).float()  # no loss on tokens it cannot propose
+        labels = labels.clamp_min(0)
         count = m.sum(0)  # (S,) global
         held = self.held_blocks(batch, blocks)
         sel = held[0]
         h = self.block_hidden(batch, blocks, s, held)[0]  # (N_l,S,H)
 
         def slot_sums(h_c, labels_c, prev_c, src_c, m_c):
-            z, e = self.slot_logits(h_c, prev_c)  # (n,S,V), (n,S,r)
+            z, e = self.slot_logits(h_c, prev_c)  # (n,S,K), (n,S,r)
             logp = z.log_softmax(-1)
             ce = -logp.gather(-1, labels_c[..., None])[..., 0]  # (n,S)
-            p_t = batch.teacher_at(src_c).float().softmax(-1)  # (n,S,V); rows outside m_c are zeros
-            l1 = (logp.exp() - p_t).abs().sum(-1)  # (n,S)
+            l1 = self._l1(logp.exp(), batch.teacher_at(src_c).float())  # (n,S); rows outside m_c: teacher zeros
             c_star = (1 - 0.5 * l1).clamp(0, 1).detach()
             conf = self.confidence_head(torch.cat([h_c, e.to(h_c.dtype)], -1))[..., 0].float()
             bce = F.binary_cross_entropy_with_logits(conf, c_star, reduction="none")
@@ -157,25 +168,33 @@ class DSparkDraft(BlockDraftBase):
             metrics[f"alpha_{k + 1}"] = alpha_s[k].detach() / count[k].clamp_min(1)
         return loss, metrics
 
+    def _l1(self, q: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
+        """‖q − p_t‖₁ with q over the draft's vocabulary (zero outside it) and p_t = softmax(teacher logits
+        over the whole vocabulary): the teacher's mass outside the draft's vocabulary counts in full."""
+        if self.draft_vocab is None:
+            return (q - teacher.softmax(-1)).abs().sum(-1)
+        p_t = (teacher.index_select(-1, self.draft_vocab) - teacher.logsumexp(-1, keepdim=True)).exp()  # (…,K)
+        return (q - p_t).abs().sum(-1) + (1 - p_t.sum(-1)).clamp_min(0)
+
     # ---- decoding ----
 
     @torch.no_grad()
     def propose(self, state: BlockDraftState, gamma: int, sampler: Sampler, *, context_len: int):
         slots = max(self.config.block_size, gamma)
         h = self.decode_hidden(state, slots, context_len)[:, :gamma]  # (B,γ,H)
-        base = self.logits(h)  # (B,γ,V) U_k
-        prev = state.pending  # x_0
+        base = self.logits(h)  # (B,γ,K) U_k
+        prev = self.markov_input(state.pending)  # x_0, as a row of W1
         tokens, qs = [], []
         for k in range(gamma):
             e = self.markov_head.w1(prev)  # (B,r)
-            z = base[:, k] + self.markov_head(h[:, k], e)  # (B,V) Markov-corrected logits
+            z = base[:, k] + self.markov_head(h[:, k], e)  # (B,K) Markov-corrected logits
             if sampler.greedy:
-                prev = z.argmax(-1)
+                prev = z.argmax(-1)  # (a draft index: the row of W1 too)
             else:
                 q = sampler.probs(z)  # exactly the row x_k is drawn from
                 prev = sampler.sample(q)
-                qs.append(q)
-            tokens.append(prev)
+                qs.append(self.full_probs(q))
+            tokens.append(self.to_target(prev))
         return torch.stack(tokens, 1), (torch.stack(qs, 1) if qs else None)
 
     # ---- save / load ----
@@ -213,7 +232,7 @@ def build(target_config: ModelConfig, *, num_layers: int = 1, block_size: int | 
           gamma: int | None = None, layers=None, mask_token_id: int | None = None,
           markov: str = "vanilla", markov_rank: int | None = None, decay: float = 4.0,
           ce_weight: float = 0.1, tv_weight: float = 0.9, conf_weight: float = 1.0,
-          num_anchors: int = 128, loss_chunk_blocks: int = 256,
+          num_anchors: int = 128, loss_chunk_blocks: int = 256, draft_vocab_size: int = 0,
           weights: str | os.PathLike | None = None, **overrides) -> DSparkDraft:
     """A DSpark draft for ``target_config`` (random init, or ``weights`` = a folder written by ``save``).
 
@@ -226,7 +245,8 @@ def build(target_config: ModelConfig, *, num_layers: int = 1, block_size: int | 
     block_size = _block_size(block_size, gamma, offset=0)
     cfg = make_config(target_config, num_layers=num_layers, block_size=block_size, layers=layers,
                       mask_token_id=mask_token_id, decay=decay, num_anchors=num_anchors,
-                      loss_chunk_blocks=loss_chunk_blocks, overrides=overrides)
+                      loss_chunk_blocks=loss_chunk_blocks, overrides=overrides,
+                      draft_vocab_size=draft_vocab_size)
     rank = default_markov_rank(target_config.hidden_size) if markov_rank is None else markov_rank
     return DSparkDraft(cfg, markov=markov, markov_rank=rank, ce_weight=ce_weight, tv_weight=tv_weight,
                        conf_weight=conf_weight)

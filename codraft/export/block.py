@@ -56,6 +56,10 @@ def layout(draft: BlockDraftBase, kind: str, target, dtype: torch.dtype, *,
            mask_token_id: int | None = None) -> Layout:
     """The exported folder's config, tensors and extra files for a DFlash / DSpark ``draft``."""
     c = draft.config
+    if c.draft_vocab_size:
+        raise ValueError(f"this {kind} draft predicts {c.draft_vocab_size} of the target's {c.vocab_size} tokens "
+                         "(draft_vocab_size): the DFlash/DSpark formats vLLM, SGLang and SpecForge read have no "
+                         "draft vocabulary; export a draft trained with draft_vocab_size=0")
     taps = [int(t) for t in c.target_layer_ids]
     check_servable(taps, target.config.num_hidden_layers, f"{kind} draft")
     mask_id, learned = _mask_token(c, mask_token_id, target.config.vocab_size, kind)
