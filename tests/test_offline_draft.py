@@ -100,3 +100,36 @@ def test_a_draft_for_another_target_tokenizer_or_tap_set_is_refused(tiny, tmp_pa
     (path / "target.json").write_text(json.dumps({**record, "hidden_size": 999, "taps": [0, 5]}))
     with pytest.raises(ValueError, match=r"hidden_size 999 \(draft\) != \d+ \(this policy\); taps \[0, 5\] \(draft\)"):
         offline_draft.draft_for_command(str(path), policy, None, mine, gamma=3)
+
+
+def test_draft_vocabulary_is_the_most_frequent_completion_tokens_then_low_ids():
+    seqs = [([1, 2], [7, 7, 7, 3, 3, 9]), ([4], [3, 7, 11])]  # completions: 7 x4, 3 x3, 9, 11; prompts do not count
+    fc = FeatureCache(identity={}, sequences=seqs, features={0: torch.zeros(14, 4)}, last=torch.zeros(14, 4))
+    tokens, covered = offline_draft.draft_vocabulary(fc, 20, 5)
+    assert tokens.tolist() == [7, 3, 9, 11, 0] and covered == 1.0  # ties: the lower id first; then ids 0, 1, ...
+    tokens, covered = offline_draft.draft_vocabulary(fc, 20, 1)
+    assert tokens.tolist() == [7] and covered == pytest.approx(4 / 9)
+    with pytest.raises(ValueError, match="draft vocabulary"):
+        offline_draft.draft_vocabulary(fc, 20, 21)
+
+
+def test_an_offline_block_draft_with_a_vocabulary(tiny, tmp_path, monkeypatch):
+    """A recipe with ``draft_vocab``: the cached draft predicts the feature cache's most frequent
+    completion tokens, its report says how many of them it covers, and a run starts from it."""
+    monkeypatch.setenv("CODRAFT_CACHE", str(tmp_path / "cache"))
+    policy, tok, task = tiny
+    (tmp_path / "policy").mkdir()
+    recipe = offline_draft.Recipe(steps=2, batch_sequences=3, lr=1e-3, n_prompts=6, max_new_tokens=8, draft_vocab=12)
+    folder = offline_draft.offline_draft_dir("dspark", policy=policy, tok=tok, task=task, policy_dir=tmp_path / "policy",
+                                             gamma=3, seed=0, recipe=recipe, progress=False)
+    assert "-dv12-" in folder.parent.name
+    report = json.loads((folder.parent / "report.json").read_text())
+    assert report["draft_vocab"] == 12 and 0 < report["draft_vocab_coverage"] < 1  # (12 of the char vocabulary)
+    draft = starting_draft("dspark", str(folder), policy=policy, tok=tok, task=task, policy_dir=tmp_path / "policy",
+                           gamma=3, seed=0)
+    features = offline_draft.offline_features(policy, tok, task, policy_dir=tmp_path / "policy",
+                                              layers=draft.feature_layers, seed=0, n_prompts=6, max_new_tokens=8,
+                                              progress=False)
+    want, covered = offline_draft.draft_vocabulary(features, policy.config.vocab_size, 12)
+    assert draft.draft_vocab.tolist() == want.tolist() and covered == report["draft_vocab_coverage"]
+    assert offline_draft.recipe_for(tok, "dspark").draft_vocab == 0  # the char model: its whole vocabulary
