@@ -266,8 +266,10 @@ def test_entropy_from_logits():
         return -sum(math.exp(v - lse) * (v - lse) for v in z)
 
     expected = (math.log(4) + h([2.0, 0.0, -1.0, 0.5]) + 0.0) / 3
-    for cs in (None, 1, 2):
+    for cs in (None, 1, 2, 16):
         assert close(entropy_from_logits(logits, mask, chunk_size=cs), expected, 1e-5)
+    hot = (math.log(4) + h([1.0, 0.0, -0.5, 0.25]) + h([5e3, 0.0, 0.0, 0.0])) / 3  # the logits / 2
+    assert close(entropy_from_logits(logits, mask, temperature=2.0, chunk_size=1), hot, 1e-5)
 
 
 def test_masked_mean():

@@ -10,7 +10,7 @@ Data flow (K draft layers, m tapped target layers, block of S slots)::
                             x += MLP(post_norm(x))
              Q/K_blk = q_norm/k_norm(W_q/W_k·input_norm(x)) roped at anchor_pos + 0..S-1
         └─ h = norm(x)                                               (…,N,S,H)
-        └─ logits = h · W_head^T (the target's LM head, frozen)      (…,N,S,V)
+        └─ logits = h · W_head[vocab]^T (the target's LM head, frozen) (…,N,S,K)
 
 Attention of block n (anchor a_n) is branch attention (codraft.attention.branch) with
 ``local="block", include_anchor=False``: its queries see the context strictly before a_n
@@ -31,7 +31,11 @@ target's token embedding (V,H) and LM head (V,H) by reference (in a plain holder
 parameters, buffers or saved; ``copy.deepcopy`` shares it), and every use reads them
 ``.detach()``-ed: no draft gradient reaches the policy, while in-place policy updates are seen
 immediately (rebind if the policy's tensors are replaced or moved). The draft owns its
-final norm, no head. The MASK slot input is the target embedding of ``mask_token_id`` when
+final norm, no head. With a draft vocabulary (``draft_vocab_size`` K > 0, ``set_vocabulary``;
+EAGLE-3's d2t) the logits cover only K target tokens, the head's rows for them gathered once per
+version of the head: the head product and the losses' passes over the vocabulary shrink by V/K;
+labels outside it get no loss, and proposals return target ids with q zero outside (exact). The
+MASK slot input is the target embedding of ``mask_token_id`` when
 the target vocabulary has a spare token for it, otherwise one learned vector
 ``mask_embedding`` (H,) owned by the draft (the default).
 

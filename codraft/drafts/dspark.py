@@ -21,7 +21,10 @@ Training (teacher forcing: previous tokens are the ground truth x_a, x_{a+1}, �
     BCE_k  = BCEWithLogits(conf_logit_k, c*_k)
     L = ce_weight·Σ w m CE/Σ w m + tv_weight·Σ w m L1/Σ w m + conf_weight·Σ w m BCE/Σ w m,
     w_k = exp(−k/decay) (k = 0..S−1), m_{n,k} = a+k+1 inside the sequence and a loss token;
-    default weights 0.1 / 0.9 / 1.0, decay 4.0 (DeepSpec's configs).
+    default weights 0.1 / 0.9 / 1.0, decay 4.0 (DeepSpec's configs). With a draft vocabulary of K
+  tokens (block_backbone.py) p_d,k lives on those K, W2 has K outputs and W1 K + 1 rows (the last for
+  a previous token outside the vocabulary), labels outside it get no loss, and L1 is taken against
+  the teacher over the whole vocabulary (its mass outside the K tokens counts in full).
   Metrics: loss, ce, tv (mean L1), conf, acc, acc_j (draft position j = slot j−1), alpha_j (mean c*),
   tau_est = mean over blocks of 1 + Σ_k Π_{j≤k} c*_j (expected acceptance length against the
   teacher at temperature 1, cut at the first unsupervised slot), num_blocks.
@@ -35,6 +38,7 @@ prefix scheduler and temperature calibration (the confidence head is trained, no
 """
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import torch
@@ -138,12 +142,13 @@ class DSparkDraft(BlockDraftBase):
         held = self.held_blocks(batch, blocks)
         sel = held[0]
         h = self.block_hidden(batch, blocks, s, held)[0]  # (N_l,S,H)
+        teacher = self._teacher(batch)
 
         def slot_sums(h_c, labels_c, prev_c, src_c, m_c):
             z, e = self.slot_logits(h_c, prev_c)  # (n,S,K), (n,S,r)
             logp = z.log_softmax(-1)
             ce = -logp.gather(-1, labels_c[..., None])[..., 0]  # (n,S)
-            l1 = self._l1(logp.exp(), batch.teacher_at(src_c).float())  # (n,S); rows outside m_c: teacher zeros
+            l1 = self._l1(logp.exp(), teacher.teacher_at(src_c).float())  # (n,S); rows outside m_c: placeholders
             c_star = (1 - 0.5 * l1).clamp(0, 1).detach()
             conf = self.confidence_head(torch.cat([h_c, e.to(h_c.dtype)], -1))[..., 0].float()
             bce = F.binary_cross_entropy_with_logits(conf, c_star, reduction="none")
@@ -168,12 +173,24 @@ class DSparkDraft(BlockDraftBase):
             metrics[f"alpha_{k + 1}"] = alpha_s[k].detach() / count[k].clamp_min(1)
         return loss, metrics
 
+    def _teacher(self, batch: DraftBatch) -> DraftBatch:
+        """The batch whose teacher rows the loss reads: as is, or with a draft vocabulary the teacher's
+        log-probabilities of its K tokens (normalised over the whole vocabulary, once per teacher row:
+        the per-slot gathers and passes then cover K columns, not V)."""
+        if self.draft_vocab is None:
+            return batch
+        t = batch.teacher_logits.float()
+        # logsumexp 64 rows at a time: its (rows x V) temporaries stay in cache (whole: ~5x slower on CPU)
+        lse = torch.cat([t[i:i + 64].logsumexp(-1, keepdim=True) for i in range(0, t.shape[0], 64)])
+        return dataclasses.replace(batch, teacher_logits=t.index_select(-1, self.draft_vocab) - lse)
+
     def _l1(self, q: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
-        """‖q − p_t‖₁ with q over the draft's vocabulary (zero outside it) and p_t = softmax(teacher logits
-        over the whole vocabulary): the teacher's mass outside the draft's vocabulary counts in full."""
+        """‖q − p_t‖₁, q over the draft's vocabulary (zero outside it): ``teacher`` holds the teacher's
+        logits over the whole vocabulary, or with a draft vocabulary its log-probabilities of the K
+        tokens (``_teacher``), whose mass outside them counts in full."""
         if self.draft_vocab is None:
             return (q - teacher.softmax(-1)).abs().sum(-1)
-        p_t = (teacher.index_select(-1, self.draft_vocab) - teacher.logsumexp(-1, keepdim=True)).exp()  # (…,K)
+        p_t = teacher.exp()  # (…,K)
         return (q - p_t).abs().sum(-1) + (1 - p_t.sum(-1)).clamp_min(0)
 
     # ---- decoding ----

@@ -144,7 +144,7 @@ def loss_from_hidden(policy, draft, batch: Packed, row, hidden: torch.Tensor, fe
     if isinstance(row, ShardedRow):  # padding rows over real tokens, all ranks (zigzag pads to 2·cp)
         metrics["cp/padding_ratio"] = row.plan.padding_ratio
     with torch.no_grad():
-        entropy = entropy_from_logits(logits.detach()[None] / t, torch.ones_like(ids_here)[None])
+        entropy = entropy_from_logits(logits.detach()[None], torch.ones_like(ids_here)[None], temperature=t)
         metrics["policy/entropy"] = row.mean(entropy, ids_here.shape[0])
     loss = rl_loss
     if draft is not None and train_draft:
