@@ -7,6 +7,8 @@ import torch
 
 from codraft.kernels import amx, gemv, products
 
+from test_gemv import same_on_one_and_two_threads
+
 
 def _cpu_has_amx() -> bool:
     flags = next((l for l in Path("/proc/cpuinfo").read_text().splitlines() if l.startswith("flags")), "")
@@ -57,17 +59,7 @@ def test_not_a_bf16_rounding_of_x():
 
 @needs_amx
 def test_thread_count_does_not_change_the_result():
-    g = torch.Generator().manual_seed(0)
-    x, w = torch.randn(20, 576, generator=g), torch.randn(1536, 576, generator=g).bfloat16()
-    n = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = amx.gemm(x, w)
-        torch.set_num_threads(2)
-        two = amx.gemm(x, w)
-    finally:
-        torch.set_num_threads(n)
-    assert torch.equal(one, two)  # each output is one thread's
+    assert same_on_one_and_two_threads(amx.gemm, 20, torch.bfloat16)  # each output is one thread's
 
 
 @needs_amx

@@ -306,8 +306,20 @@ def test_greedy_spec_with_a_trained_draft_accepts():
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
 @pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=0.7, top_p=0.8)], ids=["t1", "t0.7-p0.8"])
-def test_sampling_is_lossless(target, exact, kind, settings):  # noqa: F811  (fixtures from test_spec_sampling)
-    draft = _draft(kind, target, block_size=3 if kind == "dflash" else 2)
+@pytest.mark.parametrize("vocab", [False, True], ids=["all", "vocab"])
+def test_sampling_is_lossless(target, exact, kind, settings, vocab):  # noqa: F811  (fixtures from test_spec_sampling)
+    """vocab: a draft vocabulary of the 4 tokens (of 8) the target emits most, so its mass on the
+    other 4 can only come through the residual (test_draft_vocab.py)."""
+    block = dict(block_size=3 if kind == "dflash" else 2)
+    if vocab:
+        probs = exact(**settings)  # (V,V,V) over the first three new tokens
+        marginal = probs.sum((1, 2)) + probs.sum((0, 2)) + probs.sum((0, 1))
+        tokens = marginal.argsort(descending=True)[:4]
+        assert marginal[tokens].sum() < 2.9  # (the other 4 matter: ≥ 3 % of the tokens)
+        draft = _draft(kind, target, draft_vocab_size=4, **block)
+        draft.set_vocabulary(tokens)
+    else:
+        draft = _draft(kind, target, **block)
     engine = Engine(target, draft)
     assert engine.gamma == 2
     results = engine.generate([PROMPT] * N, N_NEW, seed=11, eos_id=[], **settings)

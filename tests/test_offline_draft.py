@@ -120,8 +120,9 @@ def test_an_offline_block_draft_with_a_vocabulary(tiny, tmp_path, monkeypatch):
     policy, tok, task = tiny
     (tmp_path / "policy").mkdir()
     recipe = offline_draft.Recipe(steps=2, batch_sequences=3, lr=1e-3, n_prompts=6, max_new_tokens=8, draft_vocab=12)
-    folder = offline_draft.offline_draft_dir("dspark", policy=policy, tok=tok, task=task, policy_dir=tmp_path / "policy",
-                                             gamma=3, seed=0, recipe=recipe, progress=False)
+    folder = offline_draft.offline_draft_dir("dspark", policy=policy, tok=tok, task=task,
+                                             policy_dir=tmp_path / "policy", gamma=3, seed=0, recipe=recipe,
+                                             progress=False)
     assert "-dv12-" in folder.parent.name
     report = json.loads((folder.parent / "report.json").read_text())
     assert report["draft_vocab"] == 12 and 0 < report["draft_vocab_coverage"] < 1  # (12 of the char vocabulary)
