@@ -66,9 +66,7 @@ class FastDecoderLayer(DecoderLayer):
     def forward(self, x, cos, sin, attn, mask, cache, layer: int, positions, span):
         # a CPU decode step: the whole layer in one C call, for the row counts where that is faster
         if cache is not None and attn is varlen_attention and decode_ops.layer_applies(self, x, cache.k):
-            by_rows = layer_table(self).by_rows
-            rows = x.shape[0] * x.shape[1]
-            path = by_rows[rows] if rows < len(by_rows) else "unfused"
+            path = layer_path(self, x)
             if path in FUSED:
                 return decode_ops.decoder_layer(self, x, cos, sin, cache.k[layer], cache.v[layer], cache.lengths,
                                                 amx=path == "fused-amx")
@@ -92,9 +90,7 @@ class FastTransformer(Transformer):
             first = stack[0]
             if isinstance(first, FastDecoderLayer) and all(type(l) is type(first) for l in stack) \
                     and decode_ops.layer_applies(first, x, ctx.cache.k):
-                by_rows = layer_table(first).by_rows
-                rows = x.shape[0] * x.shape[1]
-                path = by_rows[rows] if rows < len(by_rows) else "unfused"
+                path = layer_path(first, x)
                 if path in FUSED:
                     done = decode_ops.decoder_stack(self, layers.start, stack, x, ctx.cos, ctx.sin, ctx.cache,
                                                     taps or (), amx=path == "fused-amx")
@@ -154,6 +150,12 @@ def _layer_candidates(layer: FastDecoderLayer) -> dict[str, dispatch.At]:
 
 FUSED = ("fused", "fused-amx")  # the one-call layer, its products on the vector kernel or AMX tiles
 LAYER = dispatch.Operation("layer", (*FUSED, "unfused"), "unfused", _layer_candidates)
+
+
+def layer_path(layer: FastDecoderLayer, x: torch.Tensor) -> str:
+    """The measured path for a decode step of x (B,T,D): B·T new tokens."""
+    by_rows, rows = layer_table(layer).by_rows, x.shape[0] * x.shape[1]
+    return by_rows[rows if rows < len(by_rows) else 0]
 
 
 def layer_table(layer: FastDecoderLayer) -> dispatch.Table:
