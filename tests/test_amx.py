@@ -20,7 +20,8 @@ def test_ready_exactly_where_the_cpu_has_amx():
     assert amx.ready() == _cpu_has_amx()
     w = torch.randn(32, 64).bfloat16()
     assert amx.applies(torch.randn(3, 64), w) == _cpu_has_amx()
-    assert ("amx" in products._candidates(w)) and (products._candidates(w)["amx"](3) is not None) == _cpu_has_amx()
+    candidates = products._candidates(w)
+    assert "amx" in candidates and (candidates["amx"](3) is not None) == _cpu_has_amx()
 
 
 needs_amx = pytest.mark.skipif(not _cpu_has_amx(), reason="this CPU has no AMX (the kernel is not offered)")

@@ -286,11 +286,12 @@ class BlockDraftBase(nn.Module, Draft):
         self.register_buffer("inv_freq", rope_inv_freq(lc), persistent=False)
         self._target: _Bound | None = None  # the target's (embed, head): not registered, not saved
         k = config.draft_vocab_size
-        # the draft's vocabulary: draft index -> target token (saved), and back (-1: not in it)
+        # the draft's vocabulary: draft index -> target token (saved), and back (-1: not in it; derived
+        # by set_vocabulary, also after a state dict is loaded)
         self.register_buffer("draft_vocab", torch.arange(k) if k else None)
-        self.register_buffer("to_draft_index", torch.arange(k) if k else None, persistent=False)
+        self.register_buffer("to_draft_index", None, persistent=False)
         if k:
-            self.set_vocabulary(torch.arange(k))
+            self.set_vocabulary(self.draft_vocab)
             self.register_load_state_dict_post_hook(lambda module, _: module.set_vocabulary(module.draft_vocab))
         self._head_rows = None  # (key, the head's rows for the draft's vocabulary), see head_rows
         self.reset_parameters()

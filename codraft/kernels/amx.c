@@ -12,9 +12,10 @@
 // with -march=native: a CPU without AMX gets the stubs at the end (amx_ready() == 0).
 #include <stdint.h>
 
+void gemv_rows_bf16(const float *x, const uint16_t *w, float *y, int64_t m, int64_t in, int64_t out);  // gemv.c
+
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__) && defined(__linux__)
 #include <immintrin.h>
-#include <omp.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
@@ -168,8 +169,6 @@ static void outputs(const uint16_t *w, const uint16_t *packed, float *y, int64_t
     if (n > 2) STORE(2, o + 32, blk);
 }
 
-void gemv_rows_bf16(const float *x, const uint16_t *w, float *y, int64_t m, int64_t in, int64_t out);
-
 void gemm_amx_bf16(const float *x, const uint16_t *w, float *y, int64_t m, int64_t in, int64_t out) {
     if (!amx_ready() || in % 32 || out % 16) {  // a tile instruction would fault: the vector kernel
         gemv_rows_bf16(x, w, y, m, in, out);
@@ -188,7 +187,6 @@ void gemm_amx_bf16(const float *x, const uint16_t *w, float *y, int64_t m, int64
 }
 
 #else
-void gemv_rows_bf16(const float *x, const uint16_t *w, float *y, int64_t m, int64_t in, int64_t out);
 int amx_ready(void) { return 0; }
 void gemm_amx_bf16(const float *x, const uint16_t *w, float *y, int64_t m, int64_t in, int64_t out) {
     gemv_rows_bf16(x, w, y, m, in, out);
