@@ -248,7 +248,8 @@ def _cmd_bench(args):
         run(models=_csv(args.models), batches=[int(b) for b in _csv(args.batches)],
             max_new_tokens=args.max_new_tokens, drafts=_csv(args.drafts), gamma=args.gamma, threads=args.threads,
             repeats=args.repeats, draft_init=args.draft_init, hf=not args.no_hf, json_path=args.json,
-            gammas=parse_gammas(args.gammas) if args.gammas else None, dtypes=_csv(args.dtypes))
+            gammas=parse_gammas(args.gammas) if args.gammas else None, dtypes=_csv(args.dtypes),
+            t1_rows=args.t1_rows)
 
 
 def _csv(text: str) -> list[str]:
@@ -315,6 +316,8 @@ def _bench_commands(sub):
     b.add_argument("--dtypes", default="float32", help="rollout weight dtypes to compare, e.g. float32,bfloat16")
     b.add_argument("--threads", type=int, default=2)
     b.add_argument("--repeats", type=int, default=3, help="timed repetitions per side (median reported)")
+    b.add_argument("--t1-rows", type=int, default=16,
+                   help="held-out prompts the temperature-1 (rollout) measure samples per repetition")
     b.add_argument("--no-hf", action="store_true", help="skip the transformers peers")
     b.add_argument("--json", metavar="FILE", help="write every figure to this JSON file")
     s.set_defaults(fn=_cmd_bench)

@@ -10,7 +10,7 @@ def test_bench_spec_compares_rollout_dtypes(tiny_policy_dir, tmp_path, capsys):
     out = tmp_path / "spec.json"
     main(["bench", "spec", "--models", str(tiny_policy_dir), "--batches", "1,2", "--max-new-tokens", "8",
           "--drafts", "ngram", "--repeats", "1", "--no-hf", "--threads", "1", "--dtypes", "bfloat16,float32",
-          "--json", str(out)])
+          "--t1-rows", "3", "--json", str(out)])
     data = json.loads(out.read_text())
     assert data["settings"]["dtypes"] == ["float32", "bfloat16"]  # the baseline first
     rows = data["models"][str(tiny_policy_dir)]["rows"]
@@ -20,6 +20,8 @@ def test_bench_spec_compares_rollout_dtypes(tiny_policy_dir, tmp_path, capsys):
         spec = sides[b, "codraft spec/ngram bf16"]
         assert spec["dtype"] == "bfloat16" and spec["identical_to_plain"] is True  # greedy: the bf16 plain's tokens
         assert spec["new_tokens"] == b * 8
+        # the rollout measure: 3 prompts per repetition, b per call (batch 2: 2 + 1), pooled
+        assert len(spec["seconds_t1"]) == {1: 3, 2: 2}[b] and spec["stats_t1"]["rounds"] >= len(spec["seconds_t1"])
     summary = {s["dtype"]: s for s in data["summary"]}
     assert summary["bfloat16"]["weight_MB"] < 0.6 * summary["float32"]["weight_MB"]  # the matrices halve
     assert summary["bfloat16"]["speedup_vs_float32"] > 0

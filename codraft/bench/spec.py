@@ -20,7 +20,9 @@ sides named ``... bf16``; every row carries its ``dtype``, and a side's "vs plai
 Throughput is compared under greedy decoding with EOS disabled on every side, so every row
 of every side produces exactly ``max_new_tokens`` tokens and the work is identical; greedy
 tokens of codraft plain vs HF are compared too (``match_hf``). Acceptance length τ is also
-measured at temperature 1 (EOS on, seeded) for every draft: the RL setting.
+measured at temperature 1 (EOS on, seeded) for every draft: the RL setting. Sampled lengths vary a
+lot, so that measure covers ``t1_rows`` held-out prompts per repetition (B per call, the same
+prompts and seeds on every side): its tokens/s and τ are pooled over all of them.
 
 Timing: one warm-up run per side, then ``repeats`` rounds in which the sides run
 interleaved (so load from other processes spreads evenly over them); the median is
@@ -154,7 +156,7 @@ def _match(a: list[list[int]], b: list[list[int]]) -> float:
 
 
 def bench_model(model_name: str, *, batches, max_new: int, drafts, gamma: int, repeats: int, draft_init: str,
-                hf: bool = True, gammas=None, dtypes=("float32",), log=print) -> dict:
+                hf: bool = True, gammas=None, dtypes=("float32",), t1_rows: int = 16, log=print) -> dict:
     init = MODELS.get(model_name, model_name)
     policy, tok, folder = load_policy(init)
     policy.eval()
@@ -182,9 +184,12 @@ def bench_model(model_name: str, *, batches, max_new: int, drafts, gamma: int, r
         hf_model = _load_hf(folder)
         sides.append(_hf_side("hf generate", hf_model, tok.pad_id, max_new))
         pld = _hf_side("hf prompt-lookup", hf_model, tok.pad_id, max_new, lookup=10)
-    all_prompts = _prompts(tok, max(batches))
+    all_prompts = _prompts(tok, max(*batches, t1_rows))
     for b in batches:
         prompts = all_prompts[:b]
+        # the rollout measure: t1_rows distinct prompts per repetition, b at a time; lengths at T = 1 vary
+        # a lot, so one call of b rows is too few tokens for a ratio
+        t1_calls = [all_prompts[i:i + b] for i in range(0, max(t1_rows, b), b)]
         these = sides + ([pld] if hf and b == 1 else [])
         for s in these:
             s.times, s.times_t1, s.tokens_t1, s.stats_t1 = [], [], [], []
@@ -195,9 +200,9 @@ def bench_model(model_name: str, *, batches, max_new: int, drafts, gamma: int, r
                 t = perf_counter()
                 s.last = s.run(prompts)
                 s.times.append(perf_counter() - t)
-                if s.sampled:  # as a rollout samples: T = 1, EOS on, one seed per repetition
+                for i, call in enumerate(t1_calls if s.sampled else []):  # as rollouts sample: T = 1, EOS on
                     t = perf_counter()
-                    r = s.run(prompts, temperature=1.0, eos=[tok.eos_id], seed=1 + rep)
+                    r = s.run(call, temperature=1.0, eos=[tok.eos_id], seed=1 + rep * len(t1_calls) + i)
                     s.times_t1.append(perf_counter() - t)
                     s.tokens_t1.append(sum(map(len, r["tokens"])))
                     s.stats_t1.append(r["stats"])
@@ -328,11 +333,11 @@ def print_report(result: dict, log=print):
 
 def run(models=("tiny", "smollm2"), batches=(1, 4, 16), max_new_tokens=128, drafts=DEFAULT_DRAFTS, gamma=4,
         threads=2, repeats=3, draft_init="auto", hf=True, json_path=None, gammas=None, dtypes=("float32",),
-        log=print) -> dict:
+        t1_rows=16, log=print) -> dict:
     """gamma: the drafts' γ (auto's maximum); gammas: engine settings to compare per draft (ints, "auto";
     None: gamma alone, one side per draft as before); dtypes: rollout weight dtypes, float32 first."""
-    if repeats < 1:
-        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    if repeats < 1 or t1_rows < 1:
+        raise ValueError(f"repeats and t1_rows must be >= 1, got {repeats} and {t1_rows}")
     if not dtypes or any(d not in _TAGS for d in dtypes):
         raise ValueError(f"dtypes must be a non-empty list of {', '.join(_TAGS)}, got {list(dtypes)}")
     dtypes = sorted(set(dtypes), key=list(_TAGS).index)  # float32 (the baseline of the ratios) first
@@ -346,8 +351,9 @@ def run(models=("tiny", "smollm2"), batches=(1, 4, 16), max_new_tokens=128, draf
                            "drafts": list(drafts), "gamma": gamma, "gammas": gammas, "dtypes": dtypes,
                            "threads": threads,
                            "repeats": repeats,
-                           "draft_init": draft_init, "decoding": "greedy, EOS disabled; *_t1: temperature 1, EOS on, "
-                                                               "seed 1 + repetition (as rollouts sample)",
+                           "draft_init": draft_init, "t1_rows": t1_rows,
+                           "decoding": "greedy, EOS disabled; *_t1: temperature 1, EOS on (as rollouts sample), "
+                                       "t1_rows held-out prompts per repetition, B per call, a seed per call",
                            "timing": "median wall time of the whole generate call, sides interleaved"}}
     log(f"bench spec: {threads} threads, torch {torch.__version__}; measuring memory bandwidth ...")
     result["bandwidth"] = measure_bandwidth()
@@ -356,7 +362,7 @@ def run(models=("tiny", "smollm2"), batches=(1, 4, 16), max_new_tokens=128, draf
         log(f"{m}: loading and building drafts ...")
         result["models"][m] = bench_model(m, batches=batches, max_new=max_new_tokens, drafts=drafts, gamma=gamma,
                                           repeats=repeats, draft_init=draft_init, hf=hf, gammas=gammas, dtypes=dtypes,
-                                          log=log)
+                                          t1_rows=t1_rows, log=log)
     result["bandwidth_after"] = measure_bandwidth()
     result["summary"] = summarize(result)
     result["machine"]["loadavg"] = os.getloadavg()

@@ -139,13 +139,17 @@ BLOCK_KINDS = ("dflash", "dspark")  # the kinds that take a draft vocabulary
 def recipe_for(tok, kind: str) -> Recipe:
     """The char model: 200 short steps for every kind. Real models: sized to ~12 minutes per kind on
     2 CPU cores after the shared feature cache (docs/real-preset.md; EAGLE-3's 7 test-time steps
-    make its step the dearest), on completions as long as the real preset's rollouts; block drafts
-    predict 8 192 of the tokens (SmolLM2: 1/6 of 49 152; ~96 % of held-out completion tokens)."""
+    make its step the dearest), on completions as long as the real preset's rollouts. Block drafts
+    predict 8 192 of the tokens (SmolLM2: 1/6 of 49 152; ~96 % of held-out completion tokens), which
+    makes their step ~4x cheaper: they spend it on more steps at a higher rate (held-out acceptance
+    still rises at 800 steps; docs/real-preset.md)."""
     if isinstance(tok, CharTokenizer):
         return Recipe(steps=200, batch_sequences=16, lr=1e-3, n_prompts=512, max_new_tokens=64)
+    if kind in BLOCK_KINDS and tok.vocab_size > 8192:
+        return Recipe(steps={"dflash": 800, "dspark": 700}[kind], batch_sequences=8, lr=2e-3, n_prompts=512,
+                      max_new_tokens=128, draft_vocab=8192)
     steps = {"eagle3": 100, "dflash": 200, "dspark": 150}.get(kind, 150)
-    vocab = 8192 if kind in BLOCK_KINDS and tok.vocab_size > 8192 else 0
-    return Recipe(steps=steps, batch_sequences=8, lr=1e-3, n_prompts=512, max_new_tokens=128, draft_vocab=vocab)
+    return Recipe(steps=steps, batch_sequences=8, lr=1e-3, n_prompts=512, max_new_tokens=128)
 
 
 def draft_vocabulary(features: FeatureCache, vocab_size: int, k: int) -> tuple[torch.Tensor, float]:
