@@ -71,7 +71,7 @@ def measure(weights: list[torch.Tensor], rows: list[int], repeats: int = 5) -> l
     with torch.inference_mode():
         for m in rows:
             xs = [torch.randn(m, w.shape[1]) for w in weights]  # (the same x for every side)
-            chosen = [products.PATHS[t.by_rows[m if m < len(t.by_rows) else 0]] for t in map(products.table, weights)]
+            chosen = [products.PATHS[products.table(w).path(m)] for w in weights]
             sides = {name: [fn] * len(weights) for name, fn in
                      {"sum": lambda x, w: w.sum(), **products.PATHS, "via_linear": products.linear}.items()}
             sides["chosen"] = chosen

@@ -359,6 +359,12 @@ class BlockDraftBase(nn.Module, Draft):
         """Target token ids -> the draft's indices (-1 where not in its vocabulary); identity without one."""
         return tokens if self.draft_vocab is None else self.to_draft_index[tokens]
 
+    def vocab_labels(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Target label tokens -> (the draft's indices, valid as gather indices; whether each is in its
+        vocabulary): a label it cannot propose gets no loss."""
+        labels = self.to_draft(tokens)
+        return labels.clamp_min(0), labels >= 0
+
     def to_target(self, index: torch.Tensor) -> torch.Tensor:
         """The draft's indices -> target token ids."""
         return index if self.draft_vocab is None else self.draft_vocab[index]

@@ -68,9 +68,8 @@ class DFlashDraft(BlockDraftBase):
         lab_pos = blocks.anchors[:, None] + torch.arange(s, device=dev)  # (N,S): slot k -> a+k
         in_seq = lab_pos < blocks.seq_end[:, None]
         lab_pos = lab_pos.clamp(max=t - 1)
-        labels = self.to_draft(batch.input_ids[0, lab_pos])  # (N,S) in the draft's vocabulary (-1: outside it)
-        m = in_seq & batch.loss_mask[0, lab_pos] & (labels >= 0)  # a token the draft cannot propose: no loss
-        labels = labels.clamp_min(0)
+        labels, in_vocab = self.vocab_labels(batch.input_ids[0, lab_pos])  # (N,S) in the draft's vocabulary
+        m = in_seq & batch.loss_mask[0, lab_pos] & in_vocab
         m[:, 0] = False  # slot 0 is the anchor, not a prediction
         m = m.float()
         count = m.sum(0)  # (S,) global

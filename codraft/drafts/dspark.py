@@ -135,9 +135,9 @@ class DSparkDraft(BlockDraftBase):
         src = src.clamp(max=t - 1)
         lab_pos = (src + 1).clamp(max=t - 1)
         ids = batch.input_ids[0]
-        labels, prev = self.to_draft(ids[lab_pos]), ids[src]  # (N,S) x_{a+k+1} (draft index, -1 outside), x_{a+k}
-        m = (in_seq & batch.loss_mask[0, lab_pos] & (labels >= 0)).float()  # no loss on tokens it cannot propose
-        labels = labels.clamp_min(0)
+        labels, in_vocab = self.vocab_labels(ids[lab_pos])  # (N,S) x_{a+k+1} in the draft's vocabulary
+        prev = ids[src]  # (N,S) x_{a+k}
+        m = (in_seq & batch.loss_mask[0, lab_pos] & in_vocab).float()
         count = m.sum(0)  # (S,) global
         held = self.held_blocks(batch, blocks)
         sel = held[0]

@@ -96,6 +96,10 @@ class Table:
     times: dict[int, dict[str, float]]
     busy: float = 0.0
 
+    def path(self, rows: int) -> str:
+        """The path for ``rows`` rows: its measured range, or above the grid ``by_rows[0]``."""
+        return self.by_rows[rows if rows < len(self.by_rows) else 0]
+
 
 TABLES: dict[tuple, Table] = {}
 

@@ -154,8 +154,7 @@ LAYER = dispatch.Operation("layer", (*FUSED, "unfused"), "unfused", _layer_candi
 
 def layer_path(layer: FastDecoderLayer, x: torch.Tensor) -> str:
     """The measured path for a decode step of x (B,T,D): B·T new tokens."""
-    by_rows, rows = layer_table(layer).by_rows, x.shape[0] * x.shape[1]
-    return by_rows[rows if rows < len(by_rows) else 0]
+    return layer_table(layer).path(x.shape[0] * x.shape[1])
 
 
 def layer_table(layer: FastDecoderLayer) -> dispatch.Table:

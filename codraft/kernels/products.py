@@ -65,6 +65,5 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     x2 = x.reshape(-1, x.shape[-1])
     path = torch_linear
     if cbuild.fits(x2) and cbuild.weight_fits(w):
-        by_rows = table(w).by_rows
-        path = PATHS[by_rows[x2.shape[0] if x2.shape[0] < len(by_rows) else 0]]
+        path = PATHS[table(w).path(x2.shape[0])]
     return path(x2, w).view(*x.shape[:-1], w.shape[0])
