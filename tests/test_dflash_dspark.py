@@ -235,8 +235,11 @@ def test_loss_chunking_is_exact():
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
-def test_decode_block_equals_training_block(kind):
-    """begin + commit build exactly the context the training forward uses for the same anchor."""
+@pytest.mark.parametrize("max_len,extra_slots", [(20, 0), (10, 2)])
+def test_decode_block_equals_training_block(kind, max_len, extra_slots):
+    """begin + commit build exactly the context the training forward uses for the same anchor, rows at
+    different lengths; the decode attention over the cache (blocks written past the context) and, for a
+    block that does not fit in the buffer (max_len 10), the two-part one both equal the training block."""
     target = _target(_cfg())
     draft = _draft(kind, target).eval()
     taps = draft.feature_layers
@@ -245,19 +248,20 @@ def test_decode_block_equals_training_block(kind):
     with torch.no_grad():
         _, feats = target(ids, taps=taps)
         lengths = torch.tensor([7, 5])  # contexts: features exist for positions < length - 1
-        state = draft.begin(ids[:, :7], lengths, {l: f[:, :6] for l, f in feats.items()}, max_len=20)
-        # commit counts 3 and 5: row b's new features are at positions lengths-1 .. lengths-2+count
-        counts = torch.tensor([3, 5])
+        state = draft.begin(ids[:, :7], lengths, {l: f[:, :6] for l, f in feats.items()}, max_len=max_len)
+        # commit counts 2 and 5: row b's new features are at positions lengths-1 .. lengths-2+count
+        counts = torch.tensor([2, 5])
         pos = (lengths - 1)[:, None] + torch.arange(4 + 1)  # (B,γ+1) with γ = 4
         new = {l: f.gather(1, pos[..., None].expand(-1, -1, f.shape[-1])) for l, f in feats.items()}
         state = draft.commit(state, ids.gather(1, pos + 1), counts, new)
-        assert state.ctx_len.tolist() == [9, 9] and torch.equal(state.pending, ids[:, 9])
-        got = draft.decode_hidden(state, draft.config.block_size, context_len=10)
-        for b in range(2):
+        assert state.ctx_len.tolist() == [8, 9] and torch.equal(state.pending, ids[[0, 1], [8, 9]])
+        slots = draft.config.block_size + extra_slots
+        assert (9 + slots <= state.k.shape[3]) == (extra_slots == 0)  # which decode attention runs
+        got = draft.decode_hidden(state, slots, context_len=10)
+        for b, a in enumerate(state.ctx_len.tolist()):
             row = DraftBatch.from_full_logits(ids[b:b + 1], torch.tensor([0, 16]), torch.ones(1, 16, dtype=torch.bool),
                              {l: f[b:b + 1] for l, f in feats.items()}, torch.zeros(1, 16, 61))
-            want = draft.block_hidden(row, Blocks(torch.tensor([9]), torch.tensor([16]), torch.tensor([9])),
-                                      draft.config.block_size)
+            want = draft.block_hidden(row, Blocks(torch.tensor([a]), torch.tensor([16]), torch.tensor([a])), slots)
             torch.testing.assert_close(got[b], want[0, 0], atol=1e-5, rtol=1e-4)
 
 

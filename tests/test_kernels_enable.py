@@ -110,7 +110,8 @@ def test_same_greedy_tokens(kind):
             fast_draft.load_state_dict(draft.state_dict())
             assert _classes(fast_draft) != _classes(draft)  # something was swapped
         if kind == "dflash":
-            assert fast_draft.head_product is products.linear and "head_product" not in vars(draft)
+            assert fast_draft.product is products.linear and "product" not in vars(draft)
+            assert all(layer.self_attn.product is products.linear for layer in fast_draft.layers)
     want = Engine(plain, draft, gamma=3 if draft else None).generate(PROMPTS, 24, temperature=0, eos_id=[])
     got = Engine(fast, fast_draft, gamma=3 if draft else None).generate(PROMPTS, 24, temperature=0, eos_id=[])
     for a, b in zip(got, want):
@@ -125,7 +126,7 @@ def test_opt_out_leaves_classes(monkeypatch, fresh_kernels):
     assert not kernels.available() and kernels.enable(model) is model and _classes(model) == before
     draft = build_draft("dflash", model.config, target=model)
     kernels.enable(draft)
-    assert "head_product" not in vars(draft) and all(type(m) not in kernels.SWAPS.values() for m in draft.modules())
+    assert "product" not in vars(draft) and all(type(m) not in kernels.SWAPS.values() for m in draft.modules())
 
 
 def test_no_compiler_warns_and_leaves_classes(tmp_path, monkeypatch, fresh_kernels):

@@ -191,11 +191,20 @@ class BlockAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, c.rms_norm_eps)
 
+    # the projections x @ wᵀ; codraft.kernels.enable sets the measured fastest one on CPU
+    product = staticmethod(linear)
+
+    def _q(self, x: torch.Tensor, cos, sin) -> torch.Tensor:
+        """x (B,T,H) -> q (B,H,T,D), normed then roped."""
+        b, t, _ = x.shape
+        q = self.q_norm(self.product(x, self.q_proj.weight).view(b, t, self.n_heads, self.head_dim))
+        return apply_rope(q.transpose(1, 2), cos, sin)
+
     def _kv(self, x: torch.Tensor, cos, sin) -> tuple[torch.Tensor, torch.Tensor]:
         """x (B,T,H) -> k, v (B,Hkv,T,D); k normed then roped."""
         b, t, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(b, t, self.n_kv, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        k = self.k_norm(self.product(x, self.k_proj.weight).view(b, t, self.n_kv, self.head_dim)).transpose(1, 2)
+        v = self.product(x, self.v_proj.weight).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
     def context_kv(self, ctx: torch.Tensor, cos, sin):
@@ -209,15 +218,35 @@ class BlockAttention(nn.Module):
         merged with the block's own bidirectional part."""
         b, n, s, _ = x.shape
         xf = x.reshape(b, n * s, x.shape[-1])  # explicit H: N may be 0 (a CP rank without blocks)
-        q = self.q_norm(self.q_proj(xf).view(b, n * s, self.n_heads, self.head_dim)).transpose(1, 2)
-        q = apply_rope(q, cos, sin).reshape(b, self.n_heads, n, s, self.head_dim)  # (B,H,N,S,D)
+        q = self._q(xf, cos, sin).reshape(b, self.n_heads, n, s, self.head_dim)  # (B,H,N,S,D)
         k, v = self._kv(xf, cos, sin)
         k = k.reshape(b, self.n_kv, n, s, self.head_dim)  # (B,Hkv,N,S,D)
         v = v.reshape(b, self.n_kv, n, s, self.head_dim)
         om, lm = main_part(q, k_main, v_main)  # (B,H,N,S,D), (B,H,N,S)
         ob, lb = branch_local_part(q, k, v, local="block")
         o = merge_lse(om, lm, ob, lb)[0].to(q.dtype)  # (B,H,N,S,D)
-        return self.o_proj(o.permute(0, 2, 3, 1, 4).reshape(b, n, s, self.n_heads * self.head_dim))
+        return self.product(o.permute(0, 2, 3, 1, 4).reshape(b, n, s, self.n_heads * self.head_dim),
+                            self.o_proj.weight)
+
+    def decode(self, x, cos, sin, k_cache, v_cache, ctx_len, keys: int):
+        """One block per row at decode: x (B,S,H) normed, at positions ctx_len + 0..S−1 (cos/sin (B,1,S,D))
+        -> (B,S,H). The block's K/V go into the context cache k/v_cache (B,Hkv,M,D) at those positions,
+        which hold no context yet (commit overwrites them), so the branch attention's key set, the
+        context before the anchor plus the whole block, is the prefix [0, ctx_len + S) of each row: one
+        attention over the cache's first ``keys`` (host-known, >= every ctx_len + S) positions, where
+        the training path computes two parts and merges them."""
+        b, s, _ = x.shape
+        q = self._q(x, cos, sin)  # (B,H,S,D)
+        k, v = self._kv(x, cos, sin)  # (B,Hkv,S,D)
+        at = (ctx_len[:, None] + torch.arange(s, device=x.device))[:, None, :, None].expand_as(k)
+        k_cache.scatter_(2, at, k)
+        v_cache.scatter_(2, at, v)
+        seen = torch.arange(keys, device=x.device) < (ctx_len + s)[:, None]  # (B,keys)
+        g = self.n_heads // self.n_kv  # query head h reads KV head h // g, and every query the same keys
+        o = F.scaled_dot_product_attention(q.reshape(b, self.n_kv, g * s, self.head_dim), k_cache[:, :, :keys],
+                                           v_cache[:, :, :keys], attn_mask=seen[:, None, None])
+        return self.product(o.reshape(b, self.n_heads, s, self.head_dim).transpose(1, 2).reshape(b, s, -1),
+                            self.o_proj.weight)
 
 
 class BlockDecoderLayer(nn.Module):
@@ -230,6 +259,11 @@ class BlockDecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, k_main, v_main, main_part: MainPart):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, k_main, v_main, main_part)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def decode(self, x, cos, sin, k_cache, v_cache, ctx_len, keys: int):
+        """``forward`` of one block per row x (B,S,H) over the context cache (``BlockAttention.decode``)."""
+        x = x + self.self_attn.decode(self.input_layernorm(x), cos, sin, k_cache, v_cache, ctx_len, keys)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -268,8 +302,8 @@ class BlockDraftBase(nn.Module, Draft):
     """Backbone + decoding state machinery; subclasses add the loss, ``propose`` and heads."""
 
     architectures = ("BlockDraftModel",)
-    # the product of the LM head over the target's (V,H) weight; codraft.kernels.enable sets a faster one
-    head_product = staticmethod(linear)
+    # the product with the LM head over the target's (V,H) weight; codraft.kernels.enable sets a faster one
+    product = staticmethod(linear)
 
     def __init__(self, config: BlockDraftConfig):
         super().__init__()
@@ -393,9 +427,9 @@ class BlockDraftBase(nn.Module, Draft):
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
         """Final-normed hidden (…,H) -> float32 logits (…,K) through the frozen target head's rows of the
-        draft's vocabulary (K = V without one)."""
-        w = self.head_rows()
-        return self.head_product(h.to(w.dtype), w).float()
+        draft's vocabulary (K = V without one); a head in another dtype (a weight-only bf16 rollout copy's)
+        is widened to h's, as every product of such a copy is."""
+        return self.product(h, self.head_rows()).float()
 
     def mask_vector(self) -> torch.Tensor:
         """(H,) the MASK slot input."""
@@ -513,7 +547,7 @@ class BlockDraftBase(nn.Module, Draft):
     def begin(self, tokens, lengths, features: Features, *, max_len: int) -> BlockDraftState:
         b, t = tokens.shape
         lc = self.config.layer_config()
-        shape = (len(self.layers), b, lc.num_key_value_heads, max_len, lc.head_dim)
+        shape = (len(self.layers), b, lc.num_key_value_heads, max_len + self.config.block_size, lc.head_dim)
         k = torch.zeros(shape, dtype=self.dtype, device=tokens.device)
         v = torch.zeros_like(k)
         ctx_len = lengths.to(torch.long) - 1
@@ -545,7 +579,19 @@ class BlockDraftBase(nn.Module, Draft):
         return BlockDraftState(state.k[:, rows], state.v[:, rows], state.ctx_len[rows], state.pending[rows])
 
     def decode_hidden(self, state: BlockDraftState, slots: int, context_len: int) -> torch.Tensor:
-        """Final-normed hidden (B,S,H) of the block [pending, MASK×(S−1)] over the cached context."""
+        """Final-normed hidden (B,S,H) of the block [pending, MASK×(S−1)] over the cached context.
+
+        The block's K/V are written past each row's context (``BlockDecoderLayer.decode``) when the
+        buffer has room for them (``begin`` leaves ``block_size`` positions beyond ``max_len``); longer
+        blocks at the end of the buffer take the training path's two-part attention instead."""
+        keys = context_len - 1 + slots  # context_len - 1 >= every row's ctx_len
+        if keys <= state.k.shape[3]:
+            x = self.block_input(state.pending[:, None], slots)[:, 0]  # (B,S,H)
+            positions = state.ctx_len[:, None] + torch.arange(slots, device=x.device)
+            cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)  # (B,1,S,D)
+            for i, layer in enumerate(self.layers):
+                x = layer.decode(x, cos, sin, state.k[i], state.v[i], state.ctx_len, keys)
+            return self.norm(x)
         span = max(1, min(context_len - 1, state.k.shape[3]))  # context K/V live at positions < ctx_len
         kv = [(state.k[i, :, :, :span], state.v[i, :, :, :span]) for i in range(len(self.layers))]
         x = self.block_input(state.pending[:, None], slots)  # (B,1,S,H)

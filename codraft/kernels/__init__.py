@@ -6,8 +6,8 @@ C kernels, built on first use by ``cbuild`` (system compiler, cached): few-row p
 reference module it finds (``codraft.models``' Transformer, DecoderLayer, Attention, MLP,
 RMSNorm, drafts' included) to its subclass in ``fast_layers``, which takes the C path when it
 applies (CPU, fp32 activations, fp32 or bf16 weights, no autograd) and otherwise runs the
-reference forward; and gives modules that declare a ``head_product`` (block drafts: their product
-with the target's LM head) the fast product. Between paths that all apply (the kernel or torch's
+reference forward; and gives modules that declare a ``product`` (block drafts: their product with
+the target's LM head, their layers' projections) the fast product. Between paths that all apply (the kernel or torch's
 products; one C call per layer or one per op) the fastest for the shape and row count is chosen by
 timing them on this machine the first time (``dispatch``, cached on disk). Parameter
 names, state dicts, autograd, ``copy.deepcopy``, pickling and ``Module.to`` are unaffected.
@@ -43,8 +43,8 @@ def enable(module: M) -> M:
         fast = SWAPS.get(type(m))
         if fast is not None:
             m.__class__ = fast
-        elif hasattr(type(m), "head_product"):  # a product over a weight it does not own (block drafts' LM head)
-            m.head_product = products.linear
+        elif hasattr(type(m), "product"):  # x @ wᵀ in a module that is not a swapped reference one
+            m.product = products.linear
     return module
 
 
