@@ -19,7 +19,9 @@ U = 2.0 ** -24  # fp32 unit roundoff
 
 @pytest.fixture
 def fresh_tables(monkeypatch, tmp_path):
-    """An empty disk cache and no tables in this process."""
+    """An empty disk cache and no tables in this process (the kernel's prefetch hint, set from the real
+    cache: it is read once per process)."""
+    gemv.kernel()
     monkeypatch.setenv("CODRAFT_CACHE", str(tmp_path))
     monkeypatch.setattr(dispatch, "TABLES", {})
     return tmp_path / "dispatch"

@@ -74,6 +74,54 @@ def test_portable_vector_width(tmp_path):
             assert ((y.double() - ref).abs() <= 8 * 2 ** -24 * (x.double().abs() @ weight.double().abs().T)).all()
 
 
+@pytest.mark.parametrize("l2", [0, 1])
+def test_both_prefetch_hints_give_the_product(l2):
+    """The prefetch hint (into L1 or L2, chosen per machine) changes how weights stream, not the sums."""
+    lib, before = cbuild.library(), gemv.kernel() and cbuild.library().get_prefetch_l2()
+    g = torch.Generator().manual_seed(l2)
+    try:
+        lib.set_prefetch_l2(l2)
+        for m, i, o in [(1, 576, 70), (3, 1536, 33), (8, 47, 5)]:
+            x, w = torch.randn(m, i, generator=g), torch.randn(o, i, generator=g)
+            for weight in (w, w.bfloat16()):
+                ref = x.double() @ weight.double().T
+                err = (gemv.gemv(x, weight).double() - ref).abs()
+                assert (err <= 8 * 2 ** -24 * (x.double().abs() @ weight.double().abs().T)).all()
+    finally:
+        lib.set_prefetch_l2(before)
+
+
+def test_prefetch_hint_is_measured_once_per_machine(monkeypatch, tmp_path):
+    """Timed on a miss and cached (the faster hint wins); read back, not timed, for the same CPU, thread
+    count and library; timed again for another CPU or an unreadable file."""
+    monkeypatch.setenv("CODRAFT_CACHE", str(tmp_path))
+    timed = []
+
+    def fake(lib, fns):
+        timed.append(1)
+        return {"L1": 2.0, "L2": 1.0} if len(timed) != 2 else {"L1": 1.0, "L2": 2.0}
+    monkeypatch.setattr(gemv, "time_prefetch", fake)
+    lib, fns = cbuild.library(), gemv.kernel()
+    assert gemv.prefetch_to_l2(lib, fns) is True and len(timed) == 1
+    (path,) = (tmp_path / "dispatch").iterdir()
+    assert gemv.prefetch_to_l2(lib, fns) is True and len(timed) == 1  # cached
+    real = cbuild._cpu_id
+    monkeypatch.setattr(cbuild, "_cpu_id", lambda: real() + "\nflags : avx9000")
+    assert gemv.prefetch_to_l2(lib, fns) is False and len(timed) == 2  # another CPU: timed (L1 wins)
+    monkeypatch.setattr(cbuild, "_cpu_id", real)
+    path.write_text("not json")
+    assert gemv.prefetch_to_l2(lib, fns) is True and len(timed) == 3
+
+
+@pytest.mark.parametrize("l2", [False, True])
+def test_the_chosen_hint_is_set_and_keys_the_dispatch_tables(l2, monkeypatch, fresh_kernels):
+    from codraft.kernels import dispatch
+    monkeypatch.setattr(gemv, "prefetch_to_l2", lambda lib, fns: l2)
+    assert gemv.kernel() is not None
+    assert cbuild.library().get_prefetch_l2() == int(l2)
+    assert dispatch.machine()["prefetch"] == ("L2" if l2 else "L1")
+
+
 def test_applies_at_any_row_count_to_fp32_and_bf16_weights():
     x, w = torch.randn(200, 24), torch.randn(40, 24)
     with torch.no_grad():

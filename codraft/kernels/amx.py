@@ -20,14 +20,14 @@ import functools
 
 import torch
 
-from codraft.kernels import cbuild
+from codraft.kernels import cbuild, gemv
 
 
 @functools.cache
 def kernel():
     """The C function, or None: kernels off or not built, or no AMX here."""
     lib = cbuild.library()
-    if lib is None:
+    if lib is None or gemv.kernel() is None:  # (gemv: the library's prefetch hint, set once)
         return None
     lib.amx_ready.restype = ctypes.c_int
     if not lib.amx_ready():

@@ -22,9 +22,9 @@ shapes and dtype) on this machine, measured on a miss:
   ``beyond`` path.
 * **Cache**: JSON under ``cache_root()/dispatch``, one file per operation and key, named by a
   hash of the key together with this machine's: CPU model and flags (what ``-march=native`` sees),
-  torch's thread count, torch's version and the built kernel library (``CODRAFT_KERNELS=0``: "off",
-  and no kernel candidates). A file recorded for another key, or unreadable, is measured again
-  (warned); files are replaced atomically, so concurrent processes (``pytest -n``) are safe.
+  torch's thread count, torch's version, the built kernel library (``CODRAFT_KERNELS=0``: "off",
+  and no kernel candidates) and the cache level its products prefetch into (``gemv.prefetch_to_l2``).
+  A file recorded for another key, or unreadable, is measured again (warned); files are replaced atomically, so concurrent processes (``pytest -n``) are safe.
   This process keeps the tables it has read in ``TABLES``: a lookup is one dict access.
 * **A busy machine**: while other processes hold the cores torch's threads need, every parallel
   call can wait a scheduler slice (ms) and the timings say nothing. So the CPU time others used
@@ -58,7 +58,7 @@ from typing import Callable
 import torch
 
 from codraft.cache import cache_root
-from codraft.kernels import cbuild
+from codraft.kernels import cbuild, gemv
 
 FORMAT = 3  # bump when what is timed or the file layout changes: older files are measured again
 # every row count a decode or verify step of up to 64 rows has (MKL changes code at multiples of 8 and
@@ -182,7 +182,8 @@ def machine() -> dict:
     model = next((l.split(":", 1)[1].strip() for l in cpu.splitlines() if l.startswith("model name")), cpu[:80])
     return {"cpu": model, "cpu_id": hashlib.sha256(cpu.encode()).hexdigest()[:16],
             "threads": torch.get_num_threads(), "torch": torch.__version__,
-            "kernels": Path(lib._name).name if lib is not None else "off"}
+            "kernels": Path(lib._name).name if lib is not None else "off",
+            "prefetch": ("L2" if lib.get_prefetch_l2() else "L1") if gemv.kernel() is not None else "off"}
 
 
 def describe(key: tuple) -> str:

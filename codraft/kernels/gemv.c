@@ -26,6 +26,13 @@
 // weights from DRAM ~25% slower (bf16, 1 row) to ~40% slower (4 rows)
 #define PREFETCH_BYTES 4096
 
+// and into which cache: L1 (0, prefetcht0) or L2 (1, prefetcht1), whichever streams faster on this
+// machine, measured once by codraft/kernels/gemv.py (L2: a model's bf16 products ~9% faster at 1-4
+// rows on a 2-core Xeon, where L1's few fill buffers bound the lines in flight)
+static int prefetch_l2;
+void set_prefetch_l2(int on) { prefetch_l2 = on; }
+int get_prefetch_l2(void) { return prefetch_l2; }
+
 typedef float vf __attribute__((vector_size(LANES * 4)));
 typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
 
@@ -124,7 +131,7 @@ INLINE float hsum(vf v) {
 // from 4 input rows on, a loop over one weight row spent more on loads than on FMAs (9 per 8).
 // One weight row keeps two accumulators per input row to hide the FMA latency; two have 8 chains.
 INLINE void dots(const void *w, int64_t stride, const float *const *x, int64_t n, float *out, const int nw,
-                 const int nk, const int bf16) {
+                 const int nk, const int bf16, const int l2) {
     const int two = nw == 1;  // second accumulator: a[.][.][1], else the same one
     vf a[2][4][2] = {{{{0}}}};
     int64_t i = 0;
@@ -132,7 +139,12 @@ INLINE void dots(const void *w, int64_t stride, const float *const *x, int64_t n
         vf w0[2], w1[2];
         for (int j = 0; j < nw; j++) {
             const char *ahead = (const char *)w + (j * stride + i) * (bf16 ? 2 : 4) + PREFETCH_BYTES;
-            for (int b = 0; b < 2 * LANES * (bf16 ? 2 : 4); b += 64) __builtin_prefetch(ahead + b);
+            for (int b = 0; b < 2 * LANES * (bf16 ? 2 : 4); b += 64) {
+                if (l2)
+                    __builtin_prefetch(ahead + b, 0, 2);
+                else
+                    __builtin_prefetch(ahead + b, 0, 3);
+            }
             load_w(w, j * stride + i, &w0[j], &w1[j], bf16);
         }
         for (int k = 0; k < nk; k++) {
@@ -154,9 +166,9 @@ INLINE void dots(const void *w, int64_t stride, const float *const *x, int64_t n
 // columns o0..o1 of y: weight rows o0..o1 against every row of x, 2 weight rows and 4 rows of x at a
 // time. The weight rows (one chunk) stay in L1 while the blocks of x pass them, so x (up to ~150 KB at
 // 64 rows) comes from L2 once per chunk, not once per weight row.
-#define DOTS(nw, nk) dots(row, in, xs, in, d, nw, nk, bf16)
+#define DOTS(nw, nk) dots(row, in, xs, in, d, nw, nk, bf16, l2)
 INLINE void weight_rows(const float *x, const void *w, float *y, int64_t m, int64_t in, int64_t out,
-                        int64_t o0, int64_t o1, const int bf16) {
+                        int64_t o0, int64_t o1, const int bf16, const int l2) {
     for (int64_t r = 0; r < m; r += 4) {
         const float *xs[4];
         int nk = m - r < 4 ? (int)(m - r) : 4;
@@ -189,18 +201,26 @@ static int64_t chunk_rows(int64_t in, int64_t out, int64_t weight_size) {
     return rows > 1 ? rows & ~(int64_t)1 : 1;  // even: weight rows go in pairs
 }
 
+// the columns of one task, with the prefetch hint as a constant in each of the two copies
+INLINE void task(const float *x, const void *w, float *y, int64_t m, int64_t in, int64_t out, int64_t o,
+                 int64_t chunk, const int bf16) {
+    int64_t o1 = o + chunk < out ? o + chunk : out;
+    if (prefetch_l2)
+        weight_rows(x, w, y, m, in, out, o, o1, bf16, 1);
+    else
+        weight_rows(x, w, y, m, in, out, o, o1, bf16, 0);
+}
+
 void gemv_rows(const float *x, const float *w, float *y, int64_t m, int64_t in, int64_t out) {
     int64_t chunk = chunk_rows(in, out, sizeof *w);
 #pragma omp parallel for schedule(static)
-    for (int64_t o = 0; o < out; o += chunk)
-        weight_rows(x, w, y, m, in, out, o, o + chunk < out ? o + chunk : out, 0);
+    for (int64_t o = 0; o < out; o += chunk) task(x, w, y, m, in, out, o, chunk, 0);
 }
 
 void gemv_rows_bf16(const float *x, const uint16_t *w, float *y, int64_t m, int64_t in, int64_t out) {
     int64_t chunk = chunk_rows(in, out, sizeof *w);
     float *xd = deinterleave(x, m, in);
 #pragma omp parallel for schedule(static)
-    for (int64_t o = 0; o < out; o += chunk)
-        weight_rows(xd, w, y, m, in, out, o, o + chunk < out ? o + chunk : out, 1);
+    for (int64_t o = 0; o < out; o += chunk) task(xd, w, y, m, in, out, o, chunk, 1);
     free(xd);
 }
