@@ -2,6 +2,7 @@
 layer with fp32 or bf16 projection weights, and when it applies), and a model's KV-cache decode with
 them (``codraft.kernels.enable``) against the same decode on the plain model."""
 import copy
+import ctypes
 
 import pytest
 import torch
@@ -9,7 +10,7 @@ import torch.nn.functional as F
 
 from codraft import kernels
 from codraft.attention import cache_causal_mask
-from codraft.kernels import amx, decode_ops, dispatch, fast_layers
+from codraft.kernels import amx, cbuild, decode_ops, dispatch, fast_layers
 from codraft.models import ModelConfig, Transformer
 from codraft.models.kv_cache import KVCache
 from codraft.models.layers import apply_rope, rope_cos_sin
@@ -46,23 +47,60 @@ def _reference(q, k, v, cos, sin, kc, vc, lengths):
     return out.transpose(1, 2), kc, vc
 
 
-@pytest.mark.parametrize("t", [1, 4])
-@pytest.mark.parametrize("d", [16, 12])  # 12: not a multiple of the 8-wide vectors
-def test_cache_attention_matches_torch(t, d):
-    """Rows at different lengths (one empty), grouped-query heads, several new tokens per row
-    (speculative verify): outputs, written slots, and every other slot left as it was."""
-    g = torch.Generator().manual_seed(1)
-    b, h, hkv, L = 3, 6, 2, 24
-    lengths = torch.tensor([0, 5, 12])
+def _attention_case(t, d, lengths, L, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    b, h, hkv = len(lengths), 6, 2
     q = torch.randn(b, t, h, d, generator=g)
     k, v = torch.randn(b, t, hkv, d, generator=g), torch.randn(b, t, hkv, d, generator=g)
     cos, sin = rope_cos_sin(1.0 / 100 ** (torch.arange(0, d, 2) / d), lengths[:, None] + torch.arange(t), torch.float32)
     kc, vc = torch.randn(b, hkv, L, d, generator=g), torch.randn(b, hkv, L, d, generator=g)
+    return q, k, v, cos, sin, kc, vc
+
+
+@pytest.mark.parametrize("t", [1, 4])
+@pytest.mark.parametrize("d", [16, 12, 64, 72])  # 12, 72: not multiples of the 8/16-wide vectors
+@pytest.mark.parametrize("lengths,L", [([0, 5, 12], 24), ([3, 17, 37], 48)])  # keys: < one block .. 2 + a tail
+def test_cache_attention_matches_torch(t, d, lengths, L):
+    """Rows at different lengths (one empty), grouped-query heads, several new tokens per row
+    (speculative verify): outputs, written slots, and every other slot left as it was."""
+    lengths = torch.tensor(lengths)
+    q, k, v, cos, sin, kc, vc = _attention_case(t, d, lengths, L)
     ref, ref_kc, ref_vc = _reference(q, k, v, cos, sin, kc, vc, lengths)
     out = decode_ops.cache_attention(q, k, v, cos, sin, kc, vc, lengths)
     torch.testing.assert_close(out, ref.float(), rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(kc, ref_kc.float(), rtol=1e-5, atol=1e-5)
     assert torch.equal(vc, ref_vc.float())  # values are copied, not computed
+
+
+def test_cache_attention_softmax_weights_are_exact_to_a_few_ulp():
+    """One-hot values make the output the softmax weights themselves: the exponentials (a vectorised
+    polynomial in C) within ~1e-6 of fp64, scores spread over a few units (fp32 scores: ~3e-7)."""
+    d, n = 64, 64
+    lengths = torch.tensor([n - 1])
+    q, k, _, cos, sin, kc, vc = _attention_case(1, d, lengths, n, seed=3)
+    q = q * 0.4
+    vc[0, :, : n - 1] = torch.eye(d)[: n - 1]  # cached key j carries value e_j, the new one e_{n-1}
+    v = torch.eye(d)[n - 1].expand(1, 1, 2, d).contiguous()
+    ref, _, _ = _reference(q, k, v, cos, sin, kc, vc, lengths)
+    out = decode_ops.cache_attention(q, k, v, cos, sin, kc, vc, lengths)
+    assert ref.min() > 1e-3 and ref.max() < 0.2  # weights spread: exp over a range of arguments
+    torch.testing.assert_close(out.double(), ref, rtol=1.5e-6, atol=0)
+
+
+@pytest.mark.parametrize("d", [64, 12])
+def test_cache_attention_at_the_portable_vector_width(tmp_path, d):
+    """decode_ops.c built with 8 lanes (what AVX2 machines get; this one may build 16) agrees too."""
+    lib = ctypes.CDLL(str(cbuild.build(cache_dir=tmp_path, defines=("LANES=8",))))
+    lengths = torch.tensor([3, 17, 37])
+    q, k, v, cos, sin, kc, vc = _attention_case(3, d, lengths, 48, seed=2)
+    ref, ref_kc, _ = _reference(q, k, v, cos, sin, kc, vc, lengths)
+    out = torch.empty_like(q)
+    b, t, h, _ = q.shape
+    ptrs = (x.data_ptr() for x in (q, k, v, cos, sin, kc, vc, lengths, out))
+    lib.decode_attention(*map(ctypes.c_void_p, ptrs), *map(ctypes.c_int64, (b, t, h, k.shape[2], d, 48)),
+                         ctypes.c_float(d ** -0.5))
+    torch.testing.assert_close(out, ref.float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kc, ref_kc.float(), rtol=1e-5, atol=1e-5)
 
 
 def test_bad_shapes_and_overflow_are_refused_before_any_write():

@@ -445,7 +445,7 @@ class BlockDraftBase(nn.Module, Draft):
         if missing:
             raise KeyError(f"features lack target layers {missing}; this draft taps {list(self.feature_layers)}")
         x = torch.cat([features[l].detach().to(self.dtype) for l in self.feature_layers], dim=-1)
-        return self.hidden_norm(self.fc(x))
+        return self.hidden_norm(self.product(x, self.fc.weight))
 
     def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer injected K, V (B,Hkv,T,D) for ctx (B,T,H) at positions (B,T)."""

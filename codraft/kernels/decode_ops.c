@@ -43,6 +43,169 @@ static void rope(const float *x, const float *cos, const float *sin, float *out,
     }
 }
 
+// Vectors of LANES floats: 16 (zmm) with AVX-512, else 8; -DLANES=8 builds the portable width
+// anywhere (the tests do). A head's vector is its first nd = D - D % LANES values, the rest a scalar tail.
+#ifndef LANES
+#if defined(__AVX512F__)
+#define LANES 16
+#else
+#define LANES 8
+#endif
+#endif
+typedef float vf __attribute__((vector_size(LANES * 4)));
+typedef int32_t vi __attribute__((vector_size(LANES * 4)));
+#define INLINE static inline __attribute__((always_inline))
+#define MAX_NC 16  // attend's head vectors: head_dim up to 16 * LANES
+INLINE vf vload(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
+INLINE void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
+INLINE vf vmax(vf a, vf b) {
+    vi take = a > b, ai, bi;
+    memcpy(&ai, &a, sizeof ai);
+    memcpy(&bi, &b, sizeof bi);
+    ai = (ai & take) | (bi & ~take);
+    memcpy(&a, &ai, sizeof a);
+    return a;
+}
+
+// lane j of the result = the sum of a[j]'s lanes, for LANES vectors a[] (clobbered) at once: log2(LANES)
+// levels, each adding the lower and the upper half of every group of lanes of two vectors (a score per
+// key this way costs ~3 vector ops for LANES keys, where a horizontal sum per key cost ~8 dependent ones)
+#if defined(__has_builtin) && __has_builtin(__builtin_shufflevector)
+#define FOLD(u, v, LO, HI) (__builtin_shufflevector(u, v, LO) + __builtin_shufflevector(u, v, HI))
+#if LANES == 16
+#define G16_LO 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
+#define G16_HI 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
+#define G8_LO 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27
+#define G8_HI 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31
+#define G4_LO 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29
+#define G4_HI 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31
+#define G2_LO 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30
+#define G2_HI 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31
+INLINE vf hsums(vf *a) {
+    for (int i = 0; i < 8; i++) a[i] = FOLD(a[2 * i], a[2 * i + 1], G16_LO, G16_HI);
+    for (int i = 0; i < 4; i++) a[i] = FOLD(a[2 * i], a[2 * i + 1], G8_LO, G8_HI);
+    for (int i = 0; i < 2; i++) a[i] = FOLD(a[2 * i], a[2 * i + 1], G4_LO, G4_HI);
+    return FOLD(a[0], a[1], G2_LO, G2_HI);
+}
+#else
+#define G8_LO 0, 1, 2, 3, 8, 9, 10, 11
+#define G8_HI 4, 5, 6, 7, 12, 13, 14, 15
+#define G4_LO 0, 1, 4, 5, 8, 9, 12, 13
+#define G4_HI 2, 3, 6, 7, 10, 11, 14, 15
+#define G2_LO 0, 2, 4, 6, 8, 10, 12, 14
+#define G2_HI 1, 3, 5, 7, 9, 11, 13, 15
+INLINE vf hsums(vf *a) {
+    for (int i = 0; i < 4; i++) a[i] = FOLD(a[2 * i], a[2 * i + 1], G8_LO, G8_HI);
+    for (int i = 0; i < 2; i++) a[i] = FOLD(a[2 * i], a[2 * i + 1], G4_LO, G4_HI);
+    return FOLD(a[0], a[1], G2_LO, G2_HI);
+}
+#endif
+#else
+INLINE vf hsums(vf *a) {
+    float out[LANES], lanes[LANES];
+    for (int j = 0; j < LANES; j++) {
+        memcpy(lanes, &a[j], sizeof lanes);
+        out[j] = 0.0f;
+        for (int k = 0; k < LANES; k++) out[j] += lanes[k];
+    }
+    return vload(out);
+}
+#endif
+
+// exp(x) for x <= 0, LANES at once: Cephes' expf (x = n ln2 + r, a degree-6 polynomial in r, 2^n put
+// into the exponent), within a few ulp of expf; below -87 it gives exp(-87) ~ 1.6e-38 instead of less
+INLINE vf vexp_neg(vf x) {
+    x = vmax(x, (vf){0} - 87.0f);
+    vi n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi);  // round(x / ln2) for x <= 0
+    vf nf = __builtin_convertvector(n, vf);
+    vf r = x - nf * 0.693359375f - nf * -2.12194440e-4f;
+    vf p = 1.9875691500e-4f * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    vi e = (n + 127) << 23;
+    vf scale;
+    memcpy(&scale, &e, sizeof scale);
+    return p * scale;
+}
+
+// One query (D values, roped) over keys and values 0..n-1 (rows of D): softmax(q·kᵀ·scale)·v -> o.
+// The first nc vectors of each head (a constant where attend_nc is inlined, so that q and the sums stay
+// in registers), then a scalar tail; s: room for n rounded up to LANES.
+INLINE void attend_nc(const float *q, const float *kb, const float *vb, int64_t n, int64_t D, float scale,
+                      float *s, float *o, const int nc) {
+    int64_t nd = (int64_t)nc * LANES;
+    vf qv[MAX_NC], top = (vf){0} - INFINITY;
+    for (int c = 0; c < nc; c++) qv[c] = vload(q + c * LANES);
+    for (int64_t j0 = 0; j0 < n; j0 += LANES) {  // scores, LANES keys at a time
+        int cnt = n - j0 < LANES ? (int)(n - j0) : LANES;
+        vf part[LANES];
+        for (int j = 0; j < LANES; j++) {
+            part[j] = (vf){0};
+            if (j < cnt)
+                for (int c = 0; c < nc; c++) part[j] += qv[c] * vload(kb + (j0 + j) * D + c * LANES);
+        }
+        vf sc = hsums(part);
+        for (int j = 0; j < cnt && nd < D; j++) {  // the scalar tail of each row
+            float t = 0.0f;
+            for (int64_t i = nd; i < D; i++) t += q[i] * kb[(j0 + j) * D + i];
+            sc[j] += t;
+        }
+        sc *= scale;
+        vstore(s + j0, sc);
+        if (cnt == LANES) top = vmax(top, sc);
+        else
+            for (int j = 0; j < cnt; j++) top[0] = top[0] > sc[j] ? top[0] : sc[j];
+    }
+    float mx = top[0], lanes[LANES];
+    for (int i = 1; i < LANES; i++) mx = mx > top[i] ? mx : top[i];
+    vf total = (vf){0};
+    int64_t j = 0;
+    for (; j + LANES <= n; j += LANES) {
+        vf e = vexp_neg(vload(s + j) - mx);
+        vstore(s + j, e);
+        total += e;
+    }
+    if (j < n) {  // the last keys: the lanes past n must not count
+        vf e = vexp_neg(vload(s + j) - mx);
+        vstore(lanes, e);
+        for (int64_t i = j; i < n; i++) total[0] += s[i] = lanes[i - j];
+    }
+    float sum = 0.0f;
+    vstore(lanes, total);
+    for (int i = 0; i < LANES; i++) sum += lanes[i];
+    vf even[MAX_NC], odd[MAX_NC];  // sums over even and odd keys: twice the chains in flight
+    for (int c = 0; c < nc; c++) even[c] = odd[c] = (vf){0};
+    for (j = 0; j + 1 < n; j += 2)
+        for (int c = 0; c < nc; c++) {
+            even[c] += s[j] * vload(vb + j * D + c * LANES);
+            odd[c] += s[j + 1] * vload(vb + (j + 1) * D + c * LANES);
+        }
+    if (j < n)
+        for (int c = 0; c < nc; c++) even[c] += s[j] * vload(vb + j * D + c * LANES);
+    float inv = 1.0f / sum;
+    for (int c = 0; c < nc; c++) vstore(o + c * LANES, (even[c] + odd[c]) * inv);
+    for (int64_t i = nd; i < D; i++) {
+        float t = 0.0f;
+        for (j = 0; j < n; j++) t += s[j] * vb[j * D + i];
+        o[i] = t * inv;
+    }
+}
+
+static void attend(const float *q, const float *kb, const float *vb, int64_t n, int64_t D, float scale, float *s,
+                   float *o) {
+    switch (D / LANES) {  // head_dim 64: 4 vectors of 16, 8 of 8
+        case 0: attend_nc(q, kb, vb, n, D, scale, s, o, 0); break;
+        case 1: attend_nc(q, kb, vb, n, D, scale, s, o, 1); break;
+        case 2: attend_nc(q, kb, vb, n, D, scale, s, o, 2); break;
+        case 4: attend_nc(q, kb, vb, n, D, scale, s, o, 4); break;
+        case 8: attend_nc(q, kb, vb, n, D, scale, s, o, 8); break;
+        default: attend_nc(q, kb, vb, n, D, scale, s, o, D / LANES < MAX_NC ? (int)(D / LANES) : MAX_NC);
+    }
+}
+
 // T new tokens per row b at positions lengths[b] + t: rope q and k, write k and v into this
 // layer's cache (B, Hkv, L, D), and attend each query head over keys 0..its own position
 // (grouped-query: head h reads KV head h / (H / Hkv)).
@@ -61,25 +224,14 @@ void decode_attention(const float *q, const float *k, const float *v, const floa
     int64_t group = H / Hkv;
 #pragma omp parallel
     {
-        float *qr = malloc(D * sizeof(float)), *s = malloc((L > 0 ? L : 1) * sizeof(float));
+        float *qr = malloc(D * sizeof(float)), *s = malloc((L + LANES) * sizeof(float));
 #pragma omp for collapse(2) schedule(static)
         for (int64_t bt = 0; bt < B * T; bt++)
             for (int64_t h = 0; h < H; h++) {
                 int64_t b = bt / T, n = lengths[b] + bt % T + 1;  // keys this query sees
                 const float *kb = kc + (b * Hkv + h / group) * L * D, *vb = vc + (b * Hkv + h / group) * L * D;
                 rope(q + (bt * H + h) * D, cos + bt * D, sin + bt * D, qr, D);
-                float mx = -INFINITY, sum = 0.0f;
-                for (int64_t j = 0; j < n; j++) {
-                    s[j] = dot(qr, kb + j * D, D) * scale;
-                    if (s[j] > mx) mx = s[j];
-                }
-                for (int64_t j = 0; j < n; j++) sum += (s[j] = expf(s[j] - mx));
-                float *o = out + (bt * H + h) * D;
-                for (int64_t i = 0; i < D; i++) o[i] = 0.0f;
-                for (int64_t j = 0; j < n; j++) {
-                    float p = s[j] / sum;
-                    for (int64_t i = 0; i < D; i++) o[i] += p * vb[j * D + i];
-                }
+                attend(qr, kb, vb, n, D, scale, s, out + (bt * H + h) * D);
             }
         free(qr);
         free(s);
