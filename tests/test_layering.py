@@ -17,7 +17,7 @@ ROOT = Path(codraft.__file__).parent
 ALLOWED = {
     "cache": set(), "atomic": set(), "tokenizer": set(), "spec": set(), "tasks": set(),
     "attention": set(),
-    "kernels": {"models", "attention", "cache"},
+    "kernels": {"models", "attention", "cache", "atomic"},
     "models": {"attention", "atomic", "cache"},
     "drafts": {"models", "kernels", "attention", "spec", "atomic"},
     "rollout": {"models", "spec", "cache"},

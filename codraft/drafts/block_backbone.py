@@ -43,8 +43,11 @@ Decoding (base.py's context invariant): the state keeps, per layer, K_ctx/V_ctx 
 context position that has target features (0..len-2) in a static (L,B,Hkv,M,D) cache, plus
 the pending token (position len-1), which is the block anchor. ``commit`` projects only the
 new features; ``propose`` runs one block forward over [pending, MASK×(S−1)] at positions
-len-1..len-2+S against the cache. No host syncs: reads are bounded by the host-known
-``context_len``, writes are scatters at per-row positions.
+len-1..len-2+S against the cache. There the block's own K/V are written into the cache at those
+positions (free until ``commit`` writes the next context there; M leaves ``block_size`` of room past
+the target's cache), so the two parts of the branch attention are one attention over each row's
+prefix [0, len-1+S): a third of the ops of computing and merging two. No host syncs: reads are
+bounded by the host-known ``context_len``, writes are scatters at per-row positions.
 
 Training helpers: ``sample_anchors`` (random anchors per packed sequence, notes 2.2),
 ``block_hidden`` (the forward above for N anchors of a packed ``DraftBatch`` row: context K/V

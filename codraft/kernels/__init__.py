@@ -7,9 +7,10 @@ reference module it finds (``codraft.models``' Transformer, DecoderLayer, Attent
 RMSNorm, drafts' included) to its subclass in ``fast_layers``, which takes the C path when it
 applies (CPU, fp32 activations, fp32 or bf16 weights, no autograd) and otherwise runs the
 reference forward; and gives modules that declare a ``product`` (block drafts: their product with
-the target's LM head, their layers' projections) the fast product. Between paths that all apply (the kernel or torch's
-products; one C call per layer or one per op) the fastest for the shape and row count is chosen by
-timing them on this machine the first time (``dispatch``, cached on disk). Parameter
+the target's LM head, their layers' projections, DSpark's Markov bias) the fast product. Between
+paths that all apply (the kernel or torch's products; one C call per layer or one per op) the
+fastest for the shape and row count is chosen by timing them on this machine the first time
+(``dispatch``, cached on disk). Parameter
 names, state dicts, autograd, ``copy.deepcopy``, pickling and ``Module.to`` are unaffected.
 ``CODRAFT_KERNELS=0``, or no C compiler (warned once), leaves every module plain.
 

@@ -24,7 +24,8 @@ shapes and dtype) on this machine, measured on a miss:
   hash of the key together with this machine's: CPU model and flags (what ``-march=native`` sees),
   torch's thread count, torch's version, the built kernel library (``CODRAFT_KERNELS=0``: "off",
   and no kernel candidates) and the cache level its products prefetch into (``gemv.prefetch_to_l2``).
-  A file recorded for another key, or unreadable, is measured again (warned); files are replaced atomically, so concurrent processes (``pytest -n``) are safe.
+  A file recorded for another key, or unreadable, is measured again (warned); files are replaced
+  atomically, so concurrent processes (``pytest -n``) are safe.
   This process keeps the tables it has read in ``TABLES``: a lookup is one dict access.
 * **A busy machine**: while other processes hold the cores torch's threads need, every parallel
   call can wait a scheduler slice (ms) and the timings say nothing. So the CPU time others used
@@ -48,7 +49,6 @@ import math
 import os
 import shutil
 import sys
-import tempfile
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,6 +57,7 @@ from typing import Callable
 
 import torch
 
+from codraft.atomic import atomic_write_text
 from codraft.cache import cache_root
 from codraft.kernels import cbuild, gemv
 
@@ -252,15 +253,10 @@ def _load_or_measure(op: Operation, key: tuple, args: tuple) -> Table:
                       "only and is measured again next time", stacklevel=4)
         return dataclasses.replace(table, busy=others)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.stem}-", suffix=".json", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump({"key": full, "ranges": table.ranges,
-                       "times_us": {m: {n: t * 1e6 for n, t in ts.items()} for m, ts in times.items()}}, f, indent=1)
-        os.replace(tmp, path)  # atomic: a reader sees a whole old file or a whole new one
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    # atomic: a concurrent reader sees a whole old file or a whole new one
+    atomic_write_text(path, json.dumps({"key": full, "ranges": table.ranges,
+                                        "times_us": {m: {n: t * 1e6 for n, t in ts.items()}
+                                                     for m, ts in times.items()}}, indent=1))
     return table
 
 

@@ -4,9 +4,10 @@ activations times fp32 or bf16 weights, fp32 out.
 Decoding multiplies each weight matrix by 1..γ+1 rows per sequence, so its speed is how fast
 the weights stream from memory. ``gemv.c`` reads every weight row from memory once (prefetched)
 and dots it with the input rows (two weight rows by 4 input rows at a time) from L1: about
-torch's speed at 1-2 rows, up to 2x it at 4-8. bf16 weights (the rollout engine's weight-only bf16 copy) stream half the bytes, ~2x
-faster at 1 row, less as the rows make it compute-bound; each is widened to fp32 exactly and the
-sums are fp32, so the result is ``F.linear(x, w.float())`` up to fp32 summation order.
+torch's speed at 1-2 rows, up to 2x it at 4-8. bf16 weights (the rollout engine's weight-only
+bf16 copy) stream half the bytes, ~2x faster at 1 row, less as the rows make it compute-bound;
+each is widened to fp32 exactly and the sums are fp32, so the result is
+``F.linear(x, w.float())`` up to fp32 summation order.
 
 The kernel prefetches the weights ahead of the rows it reads, into L1 or into L2: whichever
 streams faster here is measured the first time the kernel is used on a machine (~0.5 s: a pass
