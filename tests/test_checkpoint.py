@@ -121,6 +121,17 @@ def _harness(policy_dir: str, out: str, seeds: list[int]) -> dict:
         _, status = os.waitpid(pid, 0)
         kills.append({"seed": seed, "at": k, "op": reference[k],
                       "signal": os.WTERMSIG(status) if os.WIFSIGNALED(status) else None})
+    # resumed here, not in the test process: a bit-for-bit repeat needs the same fast paths as the full
+    # run, and a table timed on a busy machine serves only the process that timed it (kernels.dispatch)
+    for kill in kills:
+        run = Path(out) / f"cut{kill['seed']}"
+        latest = ckpt.latest_checkpoint(run)
+        kill["latest"] = latest and latest.name
+        kill["verify"] = latest and ckpt.verify(latest)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            train(_cfg(policy_dir, run, 3, extra=CRASH_EXTRA), resume=str(run), progress=False)
+        kill["warnings"] = [str(w.message) for w in seen]
     return {"events": len(reference), "kills": kills}
 
 
@@ -139,13 +150,9 @@ def test_sigkill_during_checkpoint_writes_and_prunes_always_resumes(tmp_path, ti
     for kill in result["kills"]:
         run = tmp_path / f"cut{kill['seed']}"
         assert kill["signal"] == signal.SIGKILL, kill
-        latest = ckpt.latest_checkpoint(run)
-        assert latest is not None and ckpt.verify(latest) is None, (kill, sorted(p.name for p in run.iterdir()))
-        with warnings.catch_warnings(record=True) as seen:  # no fallback: the newest complete one verifies
-            warnings.simplefilter("always")
-            train(_cfg(tiny_policy_dir, run, 3, extra=CRASH_EXTRA), resume=str(run), progress=False)
-        assert not [str(w.message) for w in seen if "not usable" in str(w.message)], kill
-        assert read_resume_log(run)[-1]["step"] == int(latest.name.split("_")[1])
+        assert kill["latest"] is not None and kill["verify"] is None, kill
+        assert not [w for w in kill["warnings"] if "not usable" in w], kill  # no fallback: the newest verifies
+        assert read_resume_log(run)[-1]["step"] == int(kill["latest"].split("_")[1])
         assert _comparable(read_metrics(run)) == full, kill
         assert _same(_weights(tmp_path / "full" / "step_3"), _weights(run / "step_3"))
         assert [p.name for p in ckpt.list_checkpoints(run)] == ["step_2", "step_3"]
