@@ -168,7 +168,8 @@ def bench_model(model_name: str, *, batches, max_new: int, drafts, gamma: int, r
         d_init = draft_init if draft_init != "auto" else ("offline" if default_task_name(tok) == "arith" else "random")
         t0 = perf_counter()
         try:
-            draft = draft_for_command(spec, policy, tok, folder, gamma=gamma, init=d_init, progress=False)
+            # a first offline training takes minutes (feature cache, then the draft): its bars go to stderr
+            draft = draft_for_command(spec, policy, tok, folder, gamma=gamma, init=d_init)
         except (ValueError, FileNotFoundError, ImportError, RuntimeError) as e:
             log(f"  draft {spec}: skipped ({type(e).__name__}: {e})")
             out["drafts"][spec] = {"error": f"{type(e).__name__}: {e}"}
