@@ -2,10 +2,10 @@
 what tensors they take (``fits`` for activations, ``weight_fits`` for product weights: fp32 or bf16).
 
 ``gemv.c`` (few-row products) and ``decode_ops.c`` (the rest of a decode step, which calls
-the products) are built with the system C compiler (``$CC``, default ``cc``; ~1 s) into
-``$CODRAFT_CACHE/kernels``, one file per sources, flags and CPU (it uses ``-march=native``),
-renamed into place atomically so concurrent builders (``pytest -n``) are safe. OpenMP comes
-from the compiler's libgomp, the same ``libgomp.so.1`` torch runs on, so
+the products; both include ``vec.h``) are built with the system C compiler (``$CC``, default
+``cc``; ~1 s) into ``$CODRAFT_CACHE/kernels``, one file per sources, flags and CPU (it uses
+``-march=native``), renamed into place atomically so concurrent builders (``pytest -n``) are
+safe. OpenMP comes from the compiler's libgomp, the same ``libgomp.so.1`` torch runs on, so
 ``torch.set_num_threads`` applies to the kernels too.
 """
 from __future__ import annotations
@@ -26,6 +26,7 @@ from codraft.cache import cache_root
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemv.c", "amx.c", "decode_ops.c"))
+HEADERS = (Path(__file__).with_name("vec.h"),)  # included by the sources: part of the build's key
 
 
 def _cpu_id() -> str:
@@ -41,7 +42,7 @@ def build(sources: tuple[Path, ...] = SOURCES, cache_dir: Path | None = None, de
     """Compile ``sources`` (if not cached) into one library and return its path; raises on failure.
     ``defines``: extra ``-D`` flags, e.g. ``("LANES=8",)`` for gemv.c's portable vector width."""
     cc = os.environ.get("CC", "cc")
-    texts = [s.read_text() for s in sources]
+    texts = [s.read_text() for s in (*sources, *HEADERS)]
     flags = (*FLAGS, *(f"-D{d}" for d in defines))
     key = hashlib.sha256("\0".join([*texts, cc, *flags, _cpu_id()]).encode()).hexdigest()[:16]
     folder = Path(cache_dir) if cache_dir is not None else cache_root() / "kernels"

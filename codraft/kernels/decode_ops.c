@@ -7,6 +7,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "vec.h"
+
 typedef float v8 __attribute__((vector_size(32)));
 
 // <a, b> over n values, 8 lanes at a time (a plain loop would not vectorise: strict fp order)
@@ -43,18 +45,9 @@ static void rope(const float *x, const float *cos, const float *sin, float *out,
     }
 }
 
-// Vectors of LANES floats: 16 (zmm) with AVX-512, else 8; -DLANES=8 builds the portable width
-// anywhere (the tests do). A head's vector is its first nd = D - D % LANES values, the rest a scalar tail.
-#ifndef LANES
-#if defined(__AVX512F__)
-#define LANES 16
-#else
-#define LANES 8
-#endif
-#endif
-typedef float vf __attribute__((vector_size(LANES * 4)));
+// Vectors of LANES floats (vec.h). A head's vector is its first nd = D - D % LANES values, the rest a
+// scalar tail.
 typedef int32_t vi __attribute__((vector_size(LANES * 4)));
-#define INLINE static inline __attribute__((always_inline))
 #define MAX_NC 16  // attend's head vectors: head_dim up to 16 * LANES
 INLINE vf vload(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 INLINE void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }

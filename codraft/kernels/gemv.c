@@ -11,16 +11,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-// vector width in floats: 16 (zmm) with AVX-512, where bf16 weights at 1 row ran ~8% faster streamed
-// from DRAM and up to 40% faster cache-hot (fp32: the same); else 8 (AVX2's ymm, or what the target's
-// vector extensions make of 32 bytes). -DLANES=8 builds the portable width anywhere (the tests do).
-#ifndef LANES
-#if defined(__AVX512F__)
-#define LANES 16
-#else
-#define LANES 8
-#endif
-#endif
+#include "vec.h"
 
 // how far ahead of the weight being read to prefetch: the hardware prefetchers alone streamed the
 // weights from DRAM ~25% slower (bf16, 1 row) to ~40% slower (4 rows)
@@ -33,10 +24,7 @@ static int prefetch_l2;
 void set_prefetch_l2(int on) { prefetch_l2 = on; }
 int get_prefetch_l2(void) { return prefetch_l2; }
 
-typedef float vf __attribute__((vector_size(LANES * 4)));
 typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
-
-#define INLINE static inline __attribute__((always_inline))
 
 INLINE vf load(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 
