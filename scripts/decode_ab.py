@@ -20,7 +20,10 @@ from codraft.rollout.weights import RolloutWeights
 def prefetch(rounds: int) -> None:
     model = RolloutWeights(load_policy("smollm2-135m")[0], torch.bfloat16).policy
     ws = [p for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n] + [model.head_weight]
-    lib, chosen = cbuild.library(), gemv.kernel() and cbuild.library().get_prefetch_l2()
+    if gemv.kernel() is None:  # also times and sets this machine's hint on first use
+        sys.exit("the C kernels are off (CODRAFT_KERNELS=0) or could not be built")
+    lib = cbuild.library()
+    chosen = lib.get_prefetch_l2()
     best = {}
     try:
         for _ in range(rounds):
