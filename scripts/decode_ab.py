@@ -1,7 +1,8 @@
 """The decode step's C parts, timed on this machine (docs/bench-spec.md, session 15):
 
-* the GEMV kernel's prefetch hint: every bf16 product of SmolLM2 in model order (what a decode step
-  streams), ms per pass at 1-4 rows, with the weights prefetched into L1 and into L2, interleaved;
+* the GEMV kernel's tuning: every bf16 product of SmolLM2 in model order (what a decode step
+  streams), ms per pass at 1-4 rows, with each prefetch mode (L1, L2, none) and the weight rows
+  one or two at a time, interleaved;
 * the attention of 30 layers (9 heads, 3 KV heads of 64) through ``cache_attention``, ms, at batch
   1 and 8, 1 and 3 new tokens per row, over 120 and 300 cached keys.
 
@@ -17,30 +18,35 @@ from codraft.policy import load_policy
 from codraft.rollout.weights import RolloutWeights
 
 
-def prefetch(rounds: int) -> None:
-    model = RolloutWeights(load_policy("smollm2-135m")[0], torch.bfloat16).policy
+def tuning(rounds: int) -> None:
+    copy = RolloutWeights(load_policy("smollm2-135m")[0], torch.bfloat16)
+    model = copy.policy
     ws = [p for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n] + [model.head_weight]
-    if gemv.kernel() is None:  # also times and sets this machine's hint on first use
+    if gemv.kernel() is None:  # also times and sets this machine's tuning on first use
         sys.exit("the C kernels are off (CODRAFT_KERNELS=0) or could not be built")
     lib = cbuild.library()
-    chosen = lib.get_prefetch_l2()
+    chosen = gemv.current(lib)
+    mine = chosen["bfloat16"]
+    settings = [(mode, pairs) for mode in gemv.PREFETCH_MODES for pairs in (False, True)]
     best = {}
     try:
         for _ in range(rounds):
-            for l2 in (0, 1):
-                lib.set_prefetch_l2(l2)
+            for mode, pairs in settings:
+                gemv.apply(lib, {"bfloat16": gemv.setting(mode, 1 if pairs else gemv.NEVER)})
                 for rows in (1, 2, 3, 4):
                     xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in ws}
                     t = perf_counter()
                     for w in ws:
                         gemv.gemv(xs[w.shape[1]], w)
-                    key = (l2, rows)
+                    key = (mode, pairs, rows)
                     best[key] = min(best.get(key, 1e9), perf_counter() - t)
     finally:
-        lib.set_prefetch_l2(chosen)
-    print(f"SmolLM2 bf16 products, ms per pass (this machine chose {'L2' if chosen else 'L1'}):")
+        gemv.apply(lib, chosen)
+    print(f"SmolLM2 bf16 products (the rollout copy, huge pages: {copy.huge_pages}), ms per pass; this machine "
+          f"chose {mine}:")
     for rows in (1, 2, 3, 4):
-        print(f"  {rows} rows: L1 {best[0, rows] * 1e3:6.2f}  L2 {best[1, rows] * 1e3:6.2f}")
+        print(f"  {rows} rows: " + "  ".join(f"{m}/{'pairs' if p else 'one'} {best[m, p, rows] * 1e3:6.2f}"
+                                          for m, p in settings))
 
 
 def attention(rounds: int) -> None:
@@ -64,5 +70,5 @@ def attention(rounds: int) -> None:
 if __name__ == "__main__":
     torch.set_num_threads(2)
     n = int(sys.argv[1]) if len(sys.argv) > 1 else 5
-    prefetch(n)
+    tuning(n)
     attention(n)

@@ -312,12 +312,15 @@ def test_decoder_stack_matches_torch(monkeypatch, dtype, path, b, t, layers):
     assert calls[0][2]["amx"] == (path == "fused-amx")
     want, want_tapped, want_cache = _stack_run(plain, x, lengths, layers, taps)
     assert want.abs().max() > 10  # the layers' own terms are not lost beside x
-    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-4)
+    # fp32 sums in another order (the kernel's accumulators, per tuning): errors scale with the
+    # residual stream's magnitude (up to ~70 here), not with each element's
+    atol = 1e-5 * float(want.abs().max())
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=atol)
     assert tapped.keys() == want_tapped.keys() == {layers.start, layers.stop - 1}
     for i in tapped:
-        torch.testing.assert_close(tapped[i], want_tapped[i], rtol=1e-5, atol=1e-4)
-    torch.testing.assert_close(cache.k, want_cache.k, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(cache.v, want_cache.v, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(tapped[i], want_tapped[i], rtol=1e-5, atol=atol)
+    for got, ref in ((cache.k, want_cache.k), (cache.v, want_cache.v)):  # (from the same sums, normed)
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * max(1.0, float(ref.abs().max())))
 
 
 def test_decoder_stack_follows_changed_weights(monkeypatch):

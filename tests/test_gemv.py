@@ -74,52 +74,106 @@ def test_portable_vector_width(tmp_path):
             assert ((y.double() - ref).abs() <= 8 * 2 ** -24 * (x.double().abs() @ weight.double().abs().T)).all()
 
 
-@pytest.mark.parametrize("l2", [0, 1])
-def test_both_prefetch_hints_give_the_product(l2):
-    """The prefetch hint (into L1 or L2, chosen per machine) changes how weights stream, not the sums."""
-    lib, before = cbuild.library(), gemv.kernel() and cbuild.library().get_prefetch_l2()
-    g = torch.Generator().manual_seed(l2)
+@pytest.mark.parametrize("mode", gemv.PREFETCH_MODES)
+@pytest.mark.parametrize("pair_rows", [1, 3, gemv.NEVER])
+def test_every_tuning_gives_the_product(mode, pair_rows):
+    """The prefetch mode and the weight-row pairing (chosen per machine and weight dtype) change how
+    weights stream, not the sums: row counts below, at and above the pairing threshold, odd and even
+    weight rows."""
+    lib = cbuild.library()
+    before = gemv.kernel() and gemv.current(lib)
+    g = torch.Generator().manual_seed(pair_rows)
     try:
-        lib.set_prefetch_l2(l2)
-        for m, i, o in [(1, 576, 70), (3, 1536, 33), (8, 47, 5)]:
+        other = gemv.PREFETCH_MODES[gemv.PREFETCH_MODES.index(mode) - 1]  # a different mode for pairs
+        tune = gemv.setting(mode, pair_rows, other)
+        gemv.apply(lib, dict.fromkeys(gemv.DTYPES, tune))
+        assert gemv.current(lib) == dict.fromkeys(gemv.DTYPES, tune)
+        for m, i, o in [(1, 576, 70), (2, 47, 5), (3, 1536, 33), (4, 100, 9), (8, 47, 5), (9, 576, 17)]:
             x, w = torch.randn(m, i, generator=g), torch.randn(o, i, generator=g)
             for weight in (w, w.bfloat16()):
                 ref = x.double() @ weight.double().T
                 err = (gemv.gemv(x, weight).double() - ref).abs()
                 assert (err <= 8 * 2 ** -24 * (x.double().abs() @ weight.double().abs().T)).all()
     finally:
-        lib.set_prefetch_l2(before)
+        gemv.apply(lib, before)
 
 
-def test_prefetch_hint_is_measured_once_per_machine(monkeypatch, tmp_path):
-    """Timed on a miss and cached (the faster hint wins); read back, not timed, for the same CPU, thread
-    count and library; timed again for another CPU or an unreadable file."""
+def test_the_two_weight_dtypes_are_tuned_apart():
+    lib = cbuild.library()
+    before = gemv.kernel() and gemv.current(lib)
+    try:
+        gemv.apply(lib, {"float32": gemv.setting("L2", 4, "L1")})
+        gemv.apply(lib, {"bfloat16": gemv.setting("none", gemv.NEVER)})
+        assert gemv.current(lib) == {"float32": gemv.setting("L2", 4, "L1"),
+                                     "bfloat16": gemv.setting("none", gemv.NEVER)}
+    finally:
+        gemv.apply(lib, before)
+
+
+def test_choose_takes_the_least_total_time_relative_to_each_row_count():
+    """Weight rows one at a time win at 1-2 rows, pairs from 4; below 4 rows no prefetch wins at 1 row
+    but loses by more at 2, L2 is best over both; from 4 rows L1 is best: one at a time with L2 below 4
+    rows, pairs with L1 from 4."""
+    ms = {}
+    for mode in gemv.PREFETCH_MODES:
+        for pairs in (False, True):
+            for rows, base in ((1, 10.0), (2, 12.0), (4, 16.0), (8, 30.0)):
+                t = base * (1.2 if pairs == (rows < 4) else 1.0)
+                if rows < 4:
+                    t *= {"L1": 1.05, "L2": 1.0 if rows > 1 else 1.05, "none": 0.95 if rows == 1 else 1.3}[mode]
+                else:
+                    t *= {"L1": 1.0, "L2": 1.1, "none": 1.3}[mode]
+                ms[mode, pairs, rows] = t
+    assert gemv.choose(ms) == gemv.setting("L2", 4, "L1")
+    slower_pairs = {k: t * (1.5 if k[1] else 1.0) for k, t in ms.items()}
+    assert gemv.choose(slower_pairs)["pair_rows"] == gemv.NEVER  # pairs lose everywhere: never paired
+
+
+def test_tuning_is_measured_once_per_machine(monkeypatch, tmp_path):
+    """Timed on a miss, chosen per weight dtype and cached; read back, not timed, for the same CPU,
+    thread count and library; timed again for another CPU or an unreadable file."""
     monkeypatch.setenv("CODRAFT_CACHE", str(tmp_path))
     timed = []
 
     def fake(lib, fns):
         timed.append(1)
-        return {"L1": 2.0, "L2": 1.0} if len(timed) != 2 else {"L1": 1.0, "L2": 2.0}
-    monkeypatch.setattr(gemv, "time_prefetch", fake)
+        fast = {"float32": "L2", "bfloat16": "L1" if len(timed) != 2 else "none"}
+        pairs_from = {"float32": 4, "bfloat16": 8}
+        return {(d, m, p, r): (1.0 if m == fast[d] else 2.0) * (1.0 if p == (r >= pairs_from[d]) else 1.5)
+                for d in gemv.DTYPES for m in gemv.PREFETCH_MODES for p in (False, True) for r in gemv.TUNE_ROWS}
+    monkeypatch.setattr(gemv, "time_tuning", fake)
     lib, fns = cbuild.library(), gemv.kernel()
-    assert gemv.prefetch_to_l2(lib, fns) is True and len(timed) == 1
+    want = {"float32": gemv.setting("L2", 4), "bfloat16": gemv.setting("L1", 8)}
+    assert gemv.tuning(lib, fns) == want and len(timed) == 1
     (path,) = (tmp_path / "dispatch").iterdir()
-    assert gemv.prefetch_to_l2(lib, fns) is True and len(timed) == 1  # cached
+    assert gemv.tuning(lib, fns) == want and len(timed) == 1  # cached
     real = cbuild._cpu_id
     monkeypatch.setattr(cbuild, "_cpu_id", lambda: real() + "\nflags : avx9000")
-    assert gemv.prefetch_to_l2(lib, fns) is False and len(timed) == 2  # another CPU: timed (L1 wins)
+    assert gemv.tuning(lib, fns)["bfloat16"]["prefetch"] == "none" and len(timed) == 2  # another CPU: timed
     monkeypatch.setattr(cbuild, "_cpu_id", real)
     path.write_text("not json")
-    assert gemv.prefetch_to_l2(lib, fns) is True and len(timed) == 3
+    assert gemv.tuning(lib, fns) == want and len(timed) == 3
 
 
-@pytest.mark.parametrize("l2", [False, True])
-def test_the_chosen_hint_is_set_and_keys_the_dispatch_tables(l2, monkeypatch, fresh_kernels):
+def test_time_tuning_times_every_setting_and_restores_the_current_one():
+    lib = cbuild.library()
+    fns = gemv.kernel()
+    before = gemv.current(lib)
+    ms = gemv.time_tuning(lib, fns, nbytes=4 << 20, rounds=1)
+    assert set(ms) == {(d, m, p, r) for d in gemv.DTYPES for m in gemv.PREFETCH_MODES for p in (False, True)
+                       for r in gemv.TUNE_ROWS}
+    assert all(t > 0 for t in ms.values())
+    assert gemv.current(lib) == before
+
+
+@pytest.mark.parametrize("tune", [{"float32": gemv.setting("L1", 2, "none"), "bfloat16": gemv.setting("none", 5)},
+                                  {"float32": gemv.setting("L2", gemv.NEVER), "bfloat16": gemv.setting("L2", 1, "L1")}])
+def test_the_chosen_tuning_is_set_and_keys_the_dispatch_tables(tune, monkeypatch, fresh_kernels):
     from codraft.kernels import dispatch
-    monkeypatch.setattr(gemv, "prefetch_to_l2", lambda lib, fns: l2)
+    monkeypatch.setattr(gemv, "tuning", lambda lib, fns: tune)
     assert gemv.kernel() is not None
-    assert cbuild.library().get_prefetch_l2() == int(l2)
-    assert dispatch.machine()["prefetch"] == ("L2" if l2 else "L1")
+    assert gemv.current(cbuild.library()) == tune
+    assert dispatch.machine()["gemv"] == tune
 
 
 def test_applies_at_any_row_count_to_fp32_and_bf16_weights():

@@ -4,11 +4,13 @@ distribution (the exact-enumeration oracle of ``spec_harness``, speculative and 
 follows every optimiser step, and a skipped or partial refresh is caught; the trainer's
 ``rollout.dtype`` and ``grpo.tis_cap`` keys."""
 import copy
+import sys
 
 import pytest
 import torch
 
 import spec_harness
+from test_hugepages import thp_mode
 from codraft.config import ConfigError, load_config
 from codraft.drafts import init_draft
 from codraft.models import ModelConfig, Transformer
@@ -140,3 +142,19 @@ def test_config_keys():
         load_config(None, ["grpo.tis_cap=-1"])
     with pytest.raises(ConfigError, match="rollout.dtype"):
         load_config(None, ["rollout.dtype=float16"])
+
+
+def test_the_copy_lives_in_one_buffer_of_huge_pages_and_refreshes_in_place():
+    model = _model(5)
+    rw = RolloutWeights(model, BF16)
+    matrices = [p for p in rw.policy.parameters() if p.dim() >= 2]
+    buffer = matrices[0].untyped_storage().data_ptr()
+    assert all(p.untyped_storage().data_ptr() == buffer for p in matrices)
+    assert rw.huge_pages == (sys.platform.startswith("linux") and thp_mode() in ("always", "madvise"))
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.5)
+    rw.refresh()
+    rw.check("after a refresh")  # the values followed, into the same buffer
+    assert all(p.untyped_storage().data_ptr() == buffer for p in matrices)
+    assert RolloutWeights(model, torch.float32).huge_pages is False  # the trainer's own weights: untouched

@@ -27,7 +27,7 @@ from codraft.kernels import cbuild, gemv
 def kernel():
     """The C function, or None: kernels off or not built, or no AMX here."""
     lib = cbuild.library()
-    if lib is None or gemv.kernel() is None:  # (gemv: the library's prefetch hint, set once)
+    if lib is None or gemv.kernel() is None:  # (gemv: the library's tuning, set once)
         return None
     lib.amx_ready.restype = ctypes.c_int
     if not lib.amx_ready():

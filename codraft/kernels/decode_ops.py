@@ -32,7 +32,7 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 def kernels():
     """The C library with its argument types, or None (opted out, or no compiler: warned once)."""
     lib = cbuild.library()
-    if lib is None or gemv.kernel() is None:  # (gemv: the library's prefetch hint, set once)
+    if lib is None or gemv.kernel() is None:  # (gemv: the library's tuning, set once)
         return None
     lib.rms_norm_rows.restype = lib.decode_attention.restype = lib.decode_layer.restype = None
     lib.decode_stack.restype = None

@@ -23,7 +23,8 @@ shapes and dtype) on this machine, measured on a miss:
 * **Cache**: JSON under ``cache_root()/dispatch``, one file per operation and key, named by a
   hash of the key together with this machine's: CPU model and flags (what ``-march=native`` sees),
   torch's thread count, torch's version, the built kernel library (``CODRAFT_KERNELS=0``: "off",
-  and no kernel candidates) and the cache level its products prefetch into (``gemv.prefetch_to_l2``).
+  and no kernel candidates) and the GEMV kernel's tuning: how it prefetches and from how many rows it
+  pairs weight rows (``gemv.tuning``).
   A file recorded for another key, or unreadable, is measured again (warned); files are replaced
   atomically, so concurrent processes (``pytest -n``) are safe.
   This process keeps the tables it has read in ``TABLES``: a lookup is one dict access.
@@ -184,7 +185,7 @@ def machine() -> dict:
     return {"cpu": model, "cpu_id": hashlib.sha256(cpu.encode()).hexdigest()[:16],
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             "kernels": Path(lib._name).name if lib is not None else "off",
-            "prefetch": ("L2" if lib.get_prefetch_l2() else "L1") if gemv.kernel() is not None else "off"}
+            "gemv": gemv.current(lib) if gemv.kernel() is not None else "off"}
 
 
 def describe(key: tuple) -> str:

@@ -17,12 +17,22 @@
 // weights from DRAM ~25% slower (bf16, 1 row) to ~40% slower (4 rows)
 #define PREFETCH_BYTES 4096
 
-// and into which cache: L1 (0, prefetcht0) or L2 (1, prefetcht1), whichever streams faster on this
+// and into which cache: L1 (0, prefetcht0), L2 (1, prefetcht1) or none (2: the hardware prefetchers
+// alone); and from how many input rows the weight rows go two at a time (pairs load each block of x
+// once for two weight rows: fewer loads per FMA, for the compute-bound many-row case; one weight row
+// streams one address range: 5-20% faster at 1-4 rows on a 2-core EPYC). Per weight dtype ([0] fp32,
+// [1] bf16) the threshold and a prefetch mode for each side of it, whichever streams fastest on this
 // machine, measured once by codraft/kernels/gemv.py (L2: a model's bf16 products ~9% faster at 1-4
-// rows on a 2-core Xeon, where L1's few fill buffers bound the lines in flight)
-static int prefetch_l2;
-void set_prefetch_l2(int on) { prefetch_l2 = on; }
-int get_prefetch_l2(void) { return prefetch_l2; }
+// rows on a 2-core Xeon, where L1's few fill buffers bound the lines in flight).
+static int prefetch_mode[2][2];  // [bf16][pairs]
+static int pair_rows[2] = {2, 2};
+void set_tuning(int bf16, int mode_one, int mode_pairs, int rows) {
+    prefetch_mode[bf16 != 0][0] = mode_one;
+    prefetch_mode[bf16 != 0][1] = mode_pairs;
+    pair_rows[bf16 != 0] = rows;
+}
+int get_prefetch(int bf16, int pairs) { return prefetch_mode[bf16 != 0][pairs != 0]; }
+int get_pair_rows(int bf16) { return pair_rows[bf16 != 0]; }
 
 typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
 
@@ -119,7 +129,7 @@ INLINE float hsum(vf v) {
 // from 4 input rows on, a loop over one weight row spent more on loads than on FMAs (9 per 8).
 // One weight row keeps two accumulators per input row to hide the FMA latency; two have 8 chains.
 INLINE void dots(const void *w, int64_t stride, const float *const *x, int64_t n, float *out, const int nw,
-                 const int nk, const int bf16, const int l2) {
+                 const int nk, const int bf16, const int hint) {
     const int two = nw == 1;  // second accumulator: a[.][.][1], else the same one
     vf a[2][4][2] = {{{{0}}}};
     int64_t i = 0;
@@ -127,8 +137,8 @@ INLINE void dots(const void *w, int64_t stride, const float *const *x, int64_t n
         vf w0[2], w1[2];
         for (int j = 0; j < nw; j++) {
             const char *ahead = (const char *)w + (j * stride + i) * (bf16 ? 2 : 4) + PREFETCH_BYTES;
-            for (int b = 0; b < 2 * LANES * (bf16 ? 2 : 4); b += 64) {
-                if (l2)
+            for (int b = 0; hint != 2 && b < 2 * LANES * (bf16 ? 2 : 4); b += 64) {
+                if (hint)
                     __builtin_prefetch(ahead + b, 0, 2);
                 else
                     __builtin_prefetch(ahead + b, 0, 3);
@@ -151,20 +161,21 @@ INLINE void dots(const void *w, int64_t stride, const float *const *x, int64_t n
         }
 }
 
-// columns o0..o1 of y: weight rows o0..o1 against every row of x, 2 weight rows and 4 rows of x at a
-// time. The weight rows (one chunk) stay in L1 while the blocks of x pass them, so x (up to ~150 KB at
+// columns o0..o1 of y: weight rows o0..o1 against every row of x, 1 or 2 weight rows (pair_rows) and 4
+// rows of x at a time. The weight rows (one chunk) stay in L1 while the blocks of x pass them, so x (up to ~150 KB at
 // 64 rows) comes from L2 once per chunk, not once per weight row.
-#define DOTS(nw, nk) dots(row, in, xs, in, d, nw, nk, bf16, l2)
+#define DOTS(nw, nk) dots(row, in, xs, in, d, nw, nk, bf16, hint)
 INLINE void weight_rows(const float *x, const void *w, float *y, int64_t m, int64_t in, int64_t out,
-                        int64_t o0, int64_t o1, const int bf16, const int l2) {
+                        int64_t o0, int64_t o1, const int bf16, const int hint) {
+    const int64_t step = m >= pair_rows[bf16] ? 2 : 1;
     for (int64_t r = 0; r < m; r += 4) {
         const float *xs[4];
         int nk = m - r < 4 ? (int)(m - r) : 4;
         for (int k = 0; k < nk; k++) xs[k] = x + (r + k) * in;
-        for (int64_t o = o0; o < o1; o += 2) {
+        for (int64_t o = o0; o < o1; o += step) {
             const void *row = bf16 ? (const void *)((const uint16_t *)w + o * in)
                                    : (const void *)((const float *)w + o * in);
-            int nw = o + 1 < o1 ? 2 : 1;
+            int nw = step == 2 && o + 1 < o1 ? 2 : 1;
             float d[8];
             switch (nk * 2 + nw - 3) {  // constant nw, nk per call let the compiler unroll them
                 case 0: DOTS(1, 1); break;
@@ -189,14 +200,17 @@ static int64_t chunk_rows(int64_t in, int64_t out, int64_t weight_size) {
     return rows > 1 ? rows & ~(int64_t)1 : 1;  // even: weight rows go in pairs
 }
 
-// the columns of one task, with the prefetch hint as a constant in each of the two copies
+// the columns of one task, with the prefetch mode as a constant in each of the three copies
 INLINE void task(const float *x, const void *w, float *y, int64_t m, int64_t in, int64_t out, int64_t o,
                  int64_t chunk, const int bf16) {
     int64_t o1 = o + chunk < out ? o + chunk : out;
-    if (prefetch_l2)
+    const int mode = prefetch_mode[bf16][m >= pair_rows[bf16]];
+    if (mode == 0)
+        weight_rows(x, w, y, m, in, out, o, o1, bf16, 0);
+    else if (mode == 1)
         weight_rows(x, w, y, m, in, out, o, o1, bf16, 1);
     else
-        weight_rows(x, w, y, m, in, out, o, o1, bf16, 0);
+        weight_rows(x, w, y, m, in, out, o, o1, bf16, 2);
 }
 
 void gemv_rows(const float *x, const float *w, float *y, int64_t m, int64_t in, int64_t out) {

@@ -2,17 +2,20 @@
 activations times fp32 or bf16 weights, fp32 out.
 
 Decoding multiplies each weight matrix by 1..γ+1 rows per sequence, so its speed is how fast
-the weights stream from memory. ``gemv.c`` reads every weight row from memory once (prefetched)
-and dots it with the input rows (two weight rows by 4 input rows at a time) from L1: about
+the weights stream from memory. ``gemv.c`` reads every weight row from memory once and dots it
+with the input rows (one or two weight rows by 4 input rows at a time) from L1: about
 torch's speed at 1-2 rows, up to 2x it at 4-8. bf16 weights (the rollout engine's weight-only
 bf16 copy) stream half the bytes, ~2x faster at 1 row, less as the rows make it compute-bound;
 each is widened to fp32 exactly and the sums are fp32, so the result is
 ``F.linear(x, w.float())`` up to fp32 summation order.
 
-The kernel prefetches the weights ahead of the rows it reads, into L1 or into L2: whichever
-streams faster here is measured the first time the kernel is used on a machine (~0.5 s: a pass
-over 256 MB of bf16 and fp32 weights at 1 and 4 rows with each hint) and cached with the dispatch
-tables, keyed by the CPU, the thread count and the built library (``prefetch_to_l2``).
+How it streams them is measured the first time the kernel is used on a machine (``tuning``, a
+few seconds: 128 MB of fp32 and of bf16 weights at 1-16 rows, each setting) and cached with the
+dispatch tables, keyed by the CPU, the thread count and the built library: whether it prefetches
+the weights ahead of the rows it reads into L1, into L2 or not at all (the hardware prefetchers
+alone), and from how many input rows it takes weight rows in pairs (each block of the inputs
+loaded once for two weight rows: fewer loads per FMA where the rows make it compute-bound) rather
+than one at a time (one address range streamed: faster at 1-3 rows on a 2-core EPYC).
 
 Built on first use by ``codraft.kernels.cbuild``; it runs on OpenMP, i.e. torch's own thread
 pool, so ``torch.set_num_threads`` applies. No compiler, or ``CODRAFT_KERNELS=0``: ``kernel()``
@@ -34,15 +37,19 @@ import torch
 
 from codraft.atomic import atomic_write_text
 from codraft.cache import cache_root
-from codraft.kernels import cbuild
+from codraft.kernels import cbuild, hugepages
 
-PREFETCH_FORMAT = 1  # bump when what is timed changes: older choices are measured again
+TUNING_FORMAT = 1  # bump when what is timed changes: older choices are measured again
+PREFETCH_MODES = ("L1", "L2", "none")  # gemv.c's prefetch_mode 0, 1, 2
+TUNE_ROWS = (1, 2, 3, 4, 8, 16)  # input rows timed
+DTYPES = ("float32", "bfloat16")  # weight dtypes, in the C tables' order
+NEVER = 1 << 30  # pair_rows: weight rows one at a time at every row count
 
 
 @functools.cache
 def kernel() -> dict | None:
     """The C functions by weight dtype (fp32, bf16), or None (``CODRAFT_KERNELS=0``, or they
-    could not be built: warned once). The prefetch hint is set on first use (``prefetch_to_l2``)."""
+    could not be built: warned once). The kernel's tuning is set on first use (``tuning``)."""
     lib = cbuild.library()
     if lib is None:
         return None
@@ -50,57 +57,107 @@ def kernel() -> dict | None:
     for fn in fns.values():
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
-    lib.set_prefetch_l2.argtypes, lib.set_prefetch_l2.restype = [ctypes.c_int], None
-    lib.set_prefetch_l2(int(prefetch_to_l2(lib, fns)))
+    lib.set_tuning.argtypes, lib.set_tuning.restype = [ctypes.c_int] * 4, None
+    lib.get_prefetch.argtypes, lib.get_prefetch.restype = [ctypes.c_int] * 2, ctypes.c_int
+    lib.get_pair_rows.argtypes, lib.get_pair_rows.restype = [ctypes.c_int], ctypes.c_int
+    apply(lib, tuning(lib, fns))
     return fns
 
 
-def _prefetch_file(lib) -> tuple[Path, dict]:
-    key = {"format": PREFETCH_FORMAT, "cpu_id": hashlib.sha256(cbuild._cpu_id().encode()).hexdigest()[:16],
+def apply(lib, tune: dict) -> None:
+    """Set a ``tuning`` (``{dtype name: setting}``, either or both dtypes) on the built library."""
+    for name, t in tune.items():
+        lib.set_tuning(int(name == "bfloat16"), PREFETCH_MODES.index(t["prefetch"]),
+                       PREFETCH_MODES.index(t["prefetch_pairs"]), min(t["pair_rows"], NEVER))
+
+
+def setting(prefetch: str, pair_rows: int, prefetch_pairs: str | None = None) -> dict:
+    """One weight dtype's tuning: weight rows in pairs from ``pair_rows`` input rows on, prefetched per
+    ``prefetch_pairs`` (default: as below that), one at a time below, prefetched per ``prefetch``."""
+    return {"prefetch": prefetch, "prefetch_pairs": prefetch_pairs or prefetch, "pair_rows": pair_rows}
+
+
+def current(lib) -> dict:
+    """The tuning the library runs with now."""
+    return {name: setting(PREFETCH_MODES[lib.get_prefetch(bf16, 0)], lib.get_pair_rows(bf16),
+                          PREFETCH_MODES[lib.get_prefetch(bf16, 1)]) for bf16, name in enumerate(DTYPES)}
+
+
+def _tuning_file(lib) -> tuple[Path, dict]:
+    key = {"format": TUNING_FORMAT, "cpu_id": hashlib.sha256(cbuild._cpu_id().encode()).hexdigest()[:16],
            "threads": torch.get_num_threads(), "kernels": Path(lib._name).name}
     name = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
-    return cache_root() / "dispatch" / f"prefetch-{name}.json", key
+    return cache_root() / "dispatch" / f"gemv-tuning-{name}.json", key
 
 
-def prefetch_to_l2(lib, fns) -> bool:
-    """Whether the kernel should prefetch weights into L2 rather than L1 here: read from the cache,
-    else timed (``time_prefetch``) and cached. A file for another key, or unreadable, is timed again."""
-    path, key = _prefetch_file(lib)
+def tuning(lib, fns) -> dict:
+    """``{dtype name: setting(...)}`` for this machine: read from the cache, else timed
+    (``time_tuning``), chosen (``choose``, per weight dtype) and cached. A file for another key, or
+    unreadable, is timed again."""
+    path, key = _tuning_file(lib)
     try:
         saved = json.loads(path.read_text())
         if saved["key"] == key:
-            return bool(saved["l2"])
+            tune = {name: setting(t["prefetch"], int(t["pair_rows"]), t["prefetch_pairs"])
+                    for name, t in ((n, saved["tuning"][n]) for n in DTYPES)}
+            if all(t["prefetch"] in PREFETCH_MODES and t["prefetch_pairs"] in PREFETCH_MODES for t in tune.values()):
+                return tune
     except (OSError, ValueError, KeyError, TypeError):
         pass
-    print(f"codraft: timing the GEMV kernel's prefetch into L1 and L2 ({key['threads']} threads)…",
+    print(f"codraft: timing the GEMV kernel's prefetch and weight-row pairing ({key['threads']} threads)…",
           file=sys.stderr, flush=True)
-    ms = time_prefetch(lib, fns)
-    l2 = ms["L2"] < ms["L1"]
+    ms = time_tuning(lib, fns)
+    tune = {name: choose({k[1:]: t for k, t in ms.items() if k[0] == name}) for name in DTYPES}
     path.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(path, json.dumps({"key": key, "l2": l2, "ms": ms}, indent=1))
-    return l2
+    table = [{"dtype": d, "prefetch": m, "pairs": p, "rows": r, "ms": t} for (d, m, p, r), t in ms.items()]
+    atomic_write_text(path, json.dumps({"key": key, "tuning": tune, "ms": table}, indent=1))
+    return tune
 
 
-def time_prefetch(lib, fns, nbytes: int = 256 << 20, rounds: int = 5) -> dict[str, float]:
-    """{"L1": ms, "L2": ms}: the best of ``rounds`` passes (the hints alternate) over ``nbytes`` of
-    1536x576 weights, streamed from memory as in a decode step, summed over bf16 and fp32 weights and
-    1 and 4 rows."""
-    best = {"L1": 0.0, "L2": 0.0}
-    for dtype in (torch.bfloat16, torch.float32):
-        w = torch.ones(1536, 576, dtype=dtype)
-        ws = [w.clone() for _ in range(max(2, nbytes // (w.numel() * w.element_size())))]
-        for m in (1, 4):
-            x, y = torch.randn(m, 576), torch.empty(m, 1536)
-            times = {"L1": [], "L2": []}
-            for _ in range(rounds):
-                for hint in times:
-                    lib.set_prefetch_l2(int(hint == "L2"))
-                    t = perf_counter()
-                    for wi in ws:
-                        fns[dtype](x.data_ptr(), wi.data_ptr(), y.data_ptr(), m, 576, 1536)
-                    times[hint].append(perf_counter() - t)
-            for hint, ts in times.items():
-                best[hint] += min(ts) * 1e3
+def choose(ms: dict[tuple[str, bool, int], float]) -> dict:
+    """From {(prefetch mode, in pairs, rows): ms} of one weight dtype, the pairing threshold and the
+    prefetch mode on each side of it with the least total time over the timed row counts, each row
+    count's time relative to its fastest (so many-row passes do not outweigh the rest)."""
+    rows = sorted({r for _, _, r in ms})
+    best = {r: min(t for (_, _, rr), t in ms.items() if rr == r) for r in rows}
+
+    def side(pairs: bool, counts: list[int]) -> tuple[float, str]:  # (cost, mode) of the best mode there
+        return min((sum(ms[m, pairs, r] / best[r] for r in counts), m) for m in PREFETCH_MODES)
+
+    def total(p: int) -> float:
+        return side(False, [r for r in rows if r < p])[0] + side(True, [r for r in rows if r >= p])[0]
+    pair_rows = min([*rows, NEVER], key=total)
+    return setting(side(False, [r for r in rows if r < pair_rows])[1], pair_rows,
+                   side(True, [r for r in rows if r >= pair_rows])[1])
+
+
+def time_tuning(lib, fns, nbytes: int = 128 << 20, rounds: int = 3) -> dict[tuple[str, str, bool, int], float]:
+    """{(dtype name, prefetch mode, weight rows in pairs, input rows): ms}: the best of ``rounds``
+    passes (the settings alternate) over ``nbytes`` of 1536x576 weights streamed from memory as in a
+    decode step: fp32 weights as the trainer's are (the engine reads them), bf16 ones placed as the
+    rollout copy's are (``hugepages.rehome``)."""
+    best = {}
+    saved = current(lib)
+    try:
+        for name in DTYPES:
+            w = torch.ones(1536, 576, dtype=getattr(torch, name))
+            ws = [w.clone() for _ in range(max(2, nbytes // (w.numel() * w.element_size())))]
+            if name == "bfloat16":
+                hugepages.rehome(ws)
+            for m in TUNE_ROWS:
+                x, y = torch.randn(m, 576), torch.empty(m, 1536)
+                for _ in range(rounds):
+                    for mode in PREFETCH_MODES:
+                        for pairs in (False, True):
+                            apply(lib, {name: setting(mode, 1 if pairs else NEVER)})
+                            t = perf_counter()
+                            for wi in ws:
+                                fns[w.dtype](x.data_ptr(), wi.data_ptr(), y.data_ptr(), m, 576, 1536)
+                            t = (perf_counter() - t) * 1e3
+                            key = (name, mode, pairs, m)
+                            best[key] = min(best.get(key, t), t)
+    finally:
+        apply(lib, saved)
     return best
 
 

@@ -5,7 +5,9 @@ rollouts in verl and NeMo-RL). Decoding is memory-bound, so ``rollout.dtype=bflo
 the bytes streamed per token. On CPU the copy is *weight-only*: every matrix (projections,
 embedding, LM head) is cast; norms, activations, RoPE tables and the KV cache stay in the
 trainer's dtype, so a product widens the weight exactly and accumulates in fp32 (the CPU kernels
-stream bf16 directly; torch's fallback, ``codraft.models.layers.linear``, widens per call). On
+stream bf16 directly; torch's fallback, ``codraft.models.layers.linear``, widens per call); the
+matrices live in one buffer of 2 MB pages (``codraft.kernels.hugepages``: bf16 decode steps ~10 %
+faster on a 2-core EPYC; the fp32 trainer's own weights measured no gain, so they are not copied). On
 other devices every tensor is cast and the copy runs in bf16 throughout (tensor cores; widening
 per call would stream more bytes, not fewer). Speculative decoding is lossless with respect to this
 copy: it is the model that samples, and its logprobs are the rollout logprobs the GRPO loss
@@ -30,6 +32,7 @@ import torch
 import torch.nn as nn
 
 from codraft import kernels
+from codraft.kernels import hugepages
 
 
 class StaleRolloutWeights(RuntimeError):
@@ -51,7 +54,7 @@ class RolloutWeights:
     def __init__(self, policy: nn.Module, dtype: torch.dtype):
         self.source, self.dtype = policy, dtype
         self.copies = dtype != policy.embed_tokens.weight.dtype
-        self.policy = policy
+        self.policy, self.huge_pages = policy, False
         if self.copies:
             if policy.embed_tokens.weight.dtype != torch.float32:
                 raise ValueError(f"a {dtype} rollout copy is made from fp32 trainer weights, "
@@ -59,6 +62,8 @@ class RolloutWeights:
             self.policy = copy.deepcopy(policy).requires_grad_(False).eval()
             for p in self.policy.parameters():  # (the RoPE frequencies, a buffer, stay fp32)
                 p.data = cast_for_rollout(p, dtype)
+            matrices = [p for p in self.policy.parameters() if p.dim() >= 2 and p.device.type == "cpu"]
+            self.huge_pages = hugepages.rehome(matrices)  # streamed every step: in 2 MB pages
             kernels.enable(self.policy)
 
     def draft_for(self, draft):
