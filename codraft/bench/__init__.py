@@ -13,12 +13,15 @@ import statistics
 
 import torch
 
+from codraft.kernels import cbuild, gemv
+
 
 def machine_info() -> dict:
     info = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "platform": platform.platform(), "python": platform.python_version(),
             "processor": _cpu_model(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+            "torch_threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "gemv_tuning": gemv.current(cbuild.library()) if gemv.kernel() is not None else "off"}
     try:
         import transformers
         info["transformers"] = transformers.__version__

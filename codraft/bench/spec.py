@@ -252,10 +252,12 @@ _TAGS = {"float32": "", "bfloat16": " bf16"}
 def _codraft_sides(policy, drafts: dict, dtype: str, gammas: list, named_gammas: bool, max_new: int, rows: int,
                    out: dict) -> list[Side]:
     """The codraft sides of one rollout dtype: plain, then each draft at each γ, decoding the rollout copy
-    of that dtype (the policy itself for float32); records its weight bytes in ``out``."""
+    of that dtype (the policy itself for float32); records its weight bytes and whether they sit in huge
+    pages in ``out``."""
     weights, tag = RolloutWeights(policy, getattr(torch, dtype)), _TAGS[dtype]
     target = weights.policy
     out.setdefault("weight_bytes_by_dtype", {})[dtype] = weight_bytes(target)
+    out.setdefault("huge_pages_by_dtype", {})[dtype] = weights.huge_pages
     sides = [_codraft_side("codraft plain" + tag, target, None, None, max_new, dtype=dtype)]
     for spec, draft in drafts.items():
         draft = weights.draft_for(draft)
