@@ -2,8 +2,8 @@
 // (gemv_rows_bf16: the raw uint16 bits, each widened exactly to fp32; products and sums in fp32, so
 // the result is x @ fp32(w)^T up to summation order). Row-major, contiguous.
 // Decoding is bound by how fast the weights stream from memory: every weight row is read from
-// memory once and dotted with the input rows (two weight rows by 4 input rows at a time) while it
-// sits in L1; bf16 weights halve the bytes. One body serves both weight types (a compile-time flag
+// memory once and dotted with the input rows (one or two weight rows by 4 input rows at a time)
+// while it sits in L1; bf16 weights halve the bytes. One body serves both weight types (a compile-time flag
 // picks the load).
 // Built by codraft/kernels/cbuild.py.
 #include <omp.h>
@@ -161,9 +161,9 @@ INLINE void dots(const void *w, int64_t stride, const float *const *x, int64_t n
         }
 }
 
-// columns o0..o1 of y: weight rows o0..o1 against every row of x, 1 or 2 weight rows (pair_rows) and 4
-// rows of x at a time. The weight rows (one chunk) stay in L1 while the blocks of x pass them, so x (up to ~150 KB at
-// 64 rows) comes from L2 once per chunk, not once per weight row.
+// columns o0..o1 of y: weight rows o0..o1 against every row of x, 1 or 2 weight rows (pair_rows) and
+// 4 rows of x at a time. The weight rows (one chunk) stay in L1 while the blocks of x pass them, so x
+// (up to ~150 KB at 64 rows) comes from L2 once per chunk, not once per weight row.
 #define DOTS(nw, nk) dots(row, in, xs, in, d, nw, nk, bf16, hint)
 INLINE void weight_rows(const float *x, const void *w, float *y, int64_t m, int64_t in, int64_t out,
                         int64_t o0, int64_t o1, const int bf16, const int hint) {
