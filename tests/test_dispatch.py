@@ -19,7 +19,7 @@ U = 2.0 ** -24  # fp32 unit roundoff
 
 @pytest.fixture
 def fresh_tables(monkeypatch, tmp_path):
-    """An empty disk cache and no tables in this process (the kernel's prefetch hint, set from the real
+    """An empty disk cache and no tables in this process (the GEMV kernel's tuning, set from the real
     cache: it is read once per process)."""
     gemv.kernel()
     monkeypatch.setenv("CODRAFT_CACHE", str(tmp_path))
@@ -251,6 +251,20 @@ def test_table_is_reused_and_rebuilt_for_another_cpu_or_thread_count(made_up_tim
     lookup()
     assert len(made) == 3  # another CPU: measured
     assert len(list(fresh_tables.iterdir())) == 3  # one file per key, no temporary files left
+
+
+def test_measuring_a_table_leaves_the_callers_rng_alone(fresh_tables, capfd):
+    """A table first needed midway through a run is measured there, on random inputs: the run's RNG must
+    not move, so the run samples as one that read the table from the cache (a resumed run, or a child
+    forked after the tables were filled, repeats the uninterrupted run bit for bit)."""
+    w = torch.randn(24, 16)
+    torch.manual_seed(123)
+    want = torch.rand(4)
+    torch.manual_seed(123)
+    with torch.no_grad():
+        products.table(w)
+    assert "timing fast paths for product 24x16" in capfd.readouterr().err  # measured here, not read
+    assert torch.equal(torch.rand(4), want)
 
 
 @pytest.mark.parametrize("damage", ["not json", "foreign", "bad ranges"])

@@ -155,11 +155,15 @@ def test_tuning_is_measured_once_per_machine(monkeypatch, tmp_path):
     assert gemv.tuning(lib, fns) == want and len(timed) == 3
 
 
-def test_time_tuning_times_every_setting_and_restores_the_current_one():
+def test_time_tuning_times_every_setting_restores_the_current_one_and_the_rng():
     lib = cbuild.library()
     fns = gemv.kernel()
     before = gemv.current(lib)
+    torch.manual_seed(7)
+    want = torch.rand(4)
+    torch.manual_seed(7)
     ms = gemv.time_tuning(lib, fns, nbytes=4 << 20, rounds=1)
+    assert torch.equal(torch.rand(4), want)  # the global RNG untouched: a run tuning midway samples the same
     assert set(ms) == {(d, m, p, r) for d in gemv.DTYPES for m in gemv.PREFETCH_MODES for p in (False, True)
                        for r in gemv.TUNE_ROWS}
     assert all(t > 0 for t in ms.values())

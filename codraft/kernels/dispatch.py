@@ -243,7 +243,9 @@ def _load_or_measure(op: Operation, key: tuple, args: tuple) -> Table:
     print(f"codraft: timing fast paths for {op.name} {describe(key)} ({n} thread{'s' * (n > 1)})…",
           file=sys.stderr, flush=True)
     before = _cpu_seconds()
-    with torch.no_grad():
+    # the candidates' random inputs must not move the caller's RNG: a run that measures a table midway
+    # samples as one that read it from the cache (a resumed run repeats the uninterrupted one)
+    with torch.no_grad(), torch.random.fork_rng(devices=[]):
         times = measure(op.candidates(*args))
     table = _table(ranges(times), times, op)
     others = _others_cores(before, _cpu_seconds())
