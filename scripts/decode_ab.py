@@ -19,8 +19,8 @@ from codraft.rollout.weights import RolloutWeights
 
 
 def tuning(rounds: int) -> None:
-    copy = RolloutWeights(load_policy("smollm2-135m")[0], torch.bfloat16)
-    model = copy.policy
+    weights = RolloutWeights(load_policy("smollm2-135m")[0], torch.bfloat16)
+    model = weights.policy
     ws = [p for n, p in model.named_parameters() if p.dim() == 2 and "embed" not in n] + [model.head_weight]
     if gemv.kernel() is None:  # also times and sets this machine's tuning on first use
         sys.exit("the C kernels are off (CODRAFT_KERNELS=0) or could not be built")
@@ -42,7 +42,7 @@ def tuning(rounds: int) -> None:
                     best[key] = min(best.get(key, 1e9), perf_counter() - t)
     finally:
         gemv.apply(lib, chosen)
-    print(f"SmolLM2 bf16 products (the rollout copy, huge pages: {copy.huge_pages}), ms per pass; this machine "
+    print(f"SmolLM2 bf16 products (the rollout copy, huge pages: {weights.huge_pages}), ms per pass; this machine "
           f"chose {mine}:")
     for rows in (1, 2, 3, 4):
         print(f"  {rows} rows: " + "  ".join(f"{m}/{'pairs' if p else 'one'} {best[m, p, rows] * 1e3:6.2f}"

@@ -85,6 +85,8 @@ def rehome(tensors: list[torch.Tensor]) -> bool:
         t.data = view
     if madvise is None:
         return False
-    if huge_bytes(buffer.data_ptr(), n) < n // 2:  # faulted in small pages (e.g. memory fragmented)
+    huge = huge_bytes(buffer.data_ptr(), n)
+    if huge < n // 2:  # faulted in small pages (e.g. memory fragmented)
         madvise(buffer.data_ptr(), n, MADV_COLLAPSE)  # best effort: Linux 6.1+
-    return huge_bytes(buffer.data_ptr(), n) > 0
+        huge = huge_bytes(buffer.data_ptr(), n)
+    return huge > 0
