@@ -232,6 +232,29 @@ void decode_attention(const float *q, const float *k, const float *v, const floa
 }
 
 // gemv.c: fp32 or bf16 weights; amx.c: bf16 weights on AMX tiles (where the row count makes it faster)
+// g = silu(g) * u, LANES at once: sigmoid(g) = e / (1 + e) for g < 0 and 1 / (1 + e) otherwise, with
+// e = exp(-|g|) in vexp_neg's domain. libm's expf, one value at a time, cost ~10 ms of a 24-row step.
+static void silu_mul(float *g, const float *u, int64_t n) {
+    int64_t i = 0;
+    for (; i + LANES <= n; i += LANES) {
+        vf x = vload(g + i), one = (vf){0} + 1.0f;
+        vi bits, neg;
+        memcpy(&bits, &x, sizeof bits);
+        neg = bits < 0;  // the sign bit
+        bits &= 0x7fffffff;
+        vf ax, e, num;
+        memcpy(&ax, &bits, sizeof ax);
+        e = vexp_neg((vf){0} - ax);
+        vi ei, onei, pick;
+        memcpy(&ei, &e, sizeof ei);
+        memcpy(&onei, &one, sizeof onei);
+        pick = (ei & neg) | (onei & ~neg);
+        memcpy(&num, &pick, sizeof num);
+        vstore(g + i, x * num / (one + e) * vload(u + i));
+    }
+    for (; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+}
+
 void gemv_rows(const float *x, const float *w, float *y, int64_t m, int64_t in, int64_t out);
 void gemv_rows_bf16(const float *x, const uint16_t *w, float *y, int64_t m, int64_t in, int64_t out);
 void gemm_amx_bf16(const float *x, const uint16_t *w, float *y, int64_t m, int64_t in, int64_t out);
@@ -274,7 +297,7 @@ static void layer(const float *x, float *y, const void *const *w, const float *c
     rms_norm_rows(y, w[5], n, m, D, eps);
     product(n, w[6], kind, g, m, D, I);
     product(n, w[7], kind, u, m, D, I);
-    for (int64_t i = 0; i < m * I; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    silu_mul(g, u, m * I);
     product(g, w[8], kind, n, m, I, D);
     for (int64_t i = 0; i < m * D; i++) y[i] += n[i];
 }

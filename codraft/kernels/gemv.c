@@ -2,7 +2,7 @@
 // (gemv_rows_bf16: the raw uint16 bits, each widened exactly to fp32; products and sums in fp32, so
 // the result is x @ fp32(w)^T up to summation order). Row-major, contiguous.
 // Decoding is bound by how fast the weights stream from memory: every weight row is read from
-// memory once and dotted with the input rows (one or two weight rows by 4 input rows at a time)
+// memory once and dotted with every input row (one or two weight rows by up to 6 input rows at a time)
 // while it sits in L1; bf16 weights halve the bytes. One body serves both weight types (a compile-time flag
 // picks the load).
 // Built by codraft/kernels/cbuild.py.
@@ -124,17 +124,38 @@ INLINE float hsum(vf v) {
 }
 #endif
 
-// out[4 j + k] = <w_j, x[k]> for weight rows j < nw (nw <= 2, `stride` values apart) and input rows
-// k < nk (nk <= 4), constants after inlining. Each block of x is loaded once for both weight rows:
-// from 4 input rows on, a loop over one weight row spent more on loads than on FMAs (9 per 8).
-// One weight row keeps two accumulators per input row to hide the FMA latency; two have 8 chains.
+// Keeps v in a vector register at this point: without it GCC folds each load of a block of x into
+// every FMA that uses it (a load per FMA, not per block) and the loop became bound by loads.
+#if defined(__x86_64__) || defined(__i386__)
+#define IN_REGISTER(v) __asm__("" : "+x"(v))
+#else
+#define IN_REGISTER(v) (void)0
+#endif
+
+// x rows dotted per tile: 2 weight rows x 6 input rows are 12 accumulators, 2 weights and a block of x
+// in registers, within AVX2's 16; all the rows of a decode step up to 6 in one pass over the weights.
+#define TILE_ROWS 6
+
+// half h (0: the first LANES values, or the evens of bf16) of the weight block at i, widened to fp32
+INLINE vf half_w(const void *w, int64_t i, const int h, const int bf16) {
+    if (!bf16) return load((const float *)w + i + h * LANES);
+    vf w0, w1;
+    load_bf16((const uint16_t *)w + i, &w0, &w1);
+    return h ? w1 : w0;
+}
+
+// out[TILE_ROWS j + k] = <w_j, x[k]> for weight rows j < nw (nw <= 2, `stride` values apart) and input
+// rows k < nk (nk <= TILE_ROWS), constants after inlining. Each block of x is loaded once for both weight
+// rows and each weight block once for all the input rows. Up to 4 sums keep a second accumulator for
+// the second half of each block, to hide the FMA latency; more have chains enough.
 INLINE void dots(const void *w, int64_t stride, const float *const *x, int64_t n, float *out, const int nw,
                  const int nk, const int bf16, const int hint) {
-    const int two = nw == 1;  // second accumulator: a[.][.][1], else the same one
-    vf a[2][4][2] = {{{{0}}}};
+    const int split = nw * nk <= 4;
+    vf a[2][TILE_ROWS][2];
+    for (int j = 0; j < nw; j++)  // only the used ones: `= {0}` compiled to a memset call per weight row
+        for (int k = 0; k < nk; k++) a[j][k][0] = a[j][k][1] = (vf){0};
     int64_t i = 0;
     for (; i + 2 * LANES <= n; i += 2 * LANES) {
-        vf w0[2], w1[2];
         for (int j = 0; j < nw; j++) {
             const char *ahead = (const char *)w + (j * stride + i) * (bf16 ? 2 : 4) + PREFETCH_BYTES;
             for (int b = 0; hint != 2 && b < 2 * LANES * (bf16 ? 2 : 4); b += 64) {
@@ -143,52 +164,51 @@ INLINE void dots(const void *w, int64_t stride, const float *const *x, int64_t n
                 else
                     __builtin_prefetch(ahead + b, 0, 3);
             }
-            load_w(w, j * stride + i, &w0[j], &w1[j], bf16);
         }
-        for (int k = 0; k < nk; k++) {
-            vf x0 = load(x[k] + i), x1 = load(x[k] + i + LANES);
+        for (int h = 0; h < 2; h++) {
+            vf wv[2];
             for (int j = 0; j < nw; j++) {
-                a[j][k][0] += w0[j] * x0;
-                a[j][k][two] += w1[j] * x1;
+                wv[j] = half_w(w, j * stride + i, h, bf16);
+                IN_REGISTER(wv[j]);
+            }
+            for (int k = 0; k < nk; k++) {
+                vf xk = load(x[k] + i + h * LANES);
+                IN_REGISTER(xk);
+                for (int j = 0; j < nw; j++) a[j][k][split ? h : 0] += wv[j] * xk;
             }
         }
     }
     for (int j = 0; j < nw; j++)
         for (int k = 0; k < nk; k++) {
-            float s = hsum(two ? a[j][k][0] + a[j][k][1] : a[j][k][0]);
+            float s = hsum(split ? a[j][k][0] + a[j][k][1] : a[j][k][0]);
             for (int64_t t = i; t < n; t++) s += w_at(w, j * stride + t, bf16) * x[k][t];
-            out[4 * j + k] = s;
+            out[TILE_ROWS * j + k] = s;
         }
 }
 
-// columns o0..o1 of y: weight rows o0..o1 against every row of x, 1 or 2 weight rows (pair_rows) and
-// 4 rows of x at a time. The weight rows (one chunk) stay in L1 while the blocks of x pass them, so x
-// (up to ~150 KB at 64 rows) comes from L2 once per chunk, not once per weight row.
-#define DOTS(nw, nk) dots(row, in, xs, in, d, nw, nk, bf16, hint)
+#define DOTS(nw, nk) \
+    case (nw - 1) * TILE_ROWS + nk - 1: dots(row, in, xs, in, d, nw, nk, bf16, hint); break
+// columns o0..o1 of y: each weight row, or pair of rows (from pair_rows input rows on), read from memory
+// once and dotted with all the rows of x, TILE_ROWS at a time, while it sits in L1 (the rows of x come
+// from L1 or L2: a decode step's few rows are a few KB).
 INLINE void weight_rows(const float *x, const void *w, float *y, int64_t m, int64_t in, int64_t out,
                         int64_t o0, int64_t o1, const int bf16, const int hint) {
     const int64_t step = m >= pair_rows[bf16] ? 2 : 1;
-    for (int64_t r = 0; r < m; r += 4) {
-        const float *xs[4];
-        int nk = m - r < 4 ? (int)(m - r) : 4;
-        for (int k = 0; k < nk; k++) xs[k] = x + (r + k) * in;
-        for (int64_t o = o0; o < o1; o += step) {
-            const void *row = bf16 ? (const void *)((const uint16_t *)w + o * in)
-                                   : (const void *)((const float *)w + o * in);
-            int nw = step == 2 && o + 1 < o1 ? 2 : 1;
-            float d[8];
-            switch (nk * 2 + nw - 3) {  // constant nw, nk per call let the compiler unroll them
-                case 0: DOTS(1, 1); break;
-                case 1: DOTS(2, 1); break;
-                case 2: DOTS(1, 2); break;
-                case 3: DOTS(2, 2); break;
-                case 4: DOTS(1, 3); break;
-                case 5: DOTS(2, 3); break;
-                case 6: DOTS(1, 4); break;
-                default: DOTS(2, 4);
+    for (int64_t o = o0; o < o1; o += step) {
+        const void *row = bf16 ? (const void *)((const uint16_t *)w + o * in)
+                               : (const void *)((const float *)w + o * in);
+        int nw = step == 2 && o + 1 < o1 ? 2 : 1;
+        for (int64_t r = 0; r < m; r += TILE_ROWS) {
+            const float *xs[TILE_ROWS];
+            int nk = m - r < TILE_ROWS ? (int)(m - r) : TILE_ROWS;
+            for (int k = 0; k < nk; k++) xs[k] = x + (r + k) * in;
+            float d[2 * TILE_ROWS];
+            switch ((nw - 1) * TILE_ROWS + nk - 1) {  // constant nw, nk per call let the compiler unroll them
+                DOTS(1, 1); DOTS(1, 2); DOTS(1, 3); DOTS(1, 4); DOTS(1, 5); DOTS(1, 6);
+                DOTS(2, 1); DOTS(2, 2); DOTS(2, 3); DOTS(2, 4); DOTS(2, 5); DOTS(2, 6);
             }
             for (int j = 0; j < nw; j++)
-                for (int k = 0; k < nk; k++) y[(r + k) * out + o + j] = d[4 * j + k];
+                for (int k = 0; k < nk; k++) y[(r + k) * out + o + j] = d[TILE_ROWS * j + k];
         }
     }
 }

@@ -3,7 +3,7 @@ activations times fp32 or bf16 weights, fp32 out.
 
 Decoding multiplies each weight matrix by 1..γ+1 rows per sequence, so its speed is how fast
 the weights stream from memory. ``gemv.c`` reads every weight row from memory once and dots it
-with the input rows (one or two weight rows by 4 input rows at a time) from L1: about
+with every input row (one or two weight rows by up to 6 input rows at a time) from L1: about
 torch's speed at 1-2 rows, up to 2x it at 4-8. bf16 weights (the rollout engine's weight-only
 bf16 copy) stream half the bytes, ~2x faster at 1 row, less as the rows make it compute-bound;
 each is widened to fp32 exactly and the sums are fp32, so the result is
@@ -39,9 +39,9 @@ from codraft.atomic import atomic_write_text
 from codraft.cache import cache_root
 from codraft.kernels import cbuild, hugepages
 
-TUNING_FORMAT = 1  # bump when what is timed changes: older choices are measured again
+TUNING_FORMAT = 2  # bump when what is timed changes: older choices are measured again
 PREFETCH_MODES = ("L1", "L2", "none")  # gemv.c's prefetch_mode 0, 1, 2
-TUNE_ROWS = (1, 2, 3, 4, 8, 16)  # input rows timed
+TUNE_ROWS = (1, 2, 3, 4, 5, 6, 8, 16)  # input rows timed
 DTYPES = ("float32", "bfloat16")  # weight dtypes, in the C tables' order
 NEVER = 1 << 30  # pair_rows: weight rows one at a time at every row count
 
