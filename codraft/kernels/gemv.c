@@ -68,15 +68,7 @@ INLINE float bf16_at(const uint16_t *p) {
     return f;
 }
 
-// the weight load, picked at compile time (bf16 is a constant in every caller): the block at i
-INLINE void load_w(const void *w, int64_t i, vf *w0, vf *w1, const int bf16) {
-    if (bf16) {
-        load_bf16((const uint16_t *)w + i, w0, w1);
-    } else {
-        *w0 = load((const float *)w + i);
-        *w1 = load((const float *)w + i + LANES);
-    }
-}
+// the weight at i widened to fp32 (the scalar tail of a row)
 INLINE float w_at(const void *w, int64_t i, const int bf16) {
     return bf16 ? bf16_at((const uint16_t *)w + i) : ((const float *)w)[i];
 }
@@ -126,7 +118,8 @@ INLINE float hsum(vf v) {
 
 // Keeps v in a vector register at this point: without it GCC folds each load of a block of x into
 // every FMA that uses it (a load per FMA, not per block) and the loop became bound by loads.
-#if defined(__x86_64__) || defined(__i386__)
+// (x86 with registers as wide as vf: AVX's ymm for 8 lanes, AVX-512's zmm for 16.)
+#if (defined(__x86_64__) || defined(__i386__)) && (LANES == 8 && defined(__AVX__) || LANES == 16 && defined(__AVX512F__))
 #define IN_REGISTER(v) __asm__("" : "+x"(v))
 #else
 #define IN_REGISTER(v) (void)0
