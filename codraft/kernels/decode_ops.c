@@ -51,14 +51,16 @@ typedef int32_t vi __attribute__((vector_size(LANES * 4)));
 #define MAX_NC 16  // attend's head vectors: head_dim up to 16 * LANES
 INLINE vf vload(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
 INLINE void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
-INLINE vf vmax(vf a, vf b) {
-    vi take = a > b, ai, bi;
+// a where take (a comparison's all-ones lanes), else b
+INLINE vf vselect(vi take, vf a, vf b) {
+    vi ai, bi;
     memcpy(&ai, &a, sizeof ai);
     memcpy(&bi, &b, sizeof bi);
     ai = (ai & take) | (bi & ~take);
     memcpy(&a, &ai, sizeof a);
     return a;
 }
+INLINE vf vmax(vf a, vf b) { return vselect(a > b, a, b); }
 
 // lane j of the result = the sum of a[j]'s lanes, for LANES vectors a[] (clobbered) at once: log2(LANES)
 // levels, each adding the lower and the upper half of every group of lanes of two vectors (a score per
@@ -237,20 +239,14 @@ void decode_attention(const float *q, const float *k, const float *v, const floa
 static void silu_mul(float *g, const float *u, int64_t n) {
     int64_t i = 0;
     for (; i + LANES <= n; i += LANES) {
-        vf x = vload(g + i), one = (vf){0} + 1.0f;
-        vi bits, neg;
+        vf x = vload(g + i), one = (vf){0} + 1.0f, ax;
+        vi bits;
         memcpy(&bits, &x, sizeof bits);
-        neg = bits < 0;  // the sign bit
+        vi neg = bits < 0;  // the sign bit
         bits &= 0x7fffffff;
-        vf ax, e, num;
         memcpy(&ax, &bits, sizeof ax);
-        e = vexp_neg((vf){0} - ax);
-        vi ei, onei, pick;
-        memcpy(&ei, &e, sizeof ei);
-        memcpy(&onei, &one, sizeof onei);
-        pick = (ei & neg) | (onei & ~neg);
-        memcpy(&num, &pick, sizeof num);
-        vstore(g + i, x * num / (one + e) * vload(u + i));
+        vf e = vexp_neg((vf){0} - ax);
+        vstore(g + i, x * vselect(neg, e, one) / (one + e) * vload(u + i));
     }
     for (; i < n; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
 }
