@@ -1,5 +1,7 @@
 """Decode weights moved into one buffer of 2 MB pages (codraft.kernels.hugepages); the rollout copy's
 placement is in test_rollout_weights.py. Oracle for the pages: the kernel's own account, /proc/self/smaps."""
+import ctypes
+import mmap
 import sys
 from pathlib import Path
 
@@ -46,9 +48,24 @@ def test_rehome_gets_huge_pages_where_the_kernel_offers_them():
     assert hugepages.rehome(ws) is True
     buf = ws[0].untyped_storage()
     assert hugepages.huge_bytes(buf.data_ptr(), buf.nbytes()) >= 2 << 20
-    plain = torch.randn(1536 * 576 * 8)  # the allocator's own memory is not advised (THP "madvise")
-    if thp_mode() == "madvise":
-        assert hugepages.huge_bytes(plain.data_ptr(), plain.nbytes) == 0
+    if thp_mode() == "madvise":  # the control: a fresh mapping of the same size, written but not advised
+        assert unadvised_huge_bytes(buf.nbytes()) == 0
+
+
+def unadvised_huge_bytes(nbytes: int) -> int:
+    """Huge-page bytes of a private anonymous mapping of its own, every page written, never advised. (Not a
+    tensor: the allocator may serve one from heap addresses an earlier rehome advised and freed, which
+    keep the advice; smaps then counts that heap's huge pages.)"""
+    region = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    try:
+        region.write(b"\1" * nbytes)
+        start = ctypes.c_char.from_buffer(region)
+        try:
+            return hugepages.huge_bytes(ctypes.addressof(start), nbytes)
+        finally:
+            del start  # (an exported buffer keeps the mapping from closing)
+    finally:
+        region.close()
 
 
 def test_rehome_refuses_other_devices_and_takes_nothing():
