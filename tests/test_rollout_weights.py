@@ -13,7 +13,7 @@ import spec_harness
 from test_hugepages import thp_mode
 from codraft.config import ConfigError, load_config
 from codraft.drafts import init_draft
-from codraft.models import ModelConfig, Transformer
+from codraft.models import ModelConfig, Transformer, load_pretrained, save_pretrained
 from codraft.rl.trainer import Trainer
 from codraft.rollout import Engine
 from codraft.rollout.weights import RolloutWeights, StaleRolloutWeights
@@ -82,6 +82,31 @@ def test_same_dtype_is_the_policy_itself():
     rw = RolloutWeights(model, torch.float32)
     assert rw.policy is model and not rw.copies and rw.draft_for("a draft") == "a draft"
     rw.check("step 0")  # nothing to compare
+
+
+def test_the_trainers_own_matrices_move_into_huge_pages_and_stay_trainable_and_savable(tmp_path):
+    """No copy: the engine streams the trainer's matrices, moved in place into one buffer of 2 MB pages;
+    the same Parameter objects (the optimiser's), the same values, updates land in the buffer, and the
+    policy still saves (safetensors refuses views that share memory) and loads back equal."""
+    model = _model(3)
+    params = dict(model.named_parameters())
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    rw = RolloutWeights(model, torch.float32)
+    assert dict(model.named_parameters()) == params  # the very same objects
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    matrices = [p for p in model.parameters() if p.dim() >= 2]
+    buffer = matrices[0].untyped_storage().data_ptr()
+    assert all(p.untyped_storage().data_ptr() == buffer for p in matrices)
+    assert rw.huge_pages == (sys.platform.startswith("linux") and thp_mode() in ("always", "madvise"))
+    model.train()
+    model(torch.randint(0, 40, (2, 6))).float().pow(2).mean().backward()
+    opt.step()
+    assert all(p.untyped_storage().data_ptr() == buffer for p in matrices)  # updated in place
+    assert not torch.equal(model.embed_tokens.weight, before["embed_tokens.weight"])
+    save_pretrained(model, tmp_path / "saved")
+    loaded = load_pretrained(tmp_path / "saved")
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in loaded.state_dict().items())
 
 
 @pytest.mark.parametrize("case", [spec_harness.Case("far", 3, n=8000),
@@ -157,4 +182,3 @@ def test_the_copy_lives_in_one_buffer_of_huge_pages_and_refreshes_in_place():
     rw.refresh()
     rw.check("after a refresh")  # the values followed, into the same buffer
     assert all(p.untyped_storage().data_ptr() == buffer for p in matrices)
-    assert RolloutWeights(model, torch.float32).huge_pages is False  # the trainer's own weights: untouched

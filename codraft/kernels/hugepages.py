@@ -4,14 +4,14 @@ transparent huge pages.
 A decode step streams every weight once (SmolLM2: ~0.5 GB in fp32, 0.27 GB in bf16). In 4 KB pages
 that is a TLB miss every 4 KB, and the hardware prefetchers stop at every page boundary; in 2 MB
 pages they run on. On a 2-core EPYC (Zen 3) a SmolLM2 bf16 decode step at batch 1 ran ~10 %
-faster with its weights here; the fp32 one measured no gain (``codraft.rollout.weights`` copies
-only where it casts anyway). The GEMV kernel's tuning is timed on weights placed as the engine's
-are (``gemv.time_tuning``).
+faster with its weights here, and an fp32 one (the trainer's own weights) ~10 % faster (session 19;
+session 16 had measured no gain, before the kernels streamed faster). The GEMV kernel's tuning is
+timed on weights placed as the engine's are (``gemv.time_tuning``).
 
 Linux only (``madvise``; transparent huge pages set to ``always`` or ``madvise``); elsewhere, or
 when refused, the tensors still move into the one buffer and ``rehome`` says no huge pages were
-granted. Only for weights nothing saves as separate tensors (the rollout engine's copy): every
-tensor becomes a view of the one buffer, which ``safetensors`` refuses to save.
+granted. Every tensor becomes a view of the one buffer (``safetensors`` saves such views, which do
+not overlap, as separate tensors).
 Not here: which weights the engine decodes from (``codraft.rollout.weights``).
 """
 from __future__ import annotations
