@@ -6,8 +6,9 @@ prefix: the acceptance probability at T = 1) and ``tau_est`` (1 + Σ_k Π_{j≤k
 DFlash's ``acc_k`` (top-1 agreement).
 
 Usage: python scripts/draft_recipe.py [--kind dspark] [--steps 150] [--lr 1e-3] [--layers 1]
-       [--taps 1,14,26,29] [--vocab 8192] [--batch 8]
-(--taps: target layers to read, 29 = the cached last-layer output; default: the kind's own taps.)
+       [--taps 1,14,26,29] [--vocab 8192] [--batch 8] [--init-layer 29]
+(--taps: target layers to read, 29 = the cached last-layer output; default: the kind's own taps.
+--init-layer: start every draft layer from that target layer's weights instead of random ones.)
 Training is the offline recipe's own loop (``train_offline``); about 1 s per step on 2 cores with the
 8 192-token vocabulary.
 """
@@ -43,6 +44,8 @@ def main():
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--taps", default="")
     ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--init-layer", type=int, default=-1,
+                    help="copy this target layer's weights into every draft layer (q/k norms stay 1)")
     a = ap.parse_args()
     torch.set_num_threads(2)
     policy, tok, folder = load_policy("smollm2-135m")
@@ -56,6 +59,12 @@ def main():
     if a.taps:
         opts["layers"] = [int(x) for x in a.taps.split(",")]
     draft = build_draft(a.kind, policy.config, target=policy, **opts)
+    if a.init_layer >= 0:
+        src = policy.layers[a.init_layer].state_dict()
+        for layer in draft.layers:
+            res = layer.load_state_dict(src, strict=False)
+            print(f"draft layer from target layer {a.init_layer}; kept {res.missing_keys}, "
+                  f"unused {res.unexpected_keys}")
     if a.vocab:
         draft.set_vocabulary(draft_vocabulary(seen, policy.config.vocab_size, a.vocab)[0])
     with tempfile.TemporaryDirectory() as out:  # the offline recipe's own loop, on the seen sequences
