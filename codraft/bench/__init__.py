@@ -16,12 +16,15 @@ import torch
 from codraft.kernels import cbuild, gemv
 
 
-def machine_info() -> dict:
+def machine_info(kernels: bool = True) -> dict:
+    """The machine and versions a benchmark ran on; with ``kernels``, the decode kernels' tuning too
+    (which builds and tunes them on first use on a machine: a few seconds, for the benches that decode)."""
     info = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "platform": platform.platform(), "python": platform.python_version(),
             "processor": _cpu_model(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
-            "torch_threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "gemv_tuning": gemv.current(cbuild.library()) if gemv.kernel() is not None else "off"}
+            "torch_threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
+    if kernels:
+        info["gemv_tuning"] = gemv.current(cbuild.library()) if gemv.kernel() is not None else "off"
     try:
         import transformers
         info["transformers"] = transformers.__version__

@@ -357,7 +357,7 @@ def run(lengths=(8192, 16384, 32768, 65536), cps=(1, 2, 4), methods=("zigzag", "
     cfg = {"lengths": list(lengths), "methods": list(methods), "c1_methods": list(c1_methods),
            "branches": list(branches), "repeats": repeats, "warmup": warmup, "seed": seed,
            "timeout": timeout, "deadline": timeout * 4, "verbose": verbose}
-    info = machine_info()
+    info = machine_info(kernels=False)  # training steps: no decode kernels
     info.update(threads_per_rank=1, backend="gloo")
     print(f"bench cp: {info['processor']}, {info['cpu_count']} CPUs, torch {info['torch']}; 1 intra-op thread per "
           f"rank; heads {HEADS}/{KV_HEADS} x {HEAD_DIM}, fp32; median of {repeats} after {warmup} warm-up", flush=True)

@@ -4,9 +4,9 @@ TapChannel over shared memory vs TapChannel point-to-point vs host staging vs re
 Why: the draft on the last stage needs hidden states of layers on earlier stages every
 micro-batch; this measures what the side channel costs against what one would do without one,
 ``staging``: each tensor pickled through ``send_object_list``/``recv_object_list`` (a fresh
-allocation, a pickle and a copy per message, no pre-allocated slots; ``parallel/tap_staging.py``); ``relay``: the taps travel
-the chain of stages, each appending its own to what it received (what a pipeline without a side
-channel does with its activations), so early stages' taps cross every later link.
+allocation, a pickle and a copy per message, no pre-allocated slots; ``parallel/tap_staging.py``);
+``relay``: the taps travel the chain of stages, each appending its own to what it received (what a
+pipeline without a side channel does with its activations), so early stages' taps cross every later link.
 
 Setup: P producer processes (``--producers``) and one consumer, spawned, gloo over TCP on
 127.0.0.1, one intra-op thread each. The taps (``--taps``, default 3) are spread round-robin over
@@ -136,7 +136,7 @@ def run(sizes=((2048, 576), (2048, 128)), methods=METHODS, producers: int = 2, t
     cfg = {"sizes": [tuple(s) for s in sizes], "methods": list(methods), "taps": taps,
            "microbatches": microbatches, "repeats": repeats, "warmup": warmup, "timeout": timeout,
            "deadline": timeout * 4}
-    info = machine_info()
+    info = machine_info(kernels=False)  # training steps: no decode kernels
     info.update(threads_per_rank=1, backend="gloo")
     print(f"bench tap: {info['processor']}, {info['cpu_count']} CPUs, torch {info['torch']}; {producers} producer(s) "
           f"+ 1 consumer, {taps} taps fp32, median of {repeats}", flush=True)

@@ -97,7 +97,7 @@ def run(stages: int = 2, shape: tuple[int, int] = (4, 128), groups: int = 8, mic
         raise ValueError("need stages >= 2, layers >= stages, 1 <= microbatches <= groups, repeats >= 1")
     cfg = {"shape": tuple(shape), "groups": groups, "microbatches": microbatches, "methods": list(methods),
            "repeats": repeats, "warmup": warmup, "timeout": timeout, "vocab": 256}
-    info = machine_info()
+    info = machine_info(kernels=False)  # training steps: no decode kernels
     info.update(threads_per_rank=1, backend="gloo")
     print(f"bench tap --step: {info['processor']}, {info['cpu_count']} CPUs, torch {info['torch']}; {stages} stages, "
           f"{shape[0]} layers × {shape[1]} hidden, {groups}×4 rollouts in {microbatches} micro-batches, "
