@@ -21,7 +21,7 @@ TAPS = (1, 14, 15, 26)
 def main(dtype: str = "bf16"):
     policy, _, _ = load_policy("smollm2-135m")
     policy.eval()
-    model = RolloutWeights(policy, torch.bfloat16).policy if dtype == "bf16" else policy
+    model = RolloutWeights(policy, torch.bfloat16 if dtype == "bf16" else torch.float32).policy  # as the engine's
     out = []
     with torch.inference_mode():
         for b, t in SHAPES:

@@ -113,7 +113,7 @@ def run(model_name: str = "smollm2", rows=tuple(range(1, 65)), threads: int = 2,
     report = {"model": model_name, "threads": threads, "repeats": repeats, "machine": dispatch.machine(),
               "tables": [], "rows": []}
     for dtype in dtypes:
-        decoder = model if dtype == "float32" else RolloutWeights(model, getattr(torch, dtype)).policy
+        decoder = RolloutWeights(model, getattr(torch, dtype)).policy  # as the engine decodes: placed alike
         weights = decode_weights(decoder)
         tabs = tables(decoder, weights)
         print(f"bench gemv: {model_name}, {dtype} weights, {threads} threads, {report['machine']['cpu']}: "

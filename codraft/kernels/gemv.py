@@ -39,7 +39,7 @@ from codraft.atomic import atomic_write_text
 from codraft.cache import cache_root
 from codraft.kernels import cbuild, hugepages
 
-TUNING_FORMAT = 2  # bump when what is timed changes: older choices are measured again
+TUNING_FORMAT = 3  # bump when what is timed changes: older choices are measured again
 PREFETCH_MODES = ("L1", "L2", "none")  # gemv.c's prefetch_mode 0, 1, 2
 TUNE_ROWS = (1, 2, 3, 4, 5, 6, 8, 16)  # input rows timed
 DTYPES = ("float32", "bfloat16")  # weight dtypes, in the C tables' order
@@ -134,8 +134,8 @@ def choose(ms: dict[tuple[str, bool, int], float]) -> dict:
 def time_tuning(lib, fns, nbytes: int = 128 << 20, rounds: int = 3) -> dict[tuple[str, str, bool, int], float]:
     """{(dtype name, prefetch mode, weight rows in pairs, input rows): ms}: the best of ``rounds``
     passes (the settings alternate) over ``nbytes`` of 1536x576 weights streamed from memory as in a
-    decode step: fp32 weights as the trainer's are (the engine reads them), bf16 ones placed as the
-    rollout copy's are (``hugepages.rehome``)."""
+    decode step: placed as the engine's are, fp32 (the trainer's own) and bf16 (the rollout copy) alike
+    in 2 MB pages (``hugepages.rehome``, ``codraft.rollout.weights``)."""
     best = {}
     saved = current(lib)
     gen = torch.Generator().manual_seed(0)  # not the global RNG: a run tuning midway samples as one that did not
@@ -143,8 +143,7 @@ def time_tuning(lib, fns, nbytes: int = 128 << 20, rounds: int = 3) -> dict[tupl
         for name in DTYPES:
             w = torch.ones(1536, 576, dtype=getattr(torch, name))
             ws = [w.clone() for _ in range(max(2, nbytes // (w.numel() * w.element_size())))]
-            if name == "bfloat16":
-                hugepages.rehome(ws)
+            hugepages.rehome(ws)
             for m in TUNE_ROWS:
                 x, y = torch.randn(m, 576, generator=gen), torch.empty(m, 1536)
                 for _ in range(rounds):
