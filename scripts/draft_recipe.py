@@ -44,6 +44,8 @@ def main():
     ap.add_argument("--lr", type=float, default=1e-3)
     ap.add_argument("--taps", default="")
     ap.add_argument("--vocab", type=int, default=8192)
+    ap.add_argument("--topk", type=lambda v: [int(x) for x in v.split(",")], default=[],
+                    help="also print held-out candidate-set tree estimates for these widths (DSpark)")
     ap.add_argument("--init-layer", type=int, default=-1,
                     help="copy this target layer's weights into every draft layer (q/k norms stay 1)")
     a = ap.parse_args()
@@ -78,6 +80,50 @@ def main():
     keys = [k for k in ms[0] if k.startswith(("alpha", "acc", "tau", "loss"))]
     held_out = {k: round(sum(float(m[k]) for m in ms) / len(ms), 4) for k in keys}
     print(f"{vars(a)}: trained {report['train_seconds']:.0f} s; held out: {held_out}")
+    if a.kind == "dspark" and a.topk:
+        with torch.no_grad():
+            torch.manual_seed(123)
+            hits = torch.cat([candidate_hits(draft, fc.batch(policy, held[i:i + 8], layers), a.topk)
+                              for i in range(0, HELD_OUT, 8)])
+        print_candidate_sets(hits, a.topk)
+
+
+def candidate_hits(draft, batch, ks: list[int]) -> torch.Tensor:
+    """(blocks, len(ks), S) bool: whether the target's own next token at each slot of a held-out
+    block is among the draft's top k at that slot (teacher-forced: the slot's previous token is the
+    true one). The cache's completions are the target's samples at T = 1, so the mean of a product
+    of hits along a block is the chance that a tree whose node at each depth has these k children
+    (the draft's top k given the path) would be followed that far by sampling from the target: the
+    candidate-set rule (sample the target's token, descend if it is a child, else stop) is exact."""
+    s = draft.config.block_size
+    blocks = draft.sample_anchors(batch, label_offset=1)
+    held = draft.held_blocks(batch, blocks)
+    h = draft.block_hidden(batch, blocks, s, held)[0]
+    src = blocks.anchors[:, None] + torch.arange(s)
+    t = batch.input_ids.shape[1]
+    in_seq = src + 1 < blocks.seq_end[:, None]
+    src = src.clamp(max=t - 1)
+    lab_pos = (src + 1).clamp(max=t - 1)
+    ids = batch.input_ids[0]
+    labels, in_vocab = draft.vocab_labels(ids[lab_pos])
+    ok = in_seq & batch.loss_mask[0, lab_pos]
+    sel = held[0]
+    z, _ = draft.slot_logits(h, ids[src][sel])
+    top = z.topk(max(ks), -1).indices  # (N,S,kmax)
+    hit = [((top[..., :k] == labels[sel][..., None]).any(-1) & in_vocab[sel]) for k in ks]
+    return torch.stack(hit, 1) & ok[sel][:, None]  # slots past the sequence's end count as misses
+
+
+def print_candidate_sets(hits: torch.Tensor, ks: list[int]):
+    """Expected tokens per round (1 + Σ_d P(followed to depth d)) and verify rows for uniform trees."""
+    blocks, _, s = hits.shape
+    print(f"candidate-set trees over {blocks} held-out blocks: k children per node, depth d, "
+          "tokens per round (the target's own token included) / verify rows (1 + k + k^2 + ...)")
+    for j, k in enumerate(ks):
+        reach = hits[:, j].float().cumprod(1).mean(0)  # P(followed to depth d), d = 1..S
+        row = "  ".join(f"d={d + 1}: {1 + float(reach[:d + 1].sum()):.2f}/{sum(k ** i for i in range(d + 2))}"
+                        for d in range(s))
+        print(f"  k={k}: P(depth 1) {float(reach[0]):.3f}  {row}")
 
 if __name__ == "__main__":
     main()

@@ -288,7 +288,7 @@ def _stack_run(model, x, lengths, layers: range, taps=(), seed=0):
 
 
 @pytest.mark.parametrize("dtype,path", [(torch.float32, "fused"), (torch.bfloat16, "fused"),
-                                        (torch.bfloat16, "fused-amx")])
+                                        (torch.bfloat16, "fused-panels"), (torch.bfloat16, "fused-amx")])
 @pytest.mark.parametrize("b,t,layers", [(1, 1, range(3)), (3, 2, range(3)), (2, 1, range(1, 3)), (4, 4, range(2)),
                                         (9, 2, range(3))])  # 18 rows: two blocks of AMX tiles
 def test_decoder_stack_matches_torch(monkeypatch, dtype, path, b, t, layers):
@@ -309,7 +309,7 @@ def test_decoder_stack_matches_torch(monkeypatch, dtype, path, b, t, layers):
     taps = (layers.start, layers.stop - 1, 7)  # 7: not in the run, ignored
     y, tapped, cache = _stack_run(fast, x, lengths, layers, taps)
     assert len(calls) == 1 and calls[0][0] == layers.start and len(calls[0][1]) == len(layers)
-    assert calls[0][2]["amx"] == (path == "fused-amx")
+    assert calls[0][2]["amx"] == (path == "fused-amx") and calls[0][2]["panels"] == (path == "fused-panels")
     want, want_tapped, want_cache = _stack_run(plain, x, lengths, layers, taps)
     assert want.abs().max() > 10  # the layers' own terms are not lost beside x
     # fp32 sums in another order (the kernel's accumulators, per tuning): errors scale with the
@@ -323,12 +323,13 @@ def test_decoder_stack_matches_torch(monkeypatch, dtype, path, b, t, layers):
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5 * max(1.0, float(ref.abs().max())))
 
 
-def test_decoder_stack_follows_changed_weights(monkeypatch):
-    """The stack keeps the weights' addresses between steps: weights updated in place (an optimiser
-    step, a rollout refresh), swapped for new tensors (``.data =``) or in a replaced module are all
-    what the next call reads."""
-    monkeypatch.setattr(fast_layers, "layer_table", lambda layer: _ALWAYS_FUSED)
-    plain, fast = _stack_model(torch.float32)
+@pytest.mark.parametrize("dtype,path", [(torch.float32, "fused"), (torch.bfloat16, "fused-panels")])
+def test_decoder_stack_follows_changed_weights(monkeypatch, dtype, path):
+    """The stack keeps the weights' addresses (and bf16 copies packed in panels) between steps: weights
+    updated in place (an optimiser step, a rollout refresh), swapped for new tensors (``.data =``) or
+    in a replaced module are all what the next call reads."""
+    monkeypatch.setattr(fast_layers, "layer_table", lambda layer: _always(path))
+    plain, fast = _stack_model(dtype)
     x, lengths = torch.randn(2, 1, 72), torch.tensor([3, 9])
 
     def same():
@@ -338,18 +339,23 @@ def test_decoder_stack_follows_changed_weights(monkeypatch):
     with torch.no_grad():
         for m in (plain, fast):
             m.layers[1].mlp.down_proj.weight.mul_(-1)  # in place
-        new = torch.randn(72, 72) * 0.3
+    same()
+    with torch.no_grad():
+        new = (torch.randn(72, 72) * 0.3).to(dtype)
         plain.layers[2].self_attn.q_proj.weight.data = new.clone()
         fast.layers[2].self_attn.q_proj.weight.data = new.clone()
     same()
-    up = torch.nn.Linear(72, 100, bias=False)
+    up = torch.nn.Linear(72, 100, bias=False, dtype=dtype)
     plain.layers[0].mlp.up_proj = copy.deepcopy(up)
     fast.layers[0].mlp.up_proj = up
     same()
-    for m in (plain, fast):  # one bf16 projection beside fp32 ones: that layer runs per op, the stack not in one call
-        m.layers[1].mlp.up_proj.to(torch.bfloat16)
+    other = torch.float32 if dtype is torch.bfloat16 else torch.bfloat16
+    for m in (plain, fast):  # one projection of another dtype: that layer runs per op, the stack not in one call
+        m.layers[1].mlp.up_proj.to(other)
     ran = []
     real = decode_ops.decoder_stack
-    monkeypatch.setattr(decode_ops, "decoder_stack", lambda *a, **k: ran.append(real(*a, **k)) or ran[-1])
+    monkeypatch.setattr(decode_ops, "decoder_stack",
+                        lambda *a, **k: ran.append((len(a[2]), real(*a, **k))) or ran[-1][1])
     same()
-    assert ran == [None]
+    # the run refused; a layer alone on panels goes through the stack's code as a run of one
+    assert ran[0] == (3, None) and all(n == 1 for n, _ in ran[1:]) and len(ran) == (3 if path == "fused-panels" else 1)

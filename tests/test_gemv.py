@@ -16,6 +16,23 @@ def test_kernel_builds_here():
     assert gemv.kernel() is not None and decode_ops.kernels() is not None
 
 
+def panel_product(lib, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x @ wᵀ through gemv.c's panel layout: w (bf16) packed by pack_panels_bf16, then gemv_panels_bf16."""
+    (m, i), o = x.shape, w.shape[0]
+    rows = lib.panel_rows()
+    packed = torch.full((-(-o // rows) * rows, i), float("nan"), dtype=torch.bfloat16)  # every slot written
+    y = torch.empty(m, o)
+    lib.pack_panels_bf16(*(ctypes.c_void_p(t.data_ptr()) for t in (w, packed)), ctypes.c_int64(o), ctypes.c_int64(i))
+    lib.gemv_panels_bf16(*(ctypes.c_void_p(t.data_ptr()) for t in (x, packed, y)), *map(ctypes.c_int64, (m, i, o)))
+    return y
+
+
+def within_fp32_summation(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> bool:
+    """y is x @ wᵀ up to 8 fp32 roundings of the sum of |terms| (the products are exact in fp64)."""
+    ref = x.double() @ w.double().T
+    return bool(((y.double() - ref).abs() <= 8 * 2 ** -24 * (x.double().abs() @ w.double().abs().T)).all())
+
+
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 7, 16])
 @pytest.mark.parametrize("i,o", [(1, 1), (8, 5), (15, 3), (16, 64), (17, 7), (576, 33), (1000, 9)])
 def test_matches_fp64_product(m, i, o):
@@ -35,10 +52,19 @@ def test_bf16_matches_fp64_product(m, i, o):
     only error is fp32 summation, held to 8 roundings of the sum of |terms| (seen: under 3)."""
     g = torch.Generator().manual_seed(m * 1000 + i + o)
     x, w = torch.randn(m, i, generator=g), torch.randn(o, i, generator=g).bfloat16()
-    ref = x.double() @ w.double().T
     y = gemv.gemv(x, w)
-    assert y.shape == (m, o) and y.dtype == torch.float32
-    assert ((y.double() - ref).abs() <= 8 * 2 ** -24 * (x.double().abs() @ w.double().abs().T)).all()
+    assert y.shape == (m, o) and y.dtype == torch.float32 and within_fp32_summation(y, x, w)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 33])
+@pytest.mark.parametrize("i,o", [(1, 1), (7, 3), (16, 5), (33, 7), (72, 100), (576, 33), (1000, 9), (1536, 40)])
+def test_bf16_panels_match_fp64_product(m, i, o):
+    """The packed layout (the decode stack's bf16 products): every tile shape (4-row tiles, then 1-3
+    rows over groups of 1-4 panels) and a last panel that is only partly outputs."""
+    g = torch.Generator().manual_seed(m * 1000 + i + o)
+    x, w = torch.randn(m, i, generator=g), torch.randn(o, i, generator=g).bfloat16()
+    y = panel_product(decode_ops.kernels(), x, w)
+    assert y.shape == (m, o) and within_fp32_summation(y, x, w)
 
 
 def same_on_one_and_two_threads(product, rows: int, dtype) -> bool:
@@ -62,7 +88,8 @@ def test_thread_count_does_not_change_the_result(dtype):
 
 
 def test_portable_vector_width(tmp_path):
-    """gemv.c built with 8 lanes (what AVX2 machines get; this one may build 16) agrees too."""
+    """gemv.c built with 8 lanes (what AVX2 machines get; this one may build 16) agrees too: panels of
+    16 outputs."""
     lib = ctypes.CDLL(str(cbuild.build((cbuild.SOURCES[0],), cache_dir=tmp_path, defines=("LANES=8",))))
     g = torch.Generator().manual_seed(3)
     for m, i, o in [(1, 7, 3), (5, 33, 9), (16, 576, 40), (70, 47, 5)]:
@@ -70,8 +97,8 @@ def test_portable_vector_width(tmp_path):
         for weight, fn in [(w, lib.gemv_rows), (w.bfloat16(), lib.gemv_rows_bf16)]:
             y = torch.empty(m, o)
             fn(*(ctypes.c_void_p(t.data_ptr()) for t in (x, weight, y)), *map(ctypes.c_int64, (m, i, o)))
-            ref = x.double() @ weight.double().T
-            assert ((y.double() - ref).abs() <= 8 * 2 ** -24 * (x.double().abs() @ weight.double().abs().T)).all()
+            assert within_fp32_summation(y, x, weight)
+        assert lib.panel_rows() == 16 and within_fp32_summation(panel_product(lib, x, w.bfloat16()), x, w.bfloat16())
 
 
 @pytest.mark.parametrize("mode", gemv.PREFETCH_MODES)
@@ -91,9 +118,8 @@ def test_every_tuning_gives_the_product(mode, pair_rows):
         for m, i, o in [(1, 576, 70), (2, 47, 5), (3, 1536, 33), (4, 100, 9), (8, 47, 5), (9, 576, 17)]:
             x, w = torch.randn(m, i, generator=g), torch.randn(o, i, generator=g)
             for weight in (w, w.bfloat16()):
-                ref = x.double() @ weight.double().T
-                err = (gemv.gemv(x, weight).double() - ref).abs()
-                assert (err <= 8 * 2 ** -24 * (x.double().abs() @ weight.double().abs().T)).all()
+                assert within_fp32_summation(gemv.gemv(x, weight), x, weight)
+            assert within_fp32_summation(panel_product(decode_ops.kernels(), x, w.bfloat16()), x, w.bfloat16())
     finally:
         gemv.apply(lib, before)
 

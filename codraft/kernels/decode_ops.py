@@ -7,7 +7,9 @@ SDPA, views, module calls) each pay torch's dispatch, which added up to a large 
 step (figures in docs/bench-spec.md). A layer without q/k norms can be one C call
 (``layer_applies``), whose products go through the GEMV kernel with the layer's fp32 or bf16
 projection weights (rollout copies; norm weights, activations and the KV cache stay fp32), or
-with bf16 weights through the AMX kernel (``amx=True``: ``codraft.kernels.amx``); and
+with bf16 weights through the AMX kernel (``amx=True``: ``codraft.kernels.amx``) or, for a run of
+layers, packed in panels (``panels=True``: a copy of each bf16 projection in ``gemv.c``'s panel layout,
+made when the run is first decoded and again whenever a weight changes); and
 a run of such layers of one shape, a model's whole stack, one C call (``decoder_stack``): the
 Python around a call per layer still cost ~100 us a layer, a quarter of the layer's own time.
 Used on CPU without autograd; built with the GEMV kernel (``codraft.kernels.cbuild``;
@@ -23,7 +25,7 @@ import weakref
 
 import torch
 
-from codraft.kernels import cbuild, gemv
+from codraft.kernels import cbuild, gemv, hugepages
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -40,6 +42,8 @@ def kernels():
     lib.decode_attention.argtypes = [_P] * 9 + [_I] * 6 + [_F]
     lib.decode_layer.argtypes = [_P] * 8 + [_I] * 8 + [_F, ctypes.c_int]
     lib.decode_stack.argtypes = [_P] * 9 + [_I] * 9 + [_F, ctypes.c_int]
+    lib.pack_panels_bf16.argtypes, lib.pack_panels_bf16.restype = [_P, _P, _I, _I], None
+    lib.panel_rows.argtypes, lib.panel_rows.restype = [], ctypes.c_int
     return lib
 
 
@@ -116,9 +120,9 @@ def cache_attention(q, k, v, cos, sin, k_cache, v_cache, lengths) -> torch.Tenso
     return out
 
 
-def _kind(bf16: bool, amx: bool) -> int:
-    """decode_ops.c's FP32, BF16 or BF16_AMX: how the layer's products run."""
-    return 2 if bf16 and amx else int(bf16)
+def _kind(bf16: bool, amx: bool, panels: bool = False) -> int:
+    """decode_ops.c's FP32, BF16, BF16_AMX or BF16_PANELS: how the layer's products run."""
+    return (3 if panels else 2 if amx else 1) if bf16 else 0
 
 
 def decoder_layer(layer, x, cos, sin, k_cache, v_cache, lengths, amx: bool = False) -> torch.Tensor:
@@ -148,8 +152,9 @@ def decoder_layer(layer, x, cos, sin, k_cache, v_cache, lengths, amx: bool = Fal
 
 class _Stack:
     """What ``decode_stack`` reads for a run of layers: their weights' addresses (kept as a ctypes
-    array) and the layers' dimensions; ``stamp`` (every weight's address and dtype) tells whether the
-    layers still hold those weights, so a step pays one pass of dict reads, not the checks."""
+    array) and the layers' dimensions; ``stamp`` (every weight's address, dtype and version counter)
+    tells whether the layers still hold those weights with those values, so a step pays one pass of
+    dict reads, not the checks, and a packed copy (``panel_ptrs``) is never stale."""
 
     def __init__(self, layers: list, weights: list[torch.Tensor], x: torch.Tensor, cache_k: torch.Tensor,
                  stamp: tuple):
@@ -158,6 +163,23 @@ class _Stack:
         self.bf16 = weights[1].dtype is torch.bfloat16
         self.ptrs = (ctypes.c_void_p * len(weights))(*(w.data_ptr() for w in weights))
         self.stamp = stamp
+        self.weights, self.packed = weights, None
+
+    def panel_ptrs(self):
+        """The addresses with every bf16 projection replaced by its copy packed in panels, made on
+        first use in one buffer of 2 MB pages (the stream the decode step reads)."""
+        if self.packed is None:
+            lib, rows = kernels(), kernels().panel_rows()
+            projections = [i for i in range(len(self.weights)) if i % 9 not in (0, 5)]  # not the two norms
+            self.packed = {i: torch.empty(-(-self.weights[i].shape[0] // rows) * rows, self.weights[i].shape[1],
+                                          dtype=torch.bfloat16) for i in projections}
+            hugepages.rehome(list(self.packed.values()))
+            for i, p in self.packed.items():
+                w = self.weights[i]
+                lib.pack_panels_bf16(w.data_ptr(), p.data_ptr(), *w.shape)
+            self.panel = (ctypes.c_void_p * len(self.weights))(
+                *(self.packed[i].data_ptr() if i in self.packed else w.data_ptr() for i, w in enumerate(self.weights)))
+        return self.panel
 
 
 def _dims(layer) -> tuple:
@@ -171,17 +193,23 @@ def _dims(layer) -> tuple:
 _stacks: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
-def decoder_stack(model, first: int, layers: list, x, cos, sin, cache, taps=(), amx: bool = False) -> tuple | None:
+def decoder_stack(model, first: int, layers: list, x, cos, sin, cache, taps=(), amx: bool = False,
+                  panels: bool = False) -> tuple | None:
     """``layers`` (decoder layers ``first``, ``first + 1``, ... of ``model``; each ``layer_applies``,
     one shape) on x (B,T,D) into ``cache`` in one C call -> (output, {i: output of layer i for i in
     taps}); None when it does not apply (grad mode, a layer that does not fit, other shapes), for the
-    caller to run the layers one by one. ``amx``: bf16 products on AMX tiles. Whether one call per
-    layer (and which products) is the fastest path for the row count is the caller's call."""
+    caller to run the layers one by one. bf16 products on AMX tiles (``amx``) or packed in panels
+    (``panels``); fp32 weights ignore both. Whether one call per layer (and which products) is the
+    fastest path for the row count is the caller's call."""
     if torch.is_grad_enabled() or kernels() is None:
         return None
     b, t, d = x.shape
     weights = [w for l in layers for w in _stack_order(l)]
-    stamp = (x.dtype, cache.k.dtype, *(w.data_ptr() for w in weights), *(w.dtype for w in weights))
+    try:
+        versions = tuple(w._version for w in weights)
+    except RuntimeError:  # inference tensors keep no version counter: no packed copy of them
+        versions = None
+    stamp = (x.dtype, cache.k.dtype, *(w.data_ptr() for w in weights), *(w.dtype for w in weights), versions)
     key = (first, len(layers))
     plans = _stacks.setdefault(model, {})
     plan = plans.get(key)
@@ -201,7 +229,8 @@ def decoder_stack(model, first: int, layers: list, x, cos, sin, cache, taps=(), 
                                                  for i in range(first, first + len(layers))))
     y = torch.empty_like(x)
     kc, vc = cache.k[first], cache.v[first]  # layer `first`; the C code steps by one layer's size
-    kernels().decode_stack(x.data_ptr(), y.data_ptr(), plan.ptrs, cos.data_ptr(), sin.data_ptr(), kc.data_ptr(),
-                           vc.data_ptr(), lengths.data_ptr(), tap_ptrs, len(layers), b, t, D, H, Hkv, hd, inter,
-                           cache.k.shape[3], plan.eps, _kind(plan.bf16, amx))
+    panels = panels and plan.bf16 and not amx and versions is not None
+    kernels().decode_stack(x.data_ptr(), y.data_ptr(), plan.panel_ptrs() if panels else plan.ptrs, cos.data_ptr(),
+                           sin.data_ptr(), kc.data_ptr(), vc.data_ptr(), lengths.data_ptr(), tap_ptrs, len(layers), b,
+                           t, D, H, Hkv, hd, inter, cache.k.shape[3], plan.eps, _kind(plan.bf16, amx, panels))
     return y, tapped

@@ -6,8 +6,9 @@ need no autograd (``cbuild.fits``); products through ``products.linear`` (the fa
 kernel, torch's two forms and, for bf16 weights on an AMX CPU, the tile kernel, for the row count,
 measured); RMSNorm in C; into a KV cache with the default ``varlen_attention``, RoPE + cache
 write + attention in C (not for a prefill into an empty cache: SDPA); and a whole decoder layer in
-one C call (``decode_ops.layer_applies``: no q/k norms; bf16 weights on an AMX CPU: its products
-on the vector kernel or on AMX tiles, two candidates) where that is faster than the layer's C norms
+one C call (``decode_ops.layer_applies``: no q/k norms; with bf16 weights its products on the vector
+kernel, on the same kernel with the weights packed in panels, or on an AMX CPU on AMX tiles: one
+candidate each) where that is faster than the layer's C norms
 + C attention + products, as measured on this machine per layer shape, weight dtype and row count
 (``LAYER``, ``codraft.kernels.dispatch``); there the model runs its whole stack of such layers in
 one C call (``decode_ops.decoder_stack``).
@@ -67,7 +68,11 @@ class FastDecoderLayer(DecoderLayer):
         # a CPU decode step: the whole layer in one C call, for the row counts where that is faster
         if cache is not None and attn is varlen_attention and decode_ops.layer_applies(self, x, cache.k):
             path = layer_path(self, x)
-            if path in FUSED:
+            if path == "fused-panels":  # (the packed copy lives with a run's plan: this layer alone as one)
+                done = decode_ops.decoder_stack(self, layer, [self], x, cos, sin, cache, panels=True)
+                if done is not None:
+                    return done[0]
+            elif path in FUSED:
                 return decode_ops.decoder_layer(self, x, cos, sin, cache.k[layer], cache.v[layer], cache.lengths,
                                                 amx=path == "fused-amx")
         return super().forward(x, cos, sin, attn, mask, cache, layer, positions, span)
@@ -93,7 +98,8 @@ class FastTransformer(Transformer):
                 path = layer_path(first, x)
                 if path in FUSED:
                     done = decode_ops.decoder_stack(self, layers.start, stack, x, ctx.cos, ctx.sin, ctx.cache,
-                                                    taps or (), amx=path == "fused-amx")
+                                                    taps or (), amx=path == "fused-amx",
+                                                    panels=path == "fused-panels")
                     if done is not None:
                         return done
         return super().run_layers(x, ctx, layers, taps)
@@ -113,16 +119,18 @@ def _amx_fits(layer) -> bool:
 
 def _layer_candidates(layer: FastDecoderLayer) -> dict[str, dispatch.At]:
     """The one-call layer (as a decode step runs it: ``decoder_stack``, here over one layer; its
-    products on the vector kernel, and for bf16 weights where it applies on AMX tiles) and the per-op
+    products on the vector kernel, and for bf16 weights on it packed in panels and where it applies on
+    AMX tiles) and the per-op
     one (``DecoderLayer.forward`` over the fast submodules), each call on the next of copies of
     ``layer`` (so its weights come from memory); m rows of one new token each after ``CONTEXT`` cached
     ones."""
     a = layer.self_attn
     nbytes = sum(p.numel() * p.element_size() for p in layer.parameters())
-    timed = nn.ModuleList(copy.deepcopy(layer) for _ in range(dispatch.copies(nbytes)))
+    with torch.inference_mode(False):  # weights that keep version counters, as a model's (for packed copies)
+        timed = nn.ModuleList(copy.deepcopy(layer) for _ in range(dispatch.copies(nbytes)))
     turn = itertools.count()
 
-    def at(fused: bool, on_amx: bool = False):
+    def at(fused: bool, on_amx: bool = False, panels: bool = False):
         def rows(m):
             cache = KVCache(num_layers=len(timed), batch=m, max_len=CONTEXT + 1, num_kv_heads=a.n_kv,
                             head_dim=a.head_dim, dtype=layer.input_layernorm.weight.dtype, device="cpu")
@@ -132,23 +140,28 @@ def _layer_candidates(layer: FastDecoderLayer) -> dict[str, dispatch.At]:
             positions, span = cache.lengths[:, None], CONTEXT + 1
             mask = torch.zeros(()).masked_fill(~cache_causal_mask(cache.lengths, 1, span), float("-inf"))
             with torch.no_grad():  # as a decode step runs (the table may be looked up under autograd)
-                if fused and not decode_ops.layer_applies(layer, x, cache.k) or on_amx and not _amx_fits(layer):
+                if fused and not decode_ops.layer_applies(layer, x, cache.k) or on_amx and not _amx_fits(layer) \
+                        or panels and layer.self_attn.q_proj.weight.dtype is not torch.bfloat16:
                     return None
 
             @torch.no_grad()
             def run():
                 j = next(turn) % len(timed)
                 if fused:
-                    out = decode_ops.decoder_stack(timed, j, [timed[j]], x, cos, sin, cache, amx=on_amx)
+                    out = decode_ops.decoder_stack(timed, j, [timed[j]], x, cos, sin, cache, amx=on_amx,
+                                                   panels=panels)
                     assert out is not None, "decoder_stack refused a layer that layer_applies accepted"
                     return out
                 return DecoderLayer.forward(timed[j], x, cos, sin, varlen_attention, mask, cache, j, positions, span)
             return run
         return rows
-    return {"fused": at(True), "fused-amx": at(True, on_amx=True), "unfused": at(False)}
+    return {"fused": at(True), "fused-panels": at(True, panels=True), "fused-amx": at(True, on_amx=True),
+            "unfused": at(False)}
 
 
-FUSED = ("fused", "fused-amx")  # the one-call layer, its products on the vector kernel or AMX tiles
+# the one-call layer, its products on the vector kernel (bf16 weights as they are or packed in panels) or
+# AMX tiles
+FUSED = ("fused", "fused-panels", "fused-amx")
 LAYER = dispatch.Operation("layer", (*FUSED, "unfused"), "unfused", _layer_candidates)
 
 
