@@ -346,7 +346,7 @@ def test_opt_out_leaves_torch_paths_only(made_up_times, monkeypatch, fresh_kerne
 def test_decoder_layer_takes_the_chosen_path(made_up_times, monkeypatch):
     """Made-up times in which the one-call layer wins up to 4 rows: a decode with steps of 1..8 rows
     per forward runs it exactly there."""
-    made = made_up_times(lambda name, rows: {"fused": 1.0 if rows <= 4 else 3.0, "unfused": 2.0,
+    made = made_up_times(lambda name, rows: {"fused": 1.0 if rows <= 4 else 3.0, "fused-panels": 2.5, "unfused": 2.0,
                                              "kernel": 1.0, "linear": 2.0, "transposed": 3.0}[name])
     calls = []
     real = decode_ops.decoder_stack  # one layer, one call for the stack
@@ -358,5 +358,5 @@ def test_decoder_layer_takes_the_chosen_path(made_up_times, monkeypatch):
         for t in (1, 2, 3, 4):  # 2, 4, 6, 8 rows
             model(torch.randint(0, 50, (2, t)), cache=cache)
     assert calls == [2, 4]  # one layer
-    assert ["fused", "unfused"] in made and fast_layers.layer_table(model.layers[0]).ranges == (
+    assert ["fused", "fused-panels", "unfused"] in made and fast_layers.layer_table(model.layers[0]).ranges == (
         (1, 4, "fused"), (5, 128, "unfused"))

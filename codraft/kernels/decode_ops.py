@@ -8,8 +8,8 @@ step (figures in docs/bench-spec.md). A layer without q/k norms can be one C cal
 (``layer_applies``), whose products go through the GEMV kernel with the layer's fp32 or bf16
 projection weights (rollout copies; norm weights, activations and the KV cache stay fp32), or
 with bf16 weights through the AMX kernel (``amx=True``: ``codraft.kernels.amx``) or, for a run of
-layers, packed in panels (``panels=True``: a copy of each bf16 projection in ``gemv.c``'s panel layout,
-made when the run is first decoded and again whenever a weight changes); and
+layers, packed in panels (``panels=True``: a copy of each projection in ``gemv.c``'s panel layout, made
+when the run is first decoded and again whenever a weight changes, e.g. after an optimiser step); and
 a run of such layers of one shape, a model's whole stack, one C call (``decoder_stack``): the
 Python around a call per layer still cost ~100 us a layer, a quarter of the layer's own time.
 Used on CPU without autograd; built with the GEMV kernel (``codraft.kernels.cbuild``;
@@ -42,7 +42,8 @@ def kernels():
     lib.decode_attention.argtypes = [_P] * 9 + [_I] * 6 + [_F]
     lib.decode_layer.argtypes = [_P] * 8 + [_I] * 8 + [_F, ctypes.c_int]
     lib.decode_stack.argtypes = [_P] * 9 + [_I] * 9 + [_F, ctypes.c_int]
-    lib.pack_panels_bf16.argtypes, lib.pack_panels_bf16.restype = [_P, _P, _I, _I], None
+    for pack in (lib.pack_panels, lib.pack_panels_bf16):
+        pack.argtypes, pack.restype = [_P, _P, _I, _I], None
     lib.panel_rows.argtypes, lib.panel_rows.restype = [], ctypes.c_int
     return lib
 
@@ -121,8 +122,10 @@ def cache_attention(q, k, v, cos, sin, k_cache, v_cache, lengths) -> torch.Tenso
 
 
 def _kind(bf16: bool, amx: bool, panels: bool = False) -> int:
-    """decode_ops.c's FP32, BF16, BF16_AMX or BF16_PANELS: how the layer's products run."""
-    return (3 if panels else 2 if amx else 1) if bf16 else 0
+    """decode_ops.c's FP32, BF16, BF16_AMX, BF16_PANELS or FP32_PANELS: how the layer's products run."""
+    if panels:
+        return 3 if bf16 else 4
+    return (2 if amx else 1) if bf16 else 0
 
 
 def decoder_layer(layer, x, cos, sin, k_cache, v_cache, lengths, amx: bool = False) -> torch.Tensor:
@@ -157,26 +160,34 @@ class _Stack:
     dict reads, not the checks, and a packed copy (``panel_ptrs``) is never stale."""
 
     def __init__(self, layers: list, weights: list[torch.Tensor], x: torch.Tensor, cache_k: torch.Tensor,
-                 stamp: tuple):
+                 stamp: tuple, previous: "_Stack | None" = None):
         self.dims, self.eps = _dims(layers[0])
         self.ok = all(layer_applies(l, x, cache_k) and _dims(l) == (self.dims, self.eps) for l in layers)
         self.bf16 = weights[1].dtype is torch.bfloat16
         self.ptrs = (ctypes.c_void_p * len(weights))(*(w.data_ptr() for w in weights))
         self.stamp = stamp
         self.weights, self.packed = weights, None
+        # the previous plan's packed copies, to pack into again when only the values changed (an optimiser
+        # step: no new buffer to fault in)
+        self.reuse = previous.packed if previous is not None and previous.packed is not None and all(
+            (w.shape, w.dtype) == (o.shape, o.dtype) for w, o in zip(weights, previous.weights)) else None
 
     def panel_ptrs(self):
-        """The addresses with every bf16 projection replaced by its copy packed in panels, made on
-        first use in one buffer of 2 MB pages (the stream the decode step reads)."""
+        """The addresses with every projection replaced by its copy packed in panels, made on first use
+        in one buffer of 2 MB pages (the stream the decode step reads)."""
         if self.packed is None:
             lib, rows = kernels(), kernels().panel_rows()
             projections = [i for i in range(len(self.weights)) if i % 9 not in (0, 5)]  # not the two norms
-            self.packed = {i: torch.empty(-(-self.weights[i].shape[0] // rows) * rows, self.weights[i].shape[1],
-                                          dtype=torch.bfloat16) for i in projections}
-            hugepages.rehome(list(self.packed.values()))
+            self.packed = self.reuse or {
+                i: torch.empty(-(-self.weights[i].shape[0] // rows) * rows, self.weights[i].shape[1],
+                               dtype=self.weights[i].dtype) for i in projections}
+            if self.reuse is None:
+                hugepages.rehome(list(self.packed.values()))
+            self.reuse = None
+            pack = lib.pack_panels_bf16 if self.bf16 else lib.pack_panels
             for i, p in self.packed.items():
                 w = self.weights[i]
-                lib.pack_panels_bf16(w.data_ptr(), p.data_ptr(), *w.shape)
+                pack(w.data_ptr(), p.data_ptr(), *w.shape)
             self.panel = (ctypes.c_void_p * len(self.weights))(
                 *(self.packed[i].data_ptr() if i in self.packed else w.data_ptr() for i, w in enumerate(self.weights)))
         return self.panel
@@ -198,9 +209,9 @@ def decoder_stack(model, first: int, layers: list, x, cos, sin, cache, taps=(), 
     """``layers`` (decoder layers ``first``, ``first + 1``, ... of ``model``; each ``layer_applies``,
     one shape) on x (B,T,D) into ``cache`` in one C call -> (output, {i: output of layer i for i in
     taps}); None when it does not apply (grad mode, a layer that does not fit, other shapes), for the
-    caller to run the layers one by one. bf16 products on AMX tiles (``amx``) or packed in panels
-    (``panels``); fp32 weights ignore both. Whether one call per layer (and which products) is the
-    fastest path for the row count is the caller's call."""
+    caller to run the layers one by one. Products on weights packed in panels (``panels``), or bf16
+    products on AMX tiles (``amx``; fp32 weights ignore it). Whether one call per layer (and which
+    products) is the fastest path for the row count is the caller's call."""
     if torch.is_grad_enabled() or kernels() is None:
         return None
     b, t, d = x.shape
@@ -214,7 +225,7 @@ def decoder_stack(model, first: int, layers: list, x, cos, sin, cache, taps=(), 
     plans = _stacks.setdefault(model, {})
     plan = plans.get(key)
     if plan is None or plan.stamp != stamp:
-        plan = plans[key] = _Stack(layers, weights, x, cache.k, stamp)
+        plan = plans[key] = _Stack(layers, weights, x, cache.k, stamp, previous=plan)
     D, H, Hkv, hd, inter = plan.dims
     if not plan.ok or d != D or cos.shape != (b, 1, t, hd) or sin.shape != cos.shape:
         return None
@@ -229,7 +240,7 @@ def decoder_stack(model, first: int, layers: list, x, cos, sin, cache, taps=(), 
                                                  for i in range(first, first + len(layers))))
     y = torch.empty_like(x)
     kc, vc = cache.k[first], cache.v[first]  # layer `first`; the C code steps by one layer's size
-    panels = panels and plan.bf16 and not amx and versions is not None
+    panels = panels and not (amx and plan.bf16) and versions is not None
     kernels().decode_stack(x.data_ptr(), y.data_ptr(), plan.panel_ptrs() if panels else plan.ptrs, cos.data_ptr(),
                            sin.data_ptr(), kc.data_ptr(), vc.data_ptr(), lengths.data_ptr(), tap_ptrs, len(layers), b,
                            t, D, H, Hkv, hd, inter, cache.k.shape[3], plan.eps, _kind(plan.bf16, amx, panels))
