@@ -46,8 +46,8 @@ def made_up_times(monkeypatch, fresh_tables):
 
 
 def _fixed(name, rows):
-    return {"kernel": 1.0, "linear": 2.0, "transposed": 3.0, "amx": 4.0, "fused": 1.0, "fused-panels": 1.5, "fused-amx": 3.0,
-            "unfused": 2.0}[name]
+    return {"kernel": 1.0, "linear": 2.0, "transposed": 3.0, "amx": 4.0, "fused": 1.0, "fused-panels": 1.5,
+            "fused-amx": 3.0, "unfused": 2.0}[name]
 
 
 # ---- every path against fp64 -------------------------------------------------------------------

@@ -213,17 +213,22 @@ static int64_t chunk_rows(int64_t in, int64_t out, int64_t weight_size) {
     return rows > 1 ? rows & ~(int64_t)1 : 1;  // even: weight rows go in pairs
 }
 
-// the columns of one task, with the prefetch mode as a constant in each of the three copies
+// f(..., mode) with the prefetch mode a constant in each of three copies of f
+#define BY_MODE(mode, f, ...)          \
+    do {                               \
+        if ((mode) == 0)               \
+            f(__VA_ARGS__, 0);         \
+        else if ((mode) == 1)          \
+            f(__VA_ARGS__, 1);         \
+        else                           \
+            f(__VA_ARGS__, 2);         \
+    } while (0)
+
+// the columns of one task
 INLINE void task(const float *x, const void *w, float *y, int64_t m, int64_t in, int64_t out, int64_t o,
                  int64_t chunk, const int bf16) {
     int64_t o1 = o + chunk < out ? o + chunk : out;
-    const int mode = prefetch_mode[bf16][m >= pair_rows[bf16]];
-    if (mode == 0)
-        weight_rows(x, w, y, m, in, out, o, o1, bf16, 0);
-    else if (mode == 1)
-        weight_rows(x, w, y, m, in, out, o, o1, bf16, 1);
-    else
-        weight_rows(x, w, y, m, in, out, o, o1, bf16, 2);
+    BY_MODE(prefetch_mode[bf16][m >= pair_rows[bf16]], weight_rows, x, w, y, m, in, out, o, o1, bf16);
 }
 
 void gemv_rows(const float *x, const float *w, float *y, int64_t m, int64_t in, int64_t out) {
@@ -344,17 +349,10 @@ INLINE void panels(const float *x, const void *packed, float *y, int64_t m, int6
     }
 }
 
-// the panels of one task, with the weight dtype and the prefetch mode (the rows kernel's one-row
-// tuning for that dtype) constants in each copy
+// the panels of one task, prefetched as the rows kernel's one-row tuning for the weight dtype says
 INLINE void panel_task(const float *x, const void *packed, float *y, int64_t m, int64_t in, int64_t out, int64_t p0,
                        int64_t p1, const int bf16) {
-    const int mode = prefetch_mode[bf16][0];
-    if (mode == 0)
-        panels(x, packed, y, m, in, out, p0, p1, bf16, 0);
-    else if (mode == 1)
-        panels(x, packed, y, m, in, out, p0, p1, bf16, 1);
-    else
-        panels(x, packed, y, m, in, out, p0, p1, bf16, 2);
+    BY_MODE(prefetch_mode[bf16][0], panels, x, packed, y, m, in, out, p0, p1, bf16);
 }
 
 // y (m, out) = x (m, in) @ w^T with w packed by pack_panels(_bf16)
