@@ -46,8 +46,8 @@ def made_up_times(monkeypatch, fresh_tables):
 
 
 def _fixed(name, rows):
-    return {"kernel": 1.0, "linear": 2.0, "transposed": 3.0, "amx": 4.0, "fused": 1.0, "fused-panels": 1.5,
-            "fused-amx": 3.0, "unfused": 2.0}[name]
+    return {"kernel": 1.0, "panels": 1.2, "linear": 2.0, "transposed": 3.0, "amx": 4.0, "fused": 1.0,
+            "fused-panels": 1.5, "fused-amx": 3.0, "unfused": 2.0}[name]
 
 
 # ---- every path against fp64 -------------------------------------------------------------------
@@ -201,7 +201,7 @@ def test_linear_takes_the_chosen_path_per_row_count(made_up_times, monkeypatch):
     """With times in which the kernel wins up to 5 rows and (w @ xᵀ)ᵀ from 6, ``products.linear``
     calls exactly those, and above the grid (w @ xᵀ)ᵀ too, the fastest at its top (torch's products
     scale to a prefill's rows); for bf16 weights as for fp32."""
-    made = made_up_times(lambda name, rows: {"kernel": 1.0 if rows <= 5 else 3.0, "linear": 2.0,
+    made = made_up_times(lambda name, rows: {"kernel": 1.0 if rows <= 5 else 3.0, "panels": 2.5, "linear": 2.0,
                                              "transposed": 1.5}[name])
     calls = []
     for name, fn in list(products.PATHS.items()):
@@ -215,7 +215,7 @@ def test_linear_takes_the_chosen_path_per_row_count(made_up_times, monkeypatch):
                 assert products.linear(torch.randn(1, m, 16), w).shape == (1, m, 24)
             assert products.table(w).ranges == ((1, 5, "kernel"), (6, 128, "transposed"))
     assert calls == ["kernel", "kernel", "transposed", "transposed", "transposed", "transposed", "transposed"] * 2
-    assert made == [["kernel", "linear", "transposed"]] * 2  # one table per dtype
+    assert made == [["kernel", "linear", "panels", "transposed"]] * 2  # one table per dtype
 
 
 def test_above_the_grid_the_top_choice_only_if_it_scales():
@@ -347,7 +347,7 @@ def test_decoder_layer_takes_the_chosen_path(made_up_times, monkeypatch):
     """Made-up times in which the one-call layer wins up to 4 rows: a decode with steps of 1..8 rows
     per forward runs it exactly there."""
     made = made_up_times(lambda name, rows: {"fused": 1.0 if rows <= 4 else 3.0, "fused-panels": 2.5, "unfused": 2.0,
-                                             "kernel": 1.0, "linear": 2.0, "transposed": 3.0}[name])
+                                             "kernel": 1.0, "panels": 1.5, "linear": 2.0, "transposed": 3.0}[name])
     calls = []
     real = decode_ops.decoder_stack  # one layer, one call for the stack
     monkeypatch.setattr(decode_ops, "decoder_stack",

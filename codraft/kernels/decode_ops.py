@@ -25,7 +25,7 @@ import weakref
 
 import torch
 
-from codraft.kernels import cbuild, gemv, hugepages
+from codraft.kernels import cbuild, gemv, panels
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -44,6 +44,8 @@ def kernels():
     lib.decode_stack.argtypes = [_P] * 9 + [_I] * 9 + [_F, ctypes.c_int]
     for pack in (lib.pack_panels, lib.pack_panels_bf16):
         pack.argtypes, pack.restype = [_P, _P, _I, _I], None
+    for product in (lib.gemv_panels, lib.gemv_panels_bf16):
+        product.argtypes, product.restype = [_P] * 3 + [_I] * 3, None
     lib.panel_rows.argtypes, lib.panel_rows.restype = [], ctypes.c_int
     return lib
 
@@ -176,18 +178,11 @@ class _Stack:
         """The addresses with every projection replaced by its copy packed in panels, made on first use
         in one buffer of 2 MB pages (the stream the decode step reads)."""
         if self.packed is None:
-            lib, rows = kernels(), kernels().panel_rows()
             projections = [i for i in range(len(self.weights)) if i % 9 not in (0, 5)]  # not the two norms
-            self.packed = self.reuse or {
-                i: torch.empty(-(-self.weights[i].shape[0] // rows) * rows, self.weights[i].shape[1],
-                               dtype=self.weights[i].dtype) for i in projections}
-            if self.reuse is None:
-                hugepages.rehome(list(self.packed.values()))
+            self.packed = self.reuse or dict(zip(projections, panels.empty([self.weights[i] for i in projections])))
             self.reuse = None
-            pack = lib.pack_panels_bf16 if self.bf16 else lib.pack_panels
             for i, p in self.packed.items():
-                w = self.weights[i]
-                pack(w.data_ptr(), p.data_ptr(), *w.shape)
+                panels.pack(self.weights[i], p)
             self.panel = (ctypes.c_void_p * len(self.weights))(
                 *(self.packed[i].data_ptr() if i in self.packed else w.data_ptr() for i, w in enumerate(self.weights)))
         return self.panel

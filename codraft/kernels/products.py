@@ -1,15 +1,16 @@
 """Few-row products ``x @ wᵀ`` on CPU: the fast ``linear`` the kernel-enabled layers use.
 
-Three paths compute the same product: the C kernel (``codraft.kernels.gemv``), MKL's ``x @ wᵀ``
-(``F.linear``) and the same computed as ``(w @ xᵀ)ᵀ``, which MKL runs through other code that can
-be faster for some row counts; with bf16 weights on a CPU with AMX, a fourth: the tile kernel
-(``codraft.kernels.amx``). Which one is fastest for a weight's shape and dtype at a row count is
-measured on this machine the first time the shape is used (``codraft.kernels.dispatch``; above the
-measured row counts (prefills), the fastest at the largest one of the paths that scale: torch's
-and AMX). A bf16 weight (weight-only rollout copies; x stays fp32) goes to the kernels as is and to
-torch's products widened per call. Autograd, other devices and other
-dtypes keep ``F.linear``. Outputs match ``F.linear`` (of the widened weight) up to fp32 summation
-order. Not here: the kernel itself, and which modules use this (``codraft.kernels.fast_layers``).
+Four paths compute the same product: the C kernel (``codraft.kernels.gemv``), the same on a copy
+of the weight packed in panels (``codraft.kernels.panels``), MKL's ``x @ wᵀ`` (``F.linear``) and the
+same computed as ``(w @ xᵀ)ᵀ``, which MKL runs through other code that can be faster for some row
+counts; with bf16 weights on a CPU with AMX, a fifth: the tile kernel (``codraft.kernels.amx``).
+Which one is fastest for a weight's shape and dtype at a row count is measured on this machine the
+first time the shape is used (``codraft.kernels.dispatch``; above the measured row counts
+(prefills), the fastest at the largest one of the paths that scale: torch's and AMX). A bf16 weight
+(weight-only rollout copies; x stays fp32) goes to the kernels as is and to torch's products widened
+per call. Autograd, other devices and other dtypes keep ``F.linear``. Outputs match ``F.linear`` (of
+the widened weight) up to fp32 summation order. Not here: the kernels themselves, and which modules
+use this (``codraft.kernels.fast_layers``).
 """
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import itertools
 import torch
 import torch.nn.functional as F
 
-from codraft.kernels import amx, cbuild, dispatch, gemv
+from codraft.kernels import amx, cbuild, dispatch, gemv, panels
 
 
 def torch_linear(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -31,14 +32,18 @@ def transposed(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return ((w if w.dtype is x2.dtype else w.to(x2.dtype)) @ x2.T).T.contiguous()
 
 
-PATHS = {"kernel": gemv.gemv, "linear": torch_linear, "transposed": transposed, "amx": amx.gemm}
-APPLIES = {"kernel": gemv.applies, "amx": amx.applies}  # torch's paths take every product
+PATHS = {"kernel": gemv.gemv, "panels": panels.product, "linear": torch_linear, "transposed": transposed,
+         "amx": amx.gemm}
+APPLIES = {"kernel": gemv.applies, "panels": panels.applies, "amx": amx.applies}  # torch's paths take every product
 
 
 def _candidates(w: torch.Tensor) -> dict[str, dispatch.At]:
     """Each path on copies of ``w`` (the kernel where it applies), for ``dispatch.measure``."""
     n = dispatch.copies(w.numel() * w.element_size())
-    ws = w.detach().expand(n, *w.shape).contiguous()  # each call reads another copy: from memory
+    # each call reads another copy: from memory (held as n tensors that keep version counters, as a
+    # model's weights do: the panels path keeps a packed copy per tensor)
+    with torch.inference_mode(False):
+        ws = list(w.detach().expand(n, *w.shape).contiguous())
     turn = itertools.count()
 
     def at(name):

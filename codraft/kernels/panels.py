@@ -1,0 +1,83 @@
+"""Weight matrices packed in panels (``gemv.c``'s ``pack_panels``): copies on which few-row products
+run at up to the FMA rate, and products through them.
+
+A decode product reads each weight once per step. In ``gemv.c``'s row-major kernel every output
+ends in a horizontal sum and every FMA loads its own vector of the inputs; packed in panels of
+2 × LANES output rows (for each input index, the panel's weights contiguous), one load serves a
+panel's outputs and each input row is one broadcast: 1.1× at 1 row, 1.1–1.4× at 2–16 rows on a 2-core
+EPYC (docs/bench-spec.md, "Weights packed in panels"). A copy is made on first use, in 2 MB pages,
+and made again (into the same memory) whenever the weight's version counter or address changes (an
+optimiser step, a rollout refresh, ``.data =``), so it is never stale. Inference tensors keep no
+version counter: their products run unpacked. Used by the product dispatch (``codraft.kernels.products``,
+path ``panels``) and by the decode stack's plans (``codraft.kernels.decode_ops``).
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from codraft.kernels import gemv, hugepages
+
+
+def _lib():
+    """The built library with the panel functions' argument types (None: no kernels)."""
+    from codraft.kernels import decode_ops  # (decode_ops sets every C signature once)
+    return decode_ops.kernels()
+
+
+def empty(weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Room for each weight's packed copy (its rows rounded up to whole panels), in one buffer of 2 MB
+    pages."""
+    rows = _lib().panel_rows()
+    out = [torch.empty(-(-w.shape[0] // rows) * rows, w.shape[1], dtype=w.dtype) for w in weights]
+    hugepages.rehome(out)
+    return out
+
+
+def pack(w: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
+    """Pack w (O,I) fp32 or bf16, contiguous, into ``into`` (from ``empty``)."""
+    lib = _lib()
+    (lib.pack_panels_bf16 if w.dtype is torch.bfloat16 else lib.pack_panels)(w.data_ptr(), into.data_ptr(), *w.shape)
+    return into
+
+
+# id(weight) -> (a weak reference to it, stamp, its packed copy, (shape, dtype)); an entry goes when
+# its weight does (a WeakKeyDictionary would compare tensors with ==, elementwise)
+_copies: dict[int, tuple] = {}
+
+
+def packed(w: torch.Tensor) -> torch.Tensor:
+    """w's packed copy, made or brought up to date first."""
+    stamp = (w.data_ptr(), w._version)
+    held = _copies.get(id(w))
+    if held is None or held[0]() is not w:
+        weakref.finalize(w, _copies.pop, id(w), None)
+        held = None
+    if held is None or held[1] != stamp:
+        room = held[2] if held is not None and held[3] == (w.shape, w.dtype) else empty([w])[0]
+        held = _copies[id(w)] = (weakref.ref(w), stamp, pack(w, room), (w.shape, w.dtype))
+    return held[2]
+
+
+def applies(x2: torch.Tensor, w: torch.Tensor) -> bool:
+    """What ``gemv.applies`` takes (measured on weights that keep a version counter)."""
+    return gemv.applies(x2, w)
+
+
+def product(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x2 (M,I) fp32 @ wᵀ through w's packed copy -> (M,O) fp32 (an inference tensor, which keeps no
+    version counter, through ``gemv`` as it is); the caller checked ``applies``."""
+    if w.is_inference():
+        return gemv.gemv(x2, w)
+    m, i = x2.shape
+    o = w.shape[0]
+    if w.shape[1] != i:
+        raise ValueError(f"shape mismatch: x {tuple(x2.shape)} @ w {tuple(w.shape)}ᵀ")
+    x2 = x2.contiguous()
+    y = torch.empty(m, o)
+    lib = _lib()
+    fn = lib.gemv_panels_bf16 if w.dtype is torch.bfloat16 else lib.gemv_panels
+    fn(x2.data_ptr(), packed(w).data_ptr(), y.data_ptr(), m, i, o)
+    return y
+
