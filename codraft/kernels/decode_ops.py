@@ -42,11 +42,6 @@ def kernels():
     lib.decode_attention.argtypes = [_P] * 9 + [_I] * 6 + [_F]
     lib.decode_layer.argtypes = [_P] * 8 + [_I] * 8 + [_F, ctypes.c_int]
     lib.decode_stack.argtypes = [_P] * 9 + [_I] * 9 + [_F, ctypes.c_int]
-    for pack in (lib.pack_panels, lib.pack_panels_bf16):
-        pack.argtypes, pack.restype = [_P, _P, _I, _I], None
-    for product in (lib.gemv_panels, lib.gemv_panels_bf16):
-        product.argtypes, product.restype = [_P] * 3 + [_I] * 3, None
-    lib.panel_rows.argtypes, lib.panel_rows.restype = [], ctypes.c_int
     return lib
 
 

@@ -174,11 +174,17 @@ def applies(x2: torch.Tensor, w: torch.Tensor) -> bool:
 def gemv(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x2 (M,I) fp32 @ wᵀ (O,I) fp32 or bf16 -> (M,O) fp32 through the kernel; the caller checked
     ``applies``."""
+    return run(kernel()[w.dtype], x2, w, w)
+
+
+def run(fn, x2: torch.Tensor, w: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """y (M,O) fp32 = x2 (M,I) @ wᵀ (O,I) by the C function ``fn(x, weights, y, M, I, O)``, which reads
+    ``weights`` (w, or a copy of it in another layout)."""
     m, i = x2.shape
     o = w.shape[0]
     if w.shape[1] != i:
         raise ValueError(f"shape mismatch: x {tuple(x2.shape)} @ w {tuple(w.shape)}ᵀ")
     x2 = x2.contiguous()
     y = torch.empty(m, o)
-    kernel()[w.dtype](x2.data_ptr(), w.data_ptr(), y.data_ptr(), m, i, o)
+    fn(x2.data_ptr(), weights.data_ptr(), y.data_ptr(), m, i, o)
     return y

@@ -13,25 +13,36 @@ path ``panels``) and by the decode stack's plans (``codraft.kernels.decode_ops``
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import weakref
 
 import torch
 
-from codraft.kernels import gemv, hugepages
+from codraft.kernels import cbuild, gemv, hugepages
 
 
+@functools.cache
 def _lib():
-    """The built library with the panel functions' argument types (None: no kernels)."""
-    from codraft.kernels import decode_ops  # (decode_ops sets every C signature once)
-    return decode_ops.kernels()
+    """The built library with the panel functions' argument types (the caller checked ``gemv.applies``
+    or ``decode_ops.kernels``: it is built)."""
+    lib = cbuild.library()
+    p, i = ctypes.c_void_p, ctypes.c_int64
+    for fn in (lib.pack_panels, lib.pack_panels_bf16):
+        fn.argtypes, fn.restype = [p, p, i, i], None
+    for fn in (lib.gemv_panels, lib.gemv_panels_bf16):
+        fn.argtypes, fn.restype = [p] * 3 + [i] * 3, None
+    lib.panel_rows.argtypes, lib.panel_rows.restype = [], ctypes.c_int
+    return lib
 
 
 def empty(weights: list[torch.Tensor]) -> list[torch.Tensor]:
     """Room for each weight's packed copy (its rows rounded up to whole panels), in one buffer of 2 MB
-    pages."""
+    pages when they fill one at least (smaller copies would each take a page of their own)."""
     rows = _lib().panel_rows()
     out = [torch.empty(-(-w.shape[0] // rows) * rows, w.shape[1], dtype=w.dtype) for w in weights]
-    hugepages.rehome(out)
+    if sum(t.numel() * t.element_size() for t in out) >= hugepages.PAGE:
+        hugepages.rehome(out)
     return out
 
 
@@ -60,9 +71,7 @@ def packed(w: torch.Tensor) -> torch.Tensor:
     return held[2]
 
 
-def applies(x2: torch.Tensor, w: torch.Tensor) -> bool:
-    """What ``gemv.applies`` takes (measured on weights that keep a version counter)."""
-    return gemv.applies(x2, w)
+applies = gemv.applies  # the same products, at any row count
 
 
 def product(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -70,14 +79,6 @@ def product(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     version counter, through ``gemv`` as it is); the caller checked ``applies``."""
     if w.is_inference():
         return gemv.gemv(x2, w)
-    m, i = x2.shape
-    o = w.shape[0]
-    if w.shape[1] != i:
-        raise ValueError(f"shape mismatch: x {tuple(x2.shape)} @ w {tuple(w.shape)}ᵀ")
-    x2 = x2.contiguous()
-    y = torch.empty(m, o)
     lib = _lib()
-    fn = lib.gemv_panels_bf16 if w.dtype is torch.bfloat16 else lib.gemv_panels
-    fn(x2.data_ptr(), packed(w).data_ptr(), y.data_ptr(), m, i, o)
-    return y
+    return gemv.run(lib.gemv_panels_bf16 if w.dtype is torch.bfloat16 else lib.gemv_panels, x2, w, packed(w))
 
