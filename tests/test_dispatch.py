@@ -215,7 +215,8 @@ def test_linear_takes_the_chosen_path_per_row_count(made_up_times, monkeypatch):
                 assert products.linear(torch.randn(1, m, 16), w).shape == (1, m, 24)
             assert products.table(w).ranges == ((1, 5, "kernel"), (6, 128, "transposed"))
     assert calls == ["kernel", "kernel", "transposed", "transposed", "transposed", "transposed", "transposed"] * 2
-    assert made == [["kernel", "linear", "panels", "transposed"]] * 2  # one table per dtype
+    # one table per dtype; packed copies of bf16 weights only
+    assert made == [["kernel", "linear", "transposed"], ["kernel", "linear", "panels", "transposed"]]
 
 
 def test_above_the_grid_the_top_choice_only_if_it_scales():
@@ -358,5 +359,5 @@ def test_decoder_layer_takes_the_chosen_path(made_up_times, monkeypatch):
         for t in (1, 2, 3, 4):  # 2, 4, 6, 8 rows
             model(torch.randint(0, 50, (2, t)), cache=cache)
     assert calls == [2, 4]  # one layer
-    assert ["fused", "fused-panels", "unfused"] in made and fast_layers.layer_table(model.layers[0]).ranges == (
+    assert ["fused", "unfused"] in made and fast_layers.layer_table(model.layers[0]).ranges == (
         (1, 4, "fused"), (5, 128, "unfused"))

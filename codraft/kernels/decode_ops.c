@@ -253,21 +253,18 @@ static void silu_mul(float *g, const float *u, int64_t n) {
 
 void gemv_rows(const float *x, const float *w, float *y, int64_t m, int64_t in, int64_t out);
 void gemv_rows_bf16(const float *x, const uint16_t *w, float *y, int64_t m, int64_t in, int64_t out);
-void gemv_panels(const float *x, const float *packed, float *y, int64_t m, int64_t in, int64_t out);
 void gemv_panels_bf16(const float *x, const uint16_t *packed, float *y, int64_t m, int64_t in, int64_t out);
 void gemm_amx_bf16(const float *x, const uint16_t *w, float *y, int64_t m, int64_t in, int64_t out);
 
-// how a layer's products run: fp32 weights (gemv.c), bf16 (gemv.c), bf16 on AMX tiles (amx.c), bf16 or
-// fp32 packed in panels (gemv.c's pack_panels_bf16, pack_panels)
-enum { FP32, BF16, BF16_AMX, BF16_PANELS, FP32_PANELS };
+// how a layer's products run: fp32 weights (gemv.c), bf16 (gemv.c), bf16 on AMX tiles (amx.c), bf16
+// packed in panels (gemv.c's pack_panels_bf16)
+enum { FP32, BF16, BF16_AMX, BF16_PANELS };
 
 static void product(const float *x, const void *w, int kind, float *y, int64_t m, int64_t in, int64_t out) {
     if (kind == BF16_AMX)
         gemm_amx_bf16(x, w, y, m, in, out);
     else if (kind == BF16_PANELS)
         gemv_panels_bf16(x, w, y, m, in, out);
-    else if (kind == FP32_PANELS)
-        gemv_panels(x, w, y, m, in, out);
     else if (kind == BF16)
         gemv_rows_bf16(x, w, y, m, in, out);
     else
@@ -278,8 +275,8 @@ static void product(const float *x, const void *w, int kind, float *y, int64_t m
 //   h = x + o_proj(attention(rope(q, k), cache))   with q, k, v = projections of rms_norm(x)
 //   y = h + down(silu(gate(n)) * up(n))            with n = rms_norm(h)
 // w: the layer's input norm, q, k, v, o, post-attention norm, gate, up, down weights (HF shapes);
-// the norms fp32, the 7 projections fp32 (kind FP32) or bf16 (raw bits; kind BF16 or BF16_AMX), or
-// either packed in panels (FP32_PANELS, BF16_PANELS).
+// the norms fp32, the 7 projections fp32 (kind FP32) or bf16 (raw bits; kind BF16 or BF16_AMX; packed
+// in panels for BF16_PANELS).
 // k and v are written into this layer's cache as in decode_attention. scratch: layer_scratch floats.
 static int64_t layer_scratch(int64_t m, int64_t D, int64_t nq, int64_t nkv, int64_t I) {
     return m * (D + nq + 2 * nkv + nq + 2 * I);

@@ -8,8 +8,9 @@ step (figures in docs/bench-spec.md). A layer without q/k norms can be one C cal
 (``layer_applies``), whose products go through the GEMV kernel with the layer's fp32 or bf16
 projection weights (rollout copies; norm weights, activations and the KV cache stay fp32), or
 with bf16 weights through the AMX kernel (``amx=True``: ``codraft.kernels.amx``) or, for a run of
-layers, packed in panels (``panels=True``: a copy of each projection in ``gemv.c``'s panel layout, made
-when the run is first decoded and again whenever a weight changes, e.g. after an optimiser step); and
+layers, packed in panels (``panels=True``: a copy of each bf16 projection in ``gemv.c``'s panel layout,
+``codraft.kernels.panels``, made when the run is first decoded and again whenever a weight changes,
+e.g. at a rollout copy's refresh); and
 a run of such layers of one shape, a model's whole stack, one C call (``decoder_stack``): the
 Python around a call per layer still cost ~100 us a layer, a quarter of the layer's own time.
 Used on CPU without autograd; built with the GEMV kernel (``codraft.kernels.cbuild``;
@@ -119,10 +120,8 @@ def cache_attention(q, k, v, cos, sin, k_cache, v_cache, lengths) -> torch.Tenso
 
 
 def _kind(bf16: bool, amx: bool, panels: bool = False) -> int:
-    """decode_ops.c's FP32, BF16, BF16_AMX, BF16_PANELS or FP32_PANELS: how the layer's products run."""
-    if panels:
-        return 3 if bf16 else 4
-    return (2 if amx else 1) if bf16 else 0
+    """decode_ops.c's FP32, BF16, BF16_AMX or BF16_PANELS: how the layer's products run."""
+    return (3 if panels else 2 if amx else 1) if bf16 else 0
 
 
 def decoder_layer(layer, x, cos, sin, k_cache, v_cache, lengths, amx: bool = False) -> torch.Tensor:
@@ -164,14 +163,14 @@ class _Stack:
         self.ptrs = (ctypes.c_void_p * len(weights))(*(w.data_ptr() for w in weights))
         self.stamp = stamp
         self.weights, self.packed = weights, None
-        # the previous plan's packed copies, to pack into again when only the values changed (an optimiser
+        # the previous plan's packed copies, to pack into again when only the values changed (a refresh
         # step: no new buffer to fault in)
         self.reuse = previous.packed if previous is not None and previous.packed is not None and all(
             (w.shape, w.dtype) == (o.shape, o.dtype) for w, o in zip(weights, previous.weights)) else None
 
     def panel_ptrs(self):
-        """The addresses with every projection replaced by its copy packed in panels, made on first use
-        in one buffer of 2 MB pages (the stream the decode step reads)."""
+        """The addresses with every (bf16) projection replaced by its copy packed in panels, made on first
+        use in one buffer of 2 MB pages (the stream the decode step reads)."""
         if self.packed is None:
             projections = [i for i in range(len(self.weights)) if i % 9 not in (0, 5)]  # not the two norms
             self.packed = self.reuse or dict(zip(projections, panels.empty([self.weights[i] for i in projections])))
@@ -199,8 +198,8 @@ def decoder_stack(model, first: int, layers: list, x, cos, sin, cache, taps=(), 
     """``layers`` (decoder layers ``first``, ``first + 1``, ... of ``model``; each ``layer_applies``,
     one shape) on x (B,T,D) into ``cache`` in one C call -> (output, {i: output of layer i for i in
     taps}); None when it does not apply (grad mode, a layer that does not fit, other shapes), for the
-    caller to run the layers one by one. Products on weights packed in panels (``panels``), or bf16
-    products on AMX tiles (``amx``; fp32 weights ignore it). Whether one call per layer (and which
+    caller to run the layers one by one. bf16 products on AMX tiles (``amx``) or on copies packed in
+    panels (``panels``); fp32 weights ignore both. Whether one call per layer (and which
     products) is the fastest path for the row count is the caller's call."""
     if torch.is_grad_enabled() or kernels() is None:
         return None
@@ -230,7 +229,7 @@ def decoder_stack(model, first: int, layers: list, x, cos, sin, cache, taps=(), 
                                                  for i in range(first, first + len(layers))))
     y = torch.empty_like(x)
     kc, vc = cache.k[first], cache.v[first]  # layer `first`; the C code steps by one layer's size
-    panels = panels and not (amx and plan.bf16) and versions is not None
+    panels = panels and plan.bf16 and not amx and versions is not None
     kernels().decode_stack(x.data_ptr(), y.data_ptr(), plan.panel_ptrs() if panels else plan.ptrs, cos.data_ptr(),
                            sin.data_ptr(), kc.data_ptr(), vc.data_ptr(), lengths.data_ptr(), tap_ptrs, len(layers), b,
                            t, D, H, Hkv, hd, inter, cache.k.shape[3], plan.eps, _kind(plan.bf16, amx, panels))

@@ -6,8 +6,8 @@ need no autograd (``cbuild.fits``); products through ``products.linear`` (the fa
 kernel, torch's two forms and, for bf16 weights on an AMX CPU, the tile kernel, for the row count,
 measured); RMSNorm in C; into a KV cache with the default ``varlen_attention``, RoPE + cache
 write + attention in C (not for a prefill into an empty cache: SDPA); and a whole decoder layer in
-one C call (``decode_ops.layer_applies``: no q/k norms; its products on the vector kernel, on the same
-kernel with the weights packed in panels, or with bf16 weights on an AMX CPU on AMX tiles: one
+one C call (``decode_ops.layer_applies``: no q/k norms; its products on the vector kernel, and with
+bf16 weights on the same kernel with copies packed in panels or on an AMX CPU on AMX tiles: one
 candidate each) where that is faster than the layer's C norms
 + C attention + products, as measured on this machine per layer shape, weight dtype and row count
 (``LAYER``, ``codraft.kernels.dispatch``); there the model runs its whole stack of such layers in
@@ -119,7 +119,7 @@ def _amx_fits(layer) -> bool:
 
 def _layer_candidates(layer: FastDecoderLayer) -> dict[str, dispatch.At]:
     """The one-call layer (as a decode step runs it: ``decoder_stack``, here over one layer; its
-    products on the vector kernel, on it with the weights packed in panels, and for bf16 weights where it
+    products on the vector kernel, and for bf16 weights on it with copies packed in panels and where it
     applies on AMX tiles) and the per-op
     one (``DecoderLayer.forward`` over the fast submodules), each call on the next of copies of
     ``layer`` (so its weights come from memory); m rows of one new token each after ``CONTEXT`` cached
@@ -140,7 +140,8 @@ def _layer_candidates(layer: FastDecoderLayer) -> dict[str, dispatch.At]:
             positions, span = cache.lengths[:, None], CONTEXT + 1
             mask = torch.zeros(()).masked_fill(~cache_causal_mask(cache.lengths, 1, span), float("-inf"))
             with torch.no_grad():  # as a decode step runs (the table may be looked up under autograd)
-                if fused and not decode_ops.layer_applies(layer, x, cache.k) or on_amx and not _amx_fits(layer):
+                if fused and not decode_ops.layer_applies(layer, x, cache.k) or on_amx and not _amx_fits(layer) \
+                        or panels and layer.self_attn.q_proj.weight.dtype is not torch.bfloat16:
                     return None
 
             @torch.no_grad()
@@ -158,7 +159,7 @@ def _layer_candidates(layer: FastDecoderLayer) -> dict[str, dispatch.At]:
             "unfused": at(False)}
 
 
-# the one-call layer, its products on the vector kernel (the weights as they are or packed in panels) or
+# the one-call layer, its products on the vector kernel (bf16 weights as they are or packed in panels) or
 # AMX tiles
 FUSED = ("fused", "fused-panels", "fused-amx")
 LAYER = dispatch.Operation("layer", (*FUSED, "unfused"), "unfused", _layer_candidates)

@@ -245,49 +245,47 @@ void gemv_rows_bf16(const float *x, const uint16_t *w, float *y, int64_t m, int6
     free(xd);
 }
 
-// ---- weights packed in panels (copies the decode stack streams) ----
+// ---- bf16 weights packed in panels (copies of the rollout weights, codraft/kernels/panels.py) ----
 // The layout above dots each weight row with each input row: every product ends in a horizontal sum,
 // and each FMA needs its own block of x, so 2-8 input rows ran at ~60-70% of the FMA rate with the
-// weights in cache. Packed in panels of PANEL output rows (pack_panels), the weights of one input
-// index k for a whole panel are 2 x LANES outputs in one 32/64-byte load (bf16: widened by load_bf16,
-// evens the panel's first LANES outputs, odds the next LANES), and each input row contributes one
-// broadcast x[r][k]: FMAs into accumulators that are already y's outputs. bf16 measured on a 2-core
-// EPYC (docs/bench-spec.md, session 20): 1.1x the rows kernel streamed at 1 row, 1.1-1.4x at 2-16.
+// weights in cache. Packed in panels of PANEL output rows (pack_panels_bf16), the weights of one input
+// index k for a whole panel are one vector load, widened into 2 x LANES outputs by load_bf16 (evens:
+// the panel's first LANES outputs, odds: the next LANES), and each input row contributes one broadcast
+// x[r][k]: FMAs into accumulators that are already y's outputs. Measured on a 2-core EPYC
+// (docs/bench-spec.md, session 20): 1.1x the rows kernel streamed at 1 row, 1.2-1.4x at 2-4 rows,
+// ~1.4x with the weights in cache at 4-8 rows (at the FMA rate).
 #define PANEL (2 * LANES)
 int panel_rows(void) { return PANEL; }
 
-// w (out, in) row-major -> packed (ceil(out / PANEL), in, PANEL), zero past `out`: panel p, input k
-// holds outputs p*PANEL + j at j (fp32), or at 2j for j < LANES and 2(j - LANES) + 1 above (bf16)
-INLINE void pack(const void *w, void *packed, int64_t out, int64_t in, const int bf16) {
+// w (out, in) row-major bf16 -> packed (ceil(out / PANEL), in, PANEL): panel p, input k holds outputs
+// p*PANEL + j at even position 2j and p*PANEL + LANES + j at 2j + 1 (zero past `out`)
+void pack_panels_bf16(const uint16_t *w, uint16_t *packed, int64_t out, int64_t in) {
     int64_t panels = (out + PANEL - 1) / PANEL;
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < panels; p++)
         for (int64_t k = 0; k < in; k++)
-            for (int j = 0; j < PANEL; j++) {
-                int64_t o = p * PANEL + j, at = (p * in + k) * PANEL + (bf16 ? (j % LANES) * 2 + j / LANES : j);
-                if (bf16)
-                    ((uint16_t *)packed)[at] = o < out ? ((const uint16_t *)w)[o * in + k] : 0;
-                else
-                    ((float *)packed)[at] = o < out ? ((const float *)w)[o * in + k] : 0.0f;
+            for (int j = 0; j < LANES; j++) {
+                int64_t a = p * PANEL + j, b = a + LANES;
+                uint16_t *dst = packed + (p * in + k) * PANEL + 2 * j;
+                dst[0] = a < out ? w[a * in + k] : 0;
+                dst[1] = b < out ? w[b * in + k] : 0;
             }
 }
-void pack_panels(const float *w, float *packed, int64_t out, int64_t in) { pack(w, packed, out, in, 0); }
-void pack_panels_bf16(const uint16_t *w, uint16_t *packed, int64_t out, int64_t in) { pack(w, packed, out, in, 1); }
 
 // y[r0 .. r0+R, the outputs of panels p0 .. p0+NP] over all k: R*NP*2 accumulators (R, NP constants
 // after inlining; up to 4 x 1, 3 x 2, 2 x 2, 1 x 4: 8-12 chains of FMAs hide their latency).
-INLINE void panel_tile(const float *x, const void *packed, float *y, int64_t in, int64_t out, int64_t r0,
-                       int64_t p0, const int R, const int NP, const int bf16, const int hint) {
-    const int size = bf16 ? 2 : 4, per_line = 64 / (PANEL * size) > 0 ? 64 / (PANEL * size) : 1;
+INLINE void panel_tile(const float *x, const uint16_t *packed, float *y, int64_t in, int64_t out, int64_t r0,
+                       int64_t p0, const int R, const int NP, const int hint) {
     vf a[4][4][2];
     for (int r = 0; r < R; r++)
         for (int n = 0; n < NP; n++) a[r][n][0] = a[r][n][1] = (vf){0};
-    const char *base = (const char *)packed + p0 * in * PANEL * size;
+    const uint16_t *base = packed + p0 * in * PANEL;
+    const int per_line = 64 / (PANEL * 2) > 0 ? 64 / (PANEL * 2) : 1;  // k's per cache line of a panel
     for (int64_t k = 0; k < in; k++) {
-        if (hint != 2 && k % per_line == 0)  // each line of each panel once
+        if (hint != 2 && k % per_line == 0)
             for (int n = 0; n < NP; n++) {
-                const char *ahead = base + (n * in + k) * PANEL * size + PREFETCH_BYTES;
-                for (int b = 0; b < PANEL * size; b += 64) {
+                const char *ahead = (const char *)(base + (n * in + k) * PANEL) + PREFETCH_BYTES;
+                for (int b = 0; b < PANEL * 2; b += 64) {
                     if (hint)
                         __builtin_prefetch(ahead + b, 0, 2);
                     else
@@ -295,14 +293,8 @@ INLINE void panel_tile(const float *x, const void *packed, float *y, int64_t in,
                 }
             }
         for (int n = 0; n < NP; n++) {
-            const char *at = base + (n * in + k) * PANEL * size;
             vf w0, w1;
-            if (bf16) {
-                load_bf16((const uint16_t *)at, &w0, &w1);
-            } else {
-                w0 = load((const float *)at);
-                w1 = load((const float *)at + LANES);
-            }
+            load_bf16(base + (n * in + k) * PANEL, &w0, &w1);
             IN_REGISTER(w0);
             IN_REGISTER(w1);
             for (int r = 0; r < R; r++) {
@@ -322,11 +314,11 @@ INLINE void panel_tile(const float *x, const void *packed, float *y, int64_t in,
         }
 }
 
-#define PANEL_TILE(R, NP) panel_tile(x, packed, y, in, out, r0, p, R, NP, bf16, hint)
+#define PANEL_TILE(R, NP) panel_tile(x, packed, y, in, out, r0, p, R, NP, hint)
 // panels p0 .. p1 for all m rows: per group of panels (4 / the last tile's rows, so that tile has
 // chains enough), tiles of 4 rows one panel at a time, then the last 1-3 rows over the whole group
-INLINE void panels(const float *x, const void *packed, float *y, int64_t m, int64_t in, int64_t out, int64_t p0,
-                   int64_t p1, const int bf16, const int hint) {
+INLINE void panels(const float *x, const uint16_t *packed, float *y, int64_t m, int64_t in, int64_t out, int64_t p0,
+                   int64_t p1, const int hint) {
     const int rest = (int)(m % 4), group = rest == 1 ? 4 : rest ? 2 : 1;
     for (int64_t g = p0; g < p1; g += group) {
         int64_t g1 = g + group < p1 ? g + group : p1, r0 = 0;
@@ -349,19 +341,12 @@ INLINE void panels(const float *x, const void *packed, float *y, int64_t m, int6
     }
 }
 
-// the panels of one task, prefetched as the rows kernel's one-row tuning for the weight dtype says
-INLINE void panel_task(const float *x, const void *packed, float *y, int64_t m, int64_t in, int64_t out, int64_t p0,
-                       int64_t p1, const int bf16) {
-    BY_MODE(prefetch_mode[bf16][0], panels, x, packed, y, m, in, out, p0, p1, bf16);
+// y (m, out) = x (m, in) @ w^T with w packed by pack_panels_bf16, prefetched as the bf16 rows kernel's
+// one-row tuning says
+void gemv_panels_bf16(const float *x, const uint16_t *packed, float *y, int64_t m, int64_t in, int64_t out) {
+    int64_t n_panels = (out + PANEL - 1) / PANEL, chunk = n_panels / (4 * omp_get_max_threads());
+    if (chunk < 1) chunk = 1;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < n_panels; p += chunk)
+        BY_MODE(prefetch_mode[1][0], panels, x, packed, y, m, in, out, p, p + chunk < n_panels ? p + chunk : n_panels);
 }
-
-// y (m, out) = x (m, in) @ w^T with w packed by pack_panels(_bf16)
-#define PANEL_PRODUCT(name, type, bf16)                                                                    \
-    void name(const float *x, const type *packed, float *y, int64_t m, int64_t in, int64_t out) {            \
-        int64_t n_panels = (out + PANEL - 1) / PANEL, chunk = n_panels / (4 * omp_get_max_threads());       \
-        if (chunk < 1) chunk = 1;                                                                          \
-        _Pragma("omp parallel for schedule(static)") for (int64_t p = 0; p < n_panels; p += chunk)          \
-            panel_task(x, packed, y, m, in, out, p, p + chunk < n_panels ? p + chunk : n_panels, bf16);     \
-    }
-PANEL_PRODUCT(gemv_panels, float, 0)
-PANEL_PRODUCT(gemv_panels_bf16, uint16_t, 1)

@@ -17,9 +17,9 @@ alone), and from how many input rows it takes weight rows in pairs (each block o
 loaded once for two weight rows: fewer loads per FMA where the rows make it compute-bound) rather
 than one at a time (one address range streamed: faster at 1-3 rows on a 2-core EPYC).
 
-``gemv.c`` also holds the products on weights packed in panels (``pack_panels``, ``gemv_panels``
-and their bf16 forms): the decode stack's packed copies (``codraft.kernels.decode_ops``), which run
-2-16 rows at up to the FMA rate; they follow the one-row prefetch mode tuned here.
+``gemv.c`` also holds the products on bf16 weights packed in panels (``pack_panels_bf16``,
+``gemv_panels_bf16``; ``codraft.kernels.panels``), which run 2-16 rows at up to the FMA rate; they
+follow the bf16 one-row prefetch mode tuned here.
 
 Built on first use by ``codraft.kernels.cbuild``; it runs on OpenMP, i.e. torch's own thread
 pool, so ``torch.set_num_threads`` applies. No compiler, or ``CODRAFT_KERNELS=0``: ``kernel()``

@@ -1,15 +1,18 @@
-"""Weight matrices packed in panels (``gemv.c``'s ``pack_panels``): copies on which few-row products
-run at up to the FMA rate, and products through them.
+"""bf16 weight matrices packed in panels (``gemv.c``'s ``pack_panels_bf16``): copies on which few-row
+products run at up to the FMA rate, and products through them.
 
 A decode product reads each weight once per step. In ``gemv.c``'s row-major kernel every output
 ends in a horizontal sum and every FMA loads its own vector of the inputs; packed in panels of
 2 × LANES output rows (for each input index, the panel's weights contiguous), one load serves a
 panel's outputs and each input row is one broadcast: 1.1× at 1 row, 1.1–1.4× at 2–16 rows on a 2-core
 EPYC (docs/bench-spec.md, "Weights packed in panels"). A copy is made on first use, in 2 MB pages,
-and made again (into the same memory) whenever the weight's version counter or address changes (an
-optimiser step, a rollout refresh, ``.data =``), so it is never stale. Inference tensors keep no
-version counter: their products run unpacked. Used by the product dispatch (``codraft.kernels.products``,
-path ``panels``) and by the decode stack's plans (``codraft.kernels.decode_ops``).
+and made again (into the same memory) whenever the weight's version counter or address changes (a
+rollout copy's refresh, ``.data =``, any in-place op), so it is never stale. Only bf16 weights, the
+rollout copies, which nothing trains: torch's fused AdamW (the trainer's optimiser) updates the fp32
+weights without bumping their version counters (checked, torch 2.13), so a copy of a trained weight
+could go stale unseen. Inference tensors keep no version counter: their products run unpacked.
+Used by the product dispatch (``codraft.kernels.products``, path ``panels``) and by the decode
+stack's plans (``codraft.kernels.decode_ops``).
 """
 from __future__ import annotations
 
@@ -28,10 +31,8 @@ def _lib():
     or ``decode_ops.kernels``: it is built)."""
     lib = cbuild.library()
     p, i = ctypes.c_void_p, ctypes.c_int64
-    for fn in (lib.pack_panels, lib.pack_panels_bf16):
-        fn.argtypes, fn.restype = [p, p, i, i], None
-    for fn in (lib.gemv_panels, lib.gemv_panels_bf16):
-        fn.argtypes, fn.restype = [p] * 3 + [i] * 3, None
+    lib.pack_panels_bf16.argtypes, lib.pack_panels_bf16.restype = [p, p, i, i], None
+    lib.gemv_panels_bf16.argtypes, lib.gemv_panels_bf16.restype = [p] * 3 + [i] * 3, None
     lib.panel_rows.argtypes, lib.panel_rows.restype = [], ctypes.c_int
     return lib
 
@@ -47,9 +48,8 @@ def empty(weights: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def pack(w: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
-    """Pack w (O,I) fp32 or bf16, contiguous, into ``into`` (from ``empty``)."""
-    lib = _lib()
-    (lib.pack_panels_bf16 if w.dtype is torch.bfloat16 else lib.pack_panels)(w.data_ptr(), into.data_ptr(), *w.shape)
+    """Pack w (O,I) bf16, contiguous, into ``into`` (from ``empty``)."""
+    _lib().pack_panels_bf16(w.data_ptr(), into.data_ptr(), *w.shape)
     return into
 
 
@@ -71,7 +71,9 @@ def packed(w: torch.Tensor) -> torch.Tensor:
     return held[2]
 
 
-applies = gemv.applies  # the same products, at any row count
+def applies(x2: torch.Tensor, w: torch.Tensor) -> bool:
+    """What ``gemv.applies`` takes, with a bf16 weight."""
+    return w.dtype is torch.bfloat16 and gemv.applies(x2, w)
 
 
 def product(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -79,6 +81,5 @@ def product(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     version counter, through ``gemv`` as it is); the caller checked ``applies``."""
     if w.is_inference():
         return gemv.gemv(x2, w)
-    lib = _lib()
-    return gemv.run(lib.gemv_panels_bf16 if w.dtype is torch.bfloat16 else lib.gemv_panels, x2, w, packed(w))
+    return gemv.run(_lib().gemv_panels_bf16, x2, w, packed(w))
 
