@@ -269,7 +269,7 @@ def _stack_model(dtype, layers=3, seed=0, hidden=72, intermediate=100):
                 p.copy_(torch.randn_like(p) * 0.3 if p.dim() == 2 else 1 + 0.1 * torch.randn_like(p))
             if dtype is torch.bfloat16:
                 _bf16_weights(layer)
-    return plain, kernels.enable(copy.deepcopy(plain))
+    return plain, kernels.enable(copy.deepcopy(plain)).requires_grad_(False)  # as the rollout engine's
 
 
 def _stack_run(model, x, lengths, layers: range, taps=(), seed=0):
@@ -345,10 +345,16 @@ def test_decoder_stack_follows_changed_weights(monkeypatch, dtype, path):
         plain.layers[2].self_attn.q_proj.weight.data = new.clone()
         fast.layers[2].self_attn.q_proj.weight.data = new.clone()
     same()
-    up = torch.nn.Linear(72, 100, bias=False, dtype=dtype)
+    up = torch.nn.Linear(72, 100, bias=False, dtype=dtype).requires_grad_(False)
     plain.layers[0].mlp.up_proj = copy.deepcopy(up)
     fast.layers[0].mlp.up_proj = up
     same()
+    plan = decode_ops._stacks[fast][(0, 3)]
+    assert (plan.packed is not None) == (path == "fused-panels")  # the packed copies were what ran
+    fast.requires_grad_(True)  # trainable (a fused optimiser step would not bump their versions): unpacked
+    same()
+    assert decode_ops._stacks[fast][(0, 3)].packed is None
+    fast.requires_grad_(False)
     other = torch.float32 if dtype is torch.bfloat16 else torch.bfloat16
     for m in (plain, fast):  # one projection of another dtype: that layer runs per op, the stack not in one call
         m.layers[1].mlp.up_proj.to(other)

@@ -14,7 +14,7 @@ def _close(y, x, w):
 def test_a_packed_copy_follows_its_weight():
     g = torch.Generator().manual_seed(0)
     for dtype in (torch.bfloat16,):
-        w = torch.nn.Parameter(torch.randn(40, 33, generator=g).to(dtype), requires_grad=False)
+        w = torch.nn.Parameter(torch.randn(40, 33, generator=g).to(dtype), requires_grad=False)  # a rollout copy's
         x = torch.randn(3, 33, generator=g)
         with torch.inference_mode():  # as decode steps run
             assert _close(panels.product(x, w), x, w)
@@ -35,16 +35,20 @@ def test_a_packed_copy_follows_its_weight():
         assert key not in panels._copies  # the copy goes with its weight
 
 
-def test_inference_tensors_run_unpacked_and_trained_weights_are_not_packed():
-    """No version counter (inference tensors), or one a fused optimiser step does not bump (fp32: the
-    trainer's weights): no packed copy."""
+def test_inference_tensors_and_trainable_weights_run_unpacked():
+    """No version counter (inference tensors), or one a fused optimiser step does not bump (weights
+    that require grad, of any dtype: the trainer's): no packed copy."""
     with torch.inference_mode():
         w, x = torch.randn(20, 16).bfloat16(), torch.randn(2, 16)
         assert _close(panels.product(x, w), x, w)
         assert id(w) not in panels._copies
-    p = torch.nn.Parameter(torch.randn(20, 16))
-    p.grad = torch.randn(20, 16)
-    before = p._version
-    torch.optim.AdamW([p], fused=True).step()
-    assert p._version == before  # why: the step changed p unseen by its version counter
-    assert not panels.applies(x, p.detach()) and panels.applies(x, p.detach().bfloat16())
+    for dtype in (torch.float32, torch.bfloat16):
+        p = torch.nn.Parameter(torch.randn(20, 16).to(dtype))
+        p.grad = torch.randn(20, 16).to(dtype)
+        before, value = p._version, p.detach().clone()
+        torch.optim.AdamW([p], fused=True).step()
+        assert p._version == before and not torch.equal(p.detach(), value)  # changed, unseen by the counter
+        with torch.no_grad():
+            y = panels.product(x, p)
+        assert id(p) not in panels._copies and _close(y, x, p.detach())
+    assert not panels.applies(x, p.detach().float()) and panels.applies(x, p.detach())

@@ -205,9 +205,11 @@ def decoder_stack(model, first: int, layers: list, x, cos, sin, cache, taps=(), 
         return None
     b, t, d = x.shape
     weights = [w for l in layers for w in _stack_order(l)]
+    # a packed copy follows its weights by their version counters, which inference tensors lack and a
+    # fused optimiser step does not bump (codraft.kernels.panels): only weights nothing trains are packed
     try:
-        versions = tuple(w._version for w in weights)
-    except RuntimeError:  # inference tensors keep no version counter: no packed copy of them
+        versions = None if any(w.requires_grad for w in weights) else tuple(w._version for w in weights)
+    except RuntimeError:
         versions = None
     stamp = (x.dtype, cache.k.dtype, *(w.data_ptr() for w in weights), *(w.dtype for w in weights), versions)
     key = (first, len(layers))

@@ -7,10 +7,11 @@ ends in a horizontal sum and every FMA loads its own vector of the inputs; packe
 panel's outputs and each input row is one broadcast: 1.1× at 1 row, 1.1–1.4× at 2–16 rows on a 2-core
 EPYC (docs/bench-spec.md, "Weights packed in panels"). A copy is made on first use, in 2 MB pages,
 and made again (into the same memory) whenever the weight's version counter or address changes (a
-rollout copy's refresh, ``.data =``, any in-place op), so it is never stale. Only bf16 weights, the
-rollout copies, which nothing trains: torch's fused AdamW (the trainer's optimiser) updates the fp32
-weights without bumping their version counters (checked, torch 2.13), so a copy of a trained weight
-could go stale unseen. Inference tensors keep no version counter: their products run unpacked.
+rollout copy's refresh, ``.data =``, any in-place op), so it is never stale. Only bf16 weights that
+nothing trains (``requires_grad`` off: the rollout copies): torch's fused AdamW (the trainer's
+optimiser) updates parameters without bumping their version counters (checked, torch 2.13), so a copy
+of a trained weight could go stale unseen. Inference tensors keep no version counter. Both run
+unpacked.
 Used by the product dispatch (``codraft.kernels.products``, path ``panels``) and by the decode
 stack's plans (``codraft.kernels.decode_ops``).
 """
@@ -77,9 +78,9 @@ def applies(x2: torch.Tensor, w: torch.Tensor) -> bool:
 
 
 def product(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x2 (M,I) fp32 @ wᵀ through w's packed copy -> (M,O) fp32 (an inference tensor, which keeps no
-    version counter, through ``gemv`` as it is); the caller checked ``applies``."""
-    if w.is_inference():
+    """x2 (M,I) fp32 @ wᵀ through w's packed copy -> (M,O) fp32 (a trainable weight or an inference
+    tensor through ``gemv`` as it is: see above); the caller checked ``applies``."""
+    if w.requires_grad or w.is_inference():
         return gemv.gemv(x2, w)
     return gemv.run(_lib().gemv_panels_bf16, x2, w, packed(w))
 
