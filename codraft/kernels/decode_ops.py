@@ -26,7 +26,8 @@ import weakref
 
 import torch
 
-from codraft.kernels import cbuild, gemv, panels
+from codraft.kernels import cbuild, gemv
+from codraft.kernels import panels as panel_copies  # (`panels` is decoder_stack's flag)
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -173,10 +174,11 @@ class _Stack:
         use in one buffer of 2 MB pages (the stream the decode step reads)."""
         if self.packed is None:
             projections = [i for i in range(len(self.weights)) if i % 9 not in (0, 5)]  # not the two norms
-            self.packed = self.reuse or dict(zip(projections, panels.empty([self.weights[i] for i in projections])))
+            self.packed = self.reuse or dict(zip(projections,
+                                                 panel_copies.empty([self.weights[i] for i in projections])))
             self.reuse = None
             for i, p in self.packed.items():
-                panels.pack(self.weights[i], p)
+                panel_copies.pack(self.weights[i], p)
             self.panel = (ctypes.c_void_p * len(self.weights))(
                 *(self.packed[i].data_ptr() if i in self.packed else w.data_ptr() for i, w in enumerate(self.weights)))
         return self.panel
@@ -205,12 +207,7 @@ def decoder_stack(model, first: int, layers: list, x, cos, sin, cache, taps=(), 
         return None
     b, t, d = x.shape
     weights = [w for l in layers for w in _stack_order(l)]
-    # a packed copy follows its weights by their version counters, which inference tensors lack and a
-    # fused optimiser step does not bump (codraft.kernels.panels): only weights nothing trains are packed
-    try:
-        versions = None if any(w.requires_grad for w in weights) else tuple(w._version for w in weights)
-    except RuntimeError:
-        versions = None
+    versions = panel_copies.versions(weights)  # None: weights nothing may pack (trainable, or inference tensors)
     stamp = (x.dtype, cache.k.dtype, *(w.data_ptr() for w in weights), *(w.dtype for w in weights), versions)
     key = (first, len(layers))
     plans = _stacks.setdefault(model, {})

@@ -59,8 +59,17 @@ def pack(w: torch.Tensor, into: torch.Tensor) -> torch.Tensor:
 _copies: dict[int, tuple] = {}
 
 
+def versions(weights: list[torch.Tensor]) -> tuple[int, ...] | None:
+    """The weights' version counters, by which packed copies of them follow them; None where a copy
+    could not (see above: a weight that requires grad, or an inference tensor)."""
+    try:
+        return None if any(w.requires_grad for w in weights) else tuple(w._version for w in weights)
+    except RuntimeError:  # an inference tensor keeps no version counter
+        return None
+
+
 def packed(w: torch.Tensor) -> torch.Tensor:
-    """w's packed copy, made or brought up to date first."""
+    """w's packed copy, made or brought up to date first (w: a weight ``versions`` accepts)."""
     stamp = (w.data_ptr(), w._version)
     held = _copies.get(id(w))
     if held is None or held[0]() is not w:
@@ -80,7 +89,7 @@ def applies(x2: torch.Tensor, w: torch.Tensor) -> bool:
 def product(x2: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x2 (M,I) fp32 @ wᵀ through w's packed copy -> (M,O) fp32 (a trainable weight or an inference
     tensor through ``gemv`` as it is: see above); the caller checked ``applies``."""
-    if w.requires_grad or w.is_inference():
+    if versions([w]) is None:
         return gemv.gemv(x2, w)
     return gemv.run(_lib().gemv_panels_bf16, x2, w, packed(w))
 
