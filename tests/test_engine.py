@@ -4,6 +4,7 @@ variable rounds, ngram lookup, seeds, stats, and input validation. Tiny random m
 seconds."""
 import itertools
 import math
+from unittest import mock
 
 import pytest
 import torch
@@ -308,6 +309,62 @@ def test_repeated_prompts_prefill_once(target, kind):
     assert len({tuple(out[i].tokens) for i in (0, 2, 3)}) > 1  # copies are independent samples
     greedy = engine.generate(GROUPED, 12, temperature=0, eos_id=[])
     for prompt, r in zip(GROUPED, greedy):  # equal to plain greedy on the prompt alone
+        assert r.tokens == Engine(target).generate([prompt], 12, temperature=0, eos_id=[])[0].tokens
+
+
+# --------------------------------------------------------------------------- a prefix shared by every prompt
+SHARED = [1, 8, 22, 5, 30, 11, 2, 47, 19, 3, 3, 56, 14, 9, 28, 40, 7, 21]  # a chat template's role
+PREFIXED = [SHARED + [5, 17, 3], SHARED + [9, 40, 2, 33, 7, 1, 12, 60], SHARED + [5, 17, 3], SHARED + [4]]
+
+
+def _state_tensors(state):
+    for v in state:  # the drafts keep their state in named tuples
+        if isinstance(v, KVCache):
+            yield from (v.k, v.v)
+        elif isinstance(v, torch.Tensor):
+            yield v
+
+
+def test_shared_prefix_rule():
+    assert engine_mod.shared_prefix([tuple(p) for p in PREFIXED[1:]]) == len(SHARED)  # 2 x 18 tokens saved
+    assert engine_mod.shared_prefix([tuple(PREFIXED[0]), tuple(PREFIXED[1])]) == 0  # 18 < 32 saved: not worth it
+    assert engine_mod.shared_prefix([tuple(PREFIXED[0])]) == 0  # one distinct prompt: nothing shared
+    whole = (SHARED * 2, SHARED * 3, SHARED * 4)  # one prompt is a prefix of the others: it keeps a token
+    assert engine_mod.shared_prefix([tuple(p) for p in whole]) == 2 * len(SHARED) - 1
+
+
+@pytest.mark.parametrize("kind", [None, "dflash", "eagle3"])
+def test_shared_prefix_prefill(target, kind):
+    """Prompts that share a prefix: it is prefilled once, and the cache, the first logprobs, the draft's
+    proposals after the prefill (it read the tapped features) and greedy outputs equal a prefill of
+    every prompt whole."""
+    draft = None if kind is None else _draft_of(kind, target)
+    engine = Engine(target, draft, gamma=None if draft is None else 3)
+    assert engine_mod.shared_prefix(list(dict.fromkeys(map(tuple, PREFIXED)))) == len(SHARED)
+    calls = []
+    hook = target.register_forward_pre_hook(lambda m, a: calls.append(a[0].shape))
+    try:
+        run = engine.start(PREFIXED, 12, temperature=0, eos_id=[])
+    finally:
+        hook.remove()
+    assert calls == [(1, len(SHARED)), (3, 8)]  # the prefix once, then the 3 distinct prompts' own tokens
+    for b, prompt in enumerate(PREFIXED):
+        fresh = KVCache.for_model(target, 1, 64)
+        with torch.no_grad():
+            logits = target(torch.tensor([prompt]), cache=fresh)[0, -1]
+        n = len(prompt)
+        torch.testing.assert_close(run.cache.k[:, b, :, :n], fresh.k[:, 0, :, :n], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(run.cache.v[:, b, :, :n], fresh.v[:, 0, :, :n], rtol=1e-5, atol=1e-5)
+        assert run.out_logp[b, 0].item() == pytest.approx(torch.log_softmax(logits, -1).max().item(), abs=1e-5)
+    if draft is not None:  # the draft's state (built from the tapped features) as after a whole prefill
+        with mock.patch.object(engine_mod, "shared_prefix", return_value=0):
+            whole = engine_mod.Rollout(engine, PREFIXED, 12, run.sampler, [])
+        pairs = list(zip(_state_tensors(run.draft_state), _state_tensors(whole.draft_state)))
+        assert pairs
+        for a, b in pairs:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    out = engine.generate(PREFIXED, 12, temperature=0, eos_id=[])
+    for prompt, r in zip(PREFIXED, out):
         assert r.tokens == Engine(target).generate([prompt], 12, temperature=0, eos_id=[])[0].tokens
 
 

@@ -49,6 +49,16 @@ class KVCache:
         if span is not None:
             self.span = span
 
+    def start_from(self, src: "KVCache", n: int):
+        """Every row of this empty cache starts with the first n positions of ``src``'s row 0 (a
+        prompt prefix prefilled once)."""
+        if self.span != 0:
+            raise ValueError(f"start_from needs an empty cache, this one holds {self.span} positions")
+        self.k[:, :, :, :n] = src.k[:, :1, :, :n]
+        self.v[:, :, :, :n] = src.v[:, :1, :, :n]
+        self.lengths.fill_(n)
+        self.span = n
+
     def select(self, rows: torch.Tensor):
         """Keep only the given rows (e.g. to drop finished sequences)."""
         self.k = self.k[:, rows]

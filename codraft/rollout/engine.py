@@ -4,7 +4,9 @@ One ``generate`` call:
   1. prefill: the right-padded prompts in one forward into a pre-allocated ``KVCache``
      (per-row lengths); the first new token is sampled from each row's last prompt logit.
      A prompt repeated in the batch (a GRPO group) is prefilled once and its cache rows,
-     last logit and tapped features are copied to every row that repeats it;
+     last logit and tapped features are copied to every row that repeats it. A prefix that
+     every distinct prompt shares (chat template, task instructions) runs once, in a forward of
+     its own, and the cache rows start from a copy of it (``shared_prefix``);
   2. rounds, until every row has stopped; each round drafts g tokens (g = γ, or with
      gamma="auto" a g in 0..γ chosen from the live row count, ``draft_length``):
        plain:  feed the pending token (B,1), sample one token (g = 0 with a draft: the
@@ -126,6 +128,22 @@ class Engine:
                 raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
 
 
+SHARED_PREFILL_MIN = 32  # prompt tokens a shared prefix must save: its forward streams the weights once more
+
+
+def shared_prefix(prompts: list[tuple[int, ...]]) -> int:
+    """Tokens at the start of every one of the distinct ``prompts`` that the prefill computes once
+    (chat template and task instructions: most of an RL prompt), 0 when that saves fewer than
+    ``SHARED_PREFILL_MIN`` prompt tokens; every row keeps at least one token of its own, whose
+    logits are its first sample's."""
+    if len(prompts) < 2:
+        return 0
+    n = min(map(len, prompts)) - 1
+    first = prompts[0]
+    n = next((i for i in range(n) if any(p[i] != first[i] for p in prompts)), n)
+    return n if n * (len(prompts) - 1) >= SHARED_PREFILL_MIN else 0
+
+
 def _check_sampling(temperature, top_p, top_k, seed):
     """The sampling settings, refused before any work (the ``Sampler`` would accept a NaN temperature)."""
     def real(x):
@@ -169,7 +187,8 @@ class Rollout:
         self._round_accepted = torch.zeros(0, dtype=torch.long, device=dev)  # (g,) rows that accepted >= k
         self.finished = False
 
-        logits, feats = self.model(ids[uniq], cache=self.cache, logit_index=lens[uniq] - 1, taps=self.taps)  # (U,1,V)
+        shared = shared_prefix(list(first))
+        logits, feats = self._prefill(ids[uniq], lens[uniq], shared)  # (U,1,V)
         if len(uniq) < b:  # copy each prefilled row to the rows that repeat its prompt
             slot = torch.searchsorted(uniq, src)  # (B,) position of each row's source in uniq
             self.cache.select(slot)
@@ -184,6 +203,18 @@ class Rollout:
         self._emit(self.last[:, None], logp[:, None], torch.ones_like(lens))
         self._sync()
         self._lap("bookkeeping_s")
+
+    def _prefill(self, ids: torch.Tensor, lens: torch.Tensor, shared: int):
+        """Prefill the distinct prompts ids (U,T) into the empty cache -> last-token logits (U,1,V) and
+        features at every position; their first ``shared`` tokens (the same in every row) run once, in a
+        forward of their own, and the cache rows start from a copy of them."""
+        if shared == 0:
+            return self.model(ids, cache=self.cache, logit_index=lens - 1, taps=self.taps)
+        head = KVCache.for_model(self.model, 1, shared)
+        _, pre = self.model(ids[:1, :shared], cache=head, taps=self.taps, head=False)
+        self.cache.start_from(head, shared)
+        logits, feats = self.model(ids[:, shared:], cache=self.cache, logit_index=lens - shared - 1, taps=self.taps)
+        return logits, {i: torch.cat([pre[i].expand(len(ids), -1, -1), f], 1) for i, f in feats.items()}
 
     @torch.inference_mode()
     def step(self):
