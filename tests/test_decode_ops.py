@@ -149,7 +149,7 @@ def test_model_decode_matches_torch_ops(monkeypatch, qk_norm):
             outs += [model(s, cache=cache) for s in steps]
         return outs, cache
 
-    calls = {"cache_attention": 0, "decoder_layer": 0, "decoder_stack": 0}
+    calls = {"cache_attention": 0, "decoder_stack": 0}
     for name in calls:
         real = getattr(decode_ops, name)
         monkeypatch.setattr(decode_ops, name,
@@ -157,7 +157,7 @@ def test_model_decode_matches_torch_ops(monkeypatch, qk_norm):
     fast, fast_cache = run(model)
     layers = cfg.num_hidden_layers
     if qk_norm:
-        assert calls == {"cache_attention": 3 * layers, "decoder_layer": 0, "decoder_stack": 0}
+        assert calls == {"cache_attention": 3 * layers, "decoder_stack": 0}
     else:  # every decode step in C (per op, or the whole stack in one call); the prefill may be too
         assert calls["cache_attention"] + layers * calls["decoder_stack"] >= 3 * layers
     ran = dict(calls)
@@ -216,7 +216,7 @@ def test_decoder_layer_matches_torch(dtype, b, t):
     with torch.no_grad():
         ctx = model.layer_inputs(b, t, "cpu", cache=ref)  # fp32 cos, sin, mask: as the model has them
         assert decode_ops.layer_applies(layer, x, fast.k)
-        y = decode_ops.decoder_layer(layer, x, ctx.cos, ctx.sin, fast.k[0], fast.v[0], fast.lengths)
+        y, _ = decode_ops.decoder_stack(model, 0, [layer], x, ctx.cos, ctx.sin, fast)
         mask = None if ctx.mask is None else ctx.mask.double()  # None: every row empty (b = 1), causal
         want = ref_layer(x.double(), ctx.cos.double(), ctx.sin.double(), ctx.attn, mask, ref, 0, ctx.positions,
                          ctx.span)
@@ -363,5 +363,5 @@ def test_decoder_stack_follows_changed_weights(monkeypatch, dtype, path):
     monkeypatch.setattr(decode_ops, "decoder_stack",
                         lambda *a, **k: ran.append((len(a[2]), real(*a, **k))) or ran[-1][1])
     same()
-    # the run refused; a layer alone on panels goes through the stack's code as a run of one
-    assert ran[0] == (3, None) and all(n == 1 for n, _ in ran[1:]) and len(ran) == (3 if path == "fused-panels" else 1)
+    # the run refused; layers 0 and 2 each alone, as a run of one
+    assert ran[0] == (3, None) and [n for n, _ in ran[1:]] == [1, 1]

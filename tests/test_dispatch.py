@@ -115,7 +115,7 @@ def test_both_layer_paths_match_fp64(dtype, b, t):
         for name in ("fused", "unfused"):
             c = copy.deepcopy(cache)
             if name == "fused":
-                y = decode_ops.decoder_layer(layer, x, ctx.cos, ctx.sin, c.k[0], c.v[0], c.lengths)
+                y, _ = decode_ops.decoder_stack(model, 0, [layer], x, ctx.cos, ctx.sin, c)
             else:
                 y = DecoderLayer.forward(layer, x, ctx.cos, ctx.sin, ctx.attn, ctx.mask, c, 0, ctx.positions, ctx.span)
             torch.testing.assert_close(y, want.float(), rtol=1e-5, atol=1e-4, msg=name)

@@ -303,14 +303,6 @@ static void layer(const float *x, float *y, const void *const *w, const float *c
     for (int64_t i = 0; i < m * D; i++) y[i] += n[i];
 }
 
-void decode_layer(const float *x, float *y, const void *const *w, const float *cos, const float *sin,
-                  float *kc, float *vc, const int64_t *lengths, int64_t B, int64_t T, int64_t D, int64_t H,
-                  int64_t Hkv, int64_t hd, int64_t I, int64_t L, float eps, int kind) {
-    float *scratch = malloc(layer_scratch(B * T, D, H * hd, Hkv * hd, I) * sizeof(float));
-    layer(x, y, w, cos, sin, kc, vc, lengths, B, T, D, H, Hkv, hd, I, L, eps, kind, scratch);
-    free(scratch);
-}
-
 // n_layers decoder layers of one shape in one call (a decode step's whole stack): layer l reads
 // w[9 l .. 9 l + 8] and its cache at kc/vc + l * (B*Hkv*L*hd) (the KV cache's (layers, B, Hkv, L, hd)
 // tensors), and when taps[l] is not NULL its output is also copied there. x (B*T, D) in, y out.

@@ -1,18 +1,17 @@
 """A KV-cache decode step on CPU in C (``decode_ops.c``): RMSNorm; RoPE + cache write +
-grouped-query attention; and a whole decoder layer in one call.
+grouped-query attention; and a run of whole decoder layers (a model's stack, or one layer) in one call.
 
 At batch 1 a step is bound by streaming the weights (``codraft.kernels.gemv``), but the ~45
 small torch ops and Python calls per layer around them (norms, rope, cache scatter, one-query
 SDPA, views, module calls) each pay torch's dispatch, which added up to a large part of the
-step (figures in docs/bench-spec.md). A layer without q/k norms can be one C call
-(``layer_applies``), whose products go through the GEMV kernel with the layer's fp32 or bf16
-projection weights (rollout copies; norm weights, activations and the KV cache stay fp32), or
-with bf16 weights through the AMX kernel (``amx=True``: ``codraft.kernels.amx``) or, for a run of
-layers, packed in panels (``panels=True``: a copy of each bf16 projection in ``gemv.c``'s panel layout,
-``codraft.kernels.panels``, made when the run is first decoded and again whenever a weight changes,
-e.g. at a rollout copy's refresh); and
-a run of such layers of one shape, a model's whole stack, one C call (``decoder_stack``): the
-Python around a call per layer still cost ~100 us a layer, a quarter of the layer's own time.
+step (figures in docs/bench-spec.md). A run of layers of one shape without q/k norms
+(``layer_applies``), a model's whole stack or a single layer, is one C call (``decoder_stack``; the
+Python around a call per layer cost ~100 us a layer, a quarter of the layer's own time). Its
+products go through the GEMV kernel with the layers' fp32 or bf16 projection weights (rollout
+copies; norm weights, activations and the KV cache stay fp32), or with bf16 weights through the
+AMX kernel (``amx=True``: ``codraft.kernels.amx``) or packed in panels (``panels=True``: a copy of
+each bf16 projection in ``gemv.c``'s panel layout, ``codraft.kernels.panels``, made when the run is
+first decoded and again whenever a weight changes, e.g. at a rollout copy's refresh).
 Used on CPU without autograd; built with the GEMV kernel (``codraft.kernels.cbuild``;
 ``CODRAFT_KERNELS=0`` opts out). Results match the torch ops (bf16 weights widened to fp32) up to
 fp32 summation order. Not here: when a model uses them, e.g. up to which row count the one-call
@@ -38,11 +37,9 @@ def kernels():
     lib = cbuild.library()
     if lib is None or gemv.kernel() is None:  # (gemv: the library's tuning, set once)
         return None
-    lib.rms_norm_rows.restype = lib.decode_attention.restype = lib.decode_layer.restype = None
-    lib.decode_stack.restype = None
+    lib.rms_norm_rows.restype = lib.decode_attention.restype = lib.decode_stack.restype = None
     lib.rms_norm_rows.argtypes = [_P, _P, _P, _I, _I, _F]
     lib.decode_attention.argtypes = [_P] * 9 + [_I] * 6 + [_F]
-    lib.decode_layer.argtypes = [_P] * 8 + [_I] * 8 + [_F, ctypes.c_int]
     lib.decode_stack.argtypes = [_P] * 9 + [_I] * 9 + [_F, ctypes.c_int]
     return lib
 
@@ -53,7 +50,7 @@ def applies(*tensors: torch.Tensor) -> bool:
 
 
 def _stack_order(layer) -> tuple[torch.Tensor, ...]:
-    """decode_layer's 9 weights (input norm, q, k, v, o, post-attention norm, gate, up, down) by plain
+    """A layer's 9 weights for decode_stack (input norm, q, k, v, o, post-attention norm, gate, up, down) by plain
     dict reads: ``nn.Module.__getattr__`` for all of them cost ~20 us a layer, and this runs every step."""
     mods = layer._modules
     a, mlp = mods["self_attn"]._modules, mods["mlp"]._modules
@@ -64,13 +61,13 @@ def _stack_order(layer) -> tuple[torch.Tensor, ...]:
 
 
 def _layer_weights(layer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """A decoder layer's norm weights and its 7 projection weights, in decode_layer's order."""
+    """A decoder layer's norm weights and its 7 projection weights, in decode_stack's order."""
     w = _stack_order(layer)
     return [w[0], w[5]], [*w[1:5], *w[6:]]
 
 
 def layer_applies(layer, x: torch.Tensor, cache_k: torch.Tensor) -> bool:
-    """Whether ``decoder_layer`` can run this ``DecoderLayer`` on x, at any row count: no q/k norms,
+    """Whether ``decoder_stack`` can run this ``DecoderLayer`` on x, at any row count: no q/k norms,
     x, the cache and the norm weights CPU fp32 without autograd, the 7 projection weights contiguous
     and all fp32 or all bf16, kernels built. Whether it is the fastest path is the caller's call."""
     norms, projections = _layer_weights(layer)
@@ -123,31 +120,6 @@ def cache_attention(q, k, v, cos, sin, k_cache, v_cache, lengths) -> torch.Tenso
 def _kind(bf16: bool, amx: bool, panels: bool = False) -> int:
     """decode_ops.c's FP32, BF16, BF16_AMX or BF16_PANELS: how the layer's products run."""
     return (3 if panels else 2 if amx else 1) if bf16 else 0
-
-
-def decoder_layer(layer, x, cos, sin, k_cache, v_cache, lengths, amx: bool = False) -> torch.Tensor:
-    """``layer`` (a ``DecoderLayer`` without q/k norms; fp32 or bf16 projection weights) on x
-    (B,T,D) of T new tokens per row: the same as its torch forward into a KV cache, in one C call;
-    ``amx``: bf16 products on AMX tiles (where ``amx.ready()``). The caller checked ``layer_applies``."""
-    a, mlp = layer.self_attn, layer.mlp
-    b, t, d = x.shape
-    if d != a.q_proj.weight.shape[1] or cos.shape != (b, 1, t, a.head_dim) or sin.shape != cos.shape:
-        raise ValueError(f"decoder_layer: x {tuple(x.shape)}, cos/sin {tuple(cos.shape)} do not fit the layer")
-    _check_cache(k_cache, v_cache, lengths, b, t, a.n_kv, a.head_dim)
-    _, projections = _layer_weights(layer)
-    dtype = projections[0].dtype
-    if dtype not in cbuild.WEIGHT_DTYPES or any(w.dtype is not dtype for w in projections):
-        raise ValueError(f"decoder_layer: projection weights {[w.dtype for w in projections]}: all fp32 or all bf16")
-    weights = [w.contiguous() for w in _stack_order(layer)]
-    ptrs = (ctypes.c_void_p * 9)(*(w.data_ptr() for w in weights))  # (held: the C call reads them)
-    x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
-    lengths = lengths.to(torch.int64).contiguous()
-    y = torch.empty_like(x)
-    kernels().decode_layer(x.data_ptr(), y.data_ptr(), ptrs, cos.data_ptr(), sin.data_ptr(), k_cache.data_ptr(),
-                           v_cache.data_ptr(), lengths.data_ptr(), b, t, d, a.n_heads, a.n_kv, a.head_dim,
-                           mlp.gate_proj.weight.shape[0], k_cache.shape[2], layer.input_layernorm.eps,
-                           _kind(dtype is torch.bfloat16, amx))
-    return y
 
 
 class _Stack:

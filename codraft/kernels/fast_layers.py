@@ -6,7 +6,7 @@ need no autograd (``cbuild.fits``); products through ``products.linear`` (the fa
 kernel, torch's two forms and, for bf16 weights on an AMX CPU, the tile kernel, for the row count,
 measured); RMSNorm in C; into a KV cache with the default ``varlen_attention``, RoPE + cache
 write + attention in C (not for a prefill into an empty cache: SDPA); and a whole decoder layer in
-one C call (``decode_ops.layer_applies``: no q/k norms; its products on the vector kernel, and with
+one C call (``decode_ops.decoder_stack`` over it, where ``layer_applies``: no q/k norms; its products on the vector kernel, and with
 bf16 weights on the same kernel with copies packed in panels or on an AMX CPU on AMX tiles: one
 candidate each) where that is faster than the layer's C norms
 + C attention + products, as measured on this machine per layer shape, weight dtype and row count
@@ -68,13 +68,11 @@ class FastDecoderLayer(DecoderLayer):
         # a CPU decode step: the whole layer in one C call, for the row counts where that is faster
         if cache is not None and attn is varlen_attention and decode_ops.layer_applies(self, x, cache.k):
             path = layer_path(self, x)
-            if path == "fused-panels":  # (the packed copy lives with a run's plan: this layer alone as one)
-                done = decode_ops.decoder_stack(self, layer, [self], x, cos, sin, cache, panels=True)
+            if path in FUSED:  # this layer alone as a run of one (whose plan keeps any packed copy)
+                done = decode_ops.decoder_stack(self, layer, [self], x, cos, sin, cache, amx=path == "fused-amx",
+                                                panels=path == "fused-panels")
                 if done is not None:
                     return done[0]
-            elif path in FUSED:
-                return decode_ops.decoder_layer(self, x, cos, sin, cache.k[layer], cache.v[layer], cache.lengths,
-                                                amx=path == "fused-amx")
         return super().forward(x, cos, sin, attn, mask, cache, layer, positions, span)
 
 
