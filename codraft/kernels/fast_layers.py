@@ -5,13 +5,13 @@ When it applies, checked per call as cheaply as a few attribute reads: CPU fp32 
 need no autograd (``cbuild.fits``); products through ``products.linear`` (the fastest of the GEMV
 kernel, torch's two forms and, for bf16 weights on an AMX CPU, the tile kernel, for the row count,
 measured); RMSNorm in C; into a KV cache with the default ``varlen_attention``, RoPE + cache
-write + attention in C (not for a prefill into an empty cache: SDPA); and a whole decoder layer in
-one C call (``decode_ops.decoder_stack`` over it, where ``layer_applies``: no q/k norms; its products on the vector kernel, and with
-bf16 weights on the same kernel with copies packed in panels or on an AMX CPU on AMX tiles: one
-candidate each) where that is faster than the layer's C norms
-+ C attention + products, as measured on this machine per layer shape, weight dtype and row count
-(``LAYER``, ``codraft.kernels.dispatch``); there the model runs its whole stack of such layers in
-one C call (``decode_ops.decoder_stack``).
+write + attention in C (not for a prefill into an empty cache: SDPA); and a whole decoder layer
+in one C call (``decode_ops.decoder_stack`` over it, where ``layer_applies``: no q/k norms; its
+products on the vector kernel, and with bf16 weights on the same kernel with copies packed in
+panels or on an AMX CPU on AMX tiles: one candidate each) where that is faster than the layer's
+C norms + C attention + products, as measured on this machine per layer shape, weight dtype and
+row count (``LAYER``, ``codraft.kernels.dispatch``); there the model runs its whole stack of such
+layers in one C call.
 ``SWAPS`` maps each reference class to its subclass; the subclasses add no parameters, buffers or
 attributes, so only ``type(module)`` changes.
 Not here: the kernels and their build (``gemv``, ``amx``, ``decode_ops``, ``cbuild``), installing these
