@@ -113,8 +113,8 @@ def test_every_tuning_gives_the_product(mode, pair_rows):
     try:
         other = gemv.PREFETCH_MODES[gemv.PREFETCH_MODES.index(mode) - 1]  # a different mode for pairs
         tune = gemv.setting(mode, pair_rows, other)
-        gemv.apply(lib, dict.fromkeys(gemv.DTYPES, tune))
-        assert gemv.current(lib) == dict.fromkeys(gemv.DTYPES, tune)
+        gemv.apply(lib, dict.fromkeys(gemv.KINDS, tune))
+        assert gemv.current(lib) == dict.fromkeys(gemv.KINDS, tune)
         for m, i, o in [(1, 576, 70), (2, 47, 5), (3, 1536, 33), (4, 100, 9), (8, 47, 5), (9, 576, 17)]:
             x, w = torch.randn(m, i, generator=g), torch.randn(o, i, generator=g)
             for weight in (w, w.bfloat16()):
@@ -124,14 +124,16 @@ def test_every_tuning_gives_the_product(mode, pair_rows):
         gemv.apply(lib, before)
 
 
-def test_the_two_weight_dtypes_are_tuned_apart():
+def test_the_weight_dtypes_and_panels_are_tuned_apart():
     lib = cbuild.library()
     before = gemv.kernel() and gemv.current(lib)
     try:
         gemv.apply(lib, {"float32": gemv.setting("L2", 4, "L1")})
         gemv.apply(lib, {"bfloat16": gemv.setting("none", gemv.NEVER)})
+        gemv.apply(lib, {"panels": gemv.setting("L1", gemv.NEVER)})
         assert gemv.current(lib) == {"float32": gemv.setting("L2", 4, "L1"),
-                                     "bfloat16": gemv.setting("none", gemv.NEVER)}
+                                     "bfloat16": gemv.setting("none", gemv.NEVER),
+                                     "panels": gemv.setting("L1", gemv.NEVER)}
     finally:
         gemv.apply(lib, before)
 
@@ -153,6 +155,8 @@ def test_choose_takes_the_least_total_time_relative_to_each_row_count():
     assert gemv.choose(ms) == gemv.setting("L2", 4, "L1")
     slower_pairs = {k: t * (1.5 if k[1] else 1.0) for k, t in ms.items()}
     assert gemv.choose(slower_pairs)["pair_rows"] == gemv.NEVER  # pairs lose everywhere: never paired
+    alone = {k: t for k, t in ms.items() if not k[1]}  # timed without pairs (panels): L1 over all the rows
+    assert gemv.choose(alone) == gemv.setting("L1", gemv.NEVER)
 
 
 def test_tuning_is_measured_once_per_machine(monkeypatch, tmp_path):
@@ -163,13 +167,14 @@ def test_tuning_is_measured_once_per_machine(monkeypatch, tmp_path):
 
     def fake(lib, fns):
         timed.append(1)
-        fast = {"float32": "L2", "bfloat16": "L1" if len(timed) != 2 else "none"}
-        pairs_from = {"float32": 4, "bfloat16": 8}
+        fast = {"float32": "L2", "bfloat16": "L1" if len(timed) != 2 else "none", "panels": "none"}
+        pairs_from = {"float32": 4, "bfloat16": 8, "panels": gemv.NEVER}
         return {(d, m, p, r): (1.0 if m == fast[d] else 2.0) * (1.0 if p == (r >= pairs_from[d]) else 1.5)
-                for d in gemv.DTYPES for m in gemv.PREFETCH_MODES for p in (False, True) for r in gemv.TUNE_ROWS}
+                for d in gemv.KINDS for m in gemv.PREFETCH_MODES for p in (False, True) for r in gemv.TUNE_ROWS
+                if d != "panels" or not p}
     monkeypatch.setattr(gemv, "time_tuning", fake)
     lib, fns = cbuild.library(), gemv.kernel()
-    want = {"float32": gemv.setting("L2", 4), "bfloat16": gemv.setting("L1", 8)}
+    want = {"float32": gemv.setting("L2", 4), "bfloat16": gemv.setting("L1", 8), "panels": gemv.setting("none", gemv.NEVER)}
     assert gemv.tuning(lib, fns) == want and len(timed) == 1
     (path,) = (tmp_path / "dispatch").iterdir()
     assert gemv.tuning(lib, fns) == want and len(timed) == 1  # cached
@@ -190,14 +195,16 @@ def test_time_tuning_times_every_setting_restores_the_current_one_and_the_rng():
     torch.manual_seed(7)
     ms = gemv.time_tuning(lib, fns, nbytes=4 << 20, rounds=1)
     assert torch.equal(torch.rand(4), want)  # the global RNG untouched: a run tuning midway samples the same
-    assert set(ms) == {(d, m, p, r) for d in gemv.DTYPES for m in gemv.PREFETCH_MODES for p in (False, True)
-                       for r in gemv.TUNE_ROWS}
+    assert set(ms) == {(d, m, p, r) for d in gemv.KINDS for m in gemv.PREFETCH_MODES for p in (False, True)
+                       for r in gemv.TUNE_ROWS if d != "panels" or not p}  # panels: no pairs
     assert all(t > 0 for t in ms.values())
     assert gemv.current(lib) == before
 
 
-@pytest.mark.parametrize("tune", [{"float32": gemv.setting("L1", 2, "none"), "bfloat16": gemv.setting("none", 5)},
-                                  {"float32": gemv.setting("L2", gemv.NEVER), "bfloat16": gemv.setting("L2", 1, "L1")}])
+@pytest.mark.parametrize("tune", [{"float32": gemv.setting("L1", 2, "none"), "bfloat16": gemv.setting("none", 5),
+                                   "panels": gemv.setting("L2", gemv.NEVER)},
+                                  {"float32": gemv.setting("L2", gemv.NEVER), "bfloat16": gemv.setting("L2", 1, "L1"),
+                                   "panels": gemv.setting("none", gemv.NEVER)}])
 def test_the_chosen_tuning_is_set_and_keys_the_dispatch_tables(tune, monkeypatch, fresh_kernels):
     from codraft.kernels import dispatch
     monkeypatch.setattr(gemv, "tuning", lambda lib, fns: tune)

@@ -13,7 +13,8 @@ import statistics
 
 import torch
 
-from codraft.kernels import cbuild, gemv
+from codraft.kernels import cbuild
+from codraft.kernels import gemv as gemv_kernel  # (not `gemv`: importing codraft.bench.gemv rebinds that name)
 
 
 def machine_info(kernels: bool = True) -> dict:
@@ -24,7 +25,7 @@ def machine_info(kernels: bool = True) -> dict:
             "processor": _cpu_model(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
     if kernels:
-        info["gemv_tuning"] = gemv.current(cbuild.library()) if gemv.kernel() is not None else "off"
+        info["gemv_tuning"] = gemv_kernel.current(cbuild.library()) if gemv_kernel.kernel() is not None else "off"
     try:
         import transformers
         info["transformers"] = transformers.__version__

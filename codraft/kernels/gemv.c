@@ -23,16 +23,20 @@
 // streams one address range: 5-20% faster at 1-4 rows on a 2-core EPYC). Per weight dtype ([0] fp32,
 // [1] bf16) the threshold and a prefetch mode for each side of it, whichever streams fastest on this
 // machine, measured once by codraft/kernels/gemv.py (L2: a model's bf16 products ~9% faster at 1-4
-// rows on a 2-core Xeon, where L1's few fill buffers bound the lines in flight).
-static int prefetch_mode[2][2];  // [bf16][pairs]
-static int pair_rows[2] = {2, 2};
-void set_tuning(int bf16, int mode_one, int mode_pairs, int rows) {
-    prefetch_mode[bf16 != 0][0] = mode_one;
-    prefetch_mode[bf16 != 0][1] = mode_pairs;
-    pair_rows[bf16 != 0] = rows;
+// rows on a 2-core Xeon, where L1's few fill buffers bound the lines in flight). [2]: bf16 weights
+// packed in panels (below), their own prefetch mode (no pairs): they stream one address range per
+// thread, and the rows kernel's choice cost them 3-8% on a 2-core EPYC.
+enum { TUNED_KINDS = 3 };
+static int prefetch_mode[TUNED_KINDS][2];  // [fp32, bf16, bf16 panels][pairs]
+static int pair_rows[TUNED_KINDS] = {2, 2, 2};
+static int kind_index(int kind) { return kind < 0 ? 0 : kind >= TUNED_KINDS ? TUNED_KINDS - 1 : kind; }
+void set_tuning(int kind, int mode_one, int mode_pairs, int rows) {
+    prefetch_mode[kind_index(kind)][0] = mode_one;
+    prefetch_mode[kind_index(kind)][1] = mode_pairs;
+    pair_rows[kind_index(kind)] = rows;
 }
-int get_prefetch(int bf16, int pairs) { return prefetch_mode[bf16 != 0][pairs != 0]; }
-int get_pair_rows(int bf16) { return pair_rows[bf16 != 0]; }
+int get_prefetch(int kind, int pairs) { return prefetch_mode[kind_index(kind)][pairs != 0]; }
+int get_pair_rows(int kind) { return pair_rows[kind_index(kind)]; }
 
 typedef uint32_t vu __attribute__((vector_size(LANES * 4)));
 
@@ -341,12 +345,11 @@ INLINE void panels(const float *x, const uint16_t *packed, float *y, int64_t m, 
     }
 }
 
-// y (m, out) = x (m, in) @ w^T with w packed by pack_panels_bf16, prefetched as the bf16 rows kernel's
-// one-row tuning says
+// y (m, out) = x (m, in) @ w^T with w packed by pack_panels_bf16, prefetched as tuned for panels
 void gemv_panels_bf16(const float *x, const uint16_t *packed, float *y, int64_t m, int64_t in, int64_t out) {
     int64_t n_panels = (out + PANEL - 1) / PANEL, chunk = n_panels / (4 * omp_get_max_threads());
     if (chunk < 1) chunk = 1;
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < n_panels; p += chunk)
-        BY_MODE(prefetch_mode[1][0], panels, x, packed, y, m, in, out, p, p + chunk < n_panels ? p + chunk : n_panels);
+        BY_MODE(prefetch_mode[2][0], panels, x, packed, y, m, in, out, p, p + chunk < n_panels ? p + chunk : n_panels);
 }

@@ -9,17 +9,17 @@ bf16 copy) stream half the bytes, ~2x faster at 1 row, less as the rows make it 
 each is widened to fp32 exactly and the sums are fp32, so the result is
 ``F.linear(x, w.float())`` up to fp32 summation order.
 
-How it streams them is measured the first time the kernel is used on a machine (``tuning``, a
-few seconds: 128 MB of fp32 and of bf16 weights at 1-16 rows, each setting) and cached with the
-dispatch tables, keyed by the CPU, the thread count and the built library: whether it prefetches
-the weights ahead of the rows it reads into L1, into L2 or not at all (the hardware prefetchers
-alone), and from how many input rows it takes weight rows in pairs (each block of the inputs
-loaded once for two weight rows: fewer loads per FMA where the rows make it compute-bound) rather
-than one at a time (one address range streamed: faster at 1-3 rows on a 2-core EPYC).
-
 ``gemv.c`` also holds the products on bf16 weights packed in panels (``pack_panels_bf16``,
-``gemv_panels_bf16``; ``codraft.kernels.panels``), which run 2-16 rows at up to the FMA rate; they
-follow the bf16 one-row prefetch mode tuned here.
+``gemv_panels_bf16``; ``codraft.kernels.panels``), which run 2-16 rows at up to the FMA rate.
+
+How each of the three (fp32 and bf16 weights as they are, bf16 in panels: ``KINDS``) streams its
+weights is measured the first time the kernel is used on a machine (``tuning``, a few seconds: 128
+MB of weights at 1-16 rows, each setting) and cached with the dispatch tables, keyed by the CPU, the
+thread count and the built library: whether it prefetches the weights ahead of the rows it reads
+into L1, into L2 or not at all (the hardware prefetchers alone), and, for weights as they are, from
+how many input rows it takes weight rows in pairs (each block of the inputs loaded once for two
+weight rows: fewer loads per FMA where the rows make it compute-bound) rather than one at a time
+(one address range streamed: faster at 1-3 rows on a 2-core EPYC).
 
 Built on first use by ``codraft.kernels.cbuild``; it runs on OpenMP, i.e. torch's own thread
 pool, so ``torch.set_num_threads`` applies. No compiler, or ``CODRAFT_KERNELS=0``: ``kernel()``
@@ -43,10 +43,11 @@ from codraft.atomic import atomic_write_text
 from codraft.cache import cache_root
 from codraft.kernels import cbuild, hugepages
 
-TUNING_FORMAT = 3  # bump when what is timed changes: older choices are measured again
+TUNING_FORMAT = 4  # bump when what is timed changes: older choices are measured again
 PREFETCH_MODES = ("L1", "L2", "none")  # gemv.c's prefetch_mode 0, 1, 2
 TUNE_ROWS = (1, 2, 3, 4, 5, 6, 8, 16)  # input rows timed
-DTYPES = ("float32", "bfloat16")  # weight dtypes, in the C tables' order
+DTYPES = ("float32", "bfloat16")  # weight dtypes
+KINDS = (*DTYPES, "panels")  # what is tuned, in the C tables' order: weights as they are, bf16 in panels
 NEVER = 1 << 30  # pair_rows: weight rows one at a time at every row count
 
 
@@ -69,9 +70,9 @@ def kernel() -> dict | None:
 
 
 def apply(lib, tune: dict) -> None:
-    """Set a ``tuning`` (``{dtype name: setting}``, either or both dtypes) on the built library."""
+    """Set a ``tuning`` (``{kind: setting}``, any of ``KINDS``) on the built library."""
     for name, t in tune.items():
-        lib.set_tuning(int(name == "bfloat16"), PREFETCH_MODES.index(t["prefetch"]),
+        lib.set_tuning(KINDS.index(name), PREFETCH_MODES.index(t["prefetch"]),
                        PREFETCH_MODES.index(t["prefetch_pairs"]), min(t["pair_rows"], NEVER))
 
 
@@ -83,8 +84,8 @@ def setting(prefetch: str, pair_rows: int, prefetch_pairs: str | None = None) ->
 
 def current(lib) -> dict:
     """The tuning the library runs with now."""
-    return {name: setting(PREFETCH_MODES[lib.get_prefetch(bf16, 0)], lib.get_pair_rows(bf16),
-                          PREFETCH_MODES[lib.get_prefetch(bf16, 1)]) for bf16, name in enumerate(DTYPES)}
+    return {name: setting(PREFETCH_MODES[lib.get_prefetch(i, 0)], lib.get_pair_rows(i),
+                          PREFETCH_MODES[lib.get_prefetch(i, 1)]) for i, name in enumerate(KINDS)}
 
 
 def _tuning_file(lib) -> tuple[Path, dict]:
@@ -95,15 +96,15 @@ def _tuning_file(lib) -> tuple[Path, dict]:
 
 
 def tuning(lib, fns) -> dict:
-    """``{dtype name: setting(...)}`` for this machine: read from the cache, else timed
-    (``time_tuning``), chosen (``choose``, per weight dtype) and cached. A file for another key, or
+    """``{kind: setting(...)}`` for this machine: read from the cache, else timed
+    (``time_tuning``), chosen (``choose``, per kind) and cached. A file for another key, or
     unreadable, is timed again."""
     path, key = _tuning_file(lib)
     try:
         saved = json.loads(path.read_text())
         if saved["key"] == key:
             tune = {name: setting(t["prefetch"], int(t["pair_rows"]), t["prefetch_pairs"])
-                    for name, t in ((n, saved["tuning"][n]) for n in DTYPES)}
+                    for name, t in ((n, saved["tuning"][n]) for n in KINDS)}
             if all(t["prefetch"] in PREFETCH_MODES and t["prefetch_pairs"] in PREFETCH_MODES for t in tune.values()):
                 return tune
     except (OSError, ValueError, KeyError, TypeError):
@@ -111,7 +112,7 @@ def tuning(lib, fns) -> dict:
     print(f"codraft: timing the GEMV kernel's prefetch and weight-row pairing ({key['threads']} threads)…",
           file=sys.stderr, flush=True)
     ms = time_tuning(lib, fns)
-    tune = {name: choose({k[1:]: t for k, t in ms.items() if k[0] == name}) for name in DTYPES}
+    tune = {name: choose({k[1:]: t for k, t in ms.items() if k[0] == name}) for name in KINDS}
     path.parent.mkdir(parents=True, exist_ok=True)
     table = [{"dtype": d, "prefetch": m, "pairs": p, "rows": r, "ms": t} for (d, m, p, r), t in ms.items()]
     atomic_write_text(path, json.dumps({"key": key, "tuning": tune, "ms": table}, indent=1))
@@ -119,14 +120,17 @@ def tuning(lib, fns) -> dict:
 
 
 def choose(ms: dict[tuple[str, bool, int], float]) -> dict:
-    """From {(prefetch mode, in pairs, rows): ms} of one weight dtype, the pairing threshold and the
+    """From {(prefetch mode, in pairs, rows): ms} of one kind, the pairing threshold and the
     prefetch mode on each side of it with the least total time over the timed row counts, each row
-    count's time relative to its fastest (so many-row passes do not outweigh the rest)."""
+    count's time relative to its fastest (so many-row passes do not outweigh the rest). Timed without
+    pairs only (panels): the mode alone, never paired."""
     rows = sorted({r for _, _, r in ms})
     best = {r: min(t for (_, _, rr), t in ms.items() if rr == r) for r in rows}
 
     def side(pairs: bool, counts: list[int]) -> tuple[float, str]:  # (cost, mode) of the best mode there
         return min((sum(ms[m, pairs, r] / best[r] for r in counts), m) for m in PREFETCH_MODES)
+    if not any(pairs for _, pairs, _ in ms):
+        return setting(side(False, rows)[1], NEVER)
 
     def total(p: int) -> float:
         return side(False, [r for r in rows if r < p])[0] + side(True, [r for r in rows if r >= p])[0]
@@ -136,27 +140,35 @@ def choose(ms: dict[tuple[str, bool, int], float]) -> dict:
 
 
 def time_tuning(lib, fns, nbytes: int = 128 << 20, rounds: int = 3) -> dict[tuple[str, str, bool, int], float]:
-    """{(dtype name, prefetch mode, weight rows in pairs, input rows): ms}: the best of ``rounds``
-    passes (the settings alternate) over ``nbytes`` of 1536x576 weights streamed from memory as in a
-    decode step: placed as the engine's are, fp32 (the trainer's own) and bf16 (the rollout copy) alike
-    in 2 MB pages (``hugepages.rehome``, ``codraft.rollout.weights``)."""
+    """{(kind, prefetch mode, weight rows in pairs, input rows): ms}: the best of ``rounds`` passes
+    (the settings alternate) over ``nbytes`` of 1536x576 weights streamed from memory as in a decode
+    step: placed as the engine's are, fp32 (the trainer's own), bf16 (the rollout copy) and its copies
+    packed in panels alike in 2 MB pages (``hugepages.rehome``, ``codraft.rollout.weights``). Panels
+    are timed without pairs (they have none)."""
+    from codraft.kernels import panels  # (it builds on this module)
     best = {}
     saved = current(lib)
     gen = torch.Generator().manual_seed(0)  # not the global RNG: a run tuning midway samples as one that did not
     try:
-        for name in DTYPES:
-            w = torch.ones(1536, 576, dtype=getattr(torch, name))
-            ws = [w.clone() for _ in range(max(2, nbytes // (w.numel() * w.element_size())))]
-            hugepages.rehome(ws)
+        for name in KINDS:
+            w = torch.ones(1536, 576, dtype=torch.float32 if name == "float32" else torch.bfloat16)
+            n = max(2, nbytes // (w.numel() * w.element_size()))
+            if name == "panels":
+                ws = [panels.pack(w, p) for p in panels.empty([w] * n)]
+                fn = panels._lib().gemv_panels_bf16
+            else:
+                ws = [w.clone() for _ in range(n)]
+                hugepages.rehome(ws)
+                fn = fns[w.dtype]
             for m in TUNE_ROWS:
                 x, y = torch.randn(m, 576, generator=gen), torch.empty(m, 1536)
                 for _ in range(rounds):
                     for mode in PREFETCH_MODES:
-                        for pairs in (False, True):
+                        for pairs in (False, True) if name != "panels" else (False,):
                             apply(lib, {name: setting(mode, 1 if pairs else NEVER)})
                             t = perf_counter()
                             for wi in ws:
-                                fns[w.dtype](x.data_ptr(), wi.data_ptr(), y.data_ptr(), m, 576, 1536)
+                                fn(x.data_ptr(), wi.data_ptr(), y.data_ptr(), m, 576, 1536)
                             t = (perf_counter() - t) * 1e3
                             key = (name, mode, pairs, m)
                             best[key] = min(best.get(key, t), t)
