@@ -174,7 +174,8 @@ def test_tuning_is_measured_once_per_machine(monkeypatch, tmp_path):
                 if d != "panels" or not p}
     monkeypatch.setattr(gemv, "time_tuning", fake)
     lib, fns = cbuild.library(), gemv.kernel()
-    want = {"float32": gemv.setting("L2", 4), "bfloat16": gemv.setting("L1", 8), "panels": gemv.setting("none", gemv.NEVER)}
+    want = {"float32": gemv.setting("L2", 4), "bfloat16": gemv.setting("L1", 8),
+            "panels": gemv.setting("none", gemv.NEVER)}
     assert gemv.tuning(lib, fns) == want and len(timed) == 1
     (path,) = (tmp_path / "dispatch").iterdir()
     assert gemv.tuning(lib, fns) == want and len(timed) == 1  # cached
