@@ -59,9 +59,11 @@ def kernel() -> dict | None:
     if lib is None:
         return None
     fns = {torch.float32: lib.gemv_rows, torch.bfloat16: lib.gemv_rows_bf16}
-    for fn in fns.values():
+    for fn in (*fns.values(), lib.gemv_panels_bf16):
         fn.restype = None
         fn.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3
+    lib.pack_panels_bf16.argtypes, lib.pack_panels_bf16.restype = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2, None
+    lib.panel_rows.argtypes, lib.panel_rows.restype = [], ctypes.c_int
     lib.set_tuning.argtypes, lib.set_tuning.restype = [ctypes.c_int] * 4, None
     lib.get_prefetch.argtypes, lib.get_prefetch.restype = [ctypes.c_int] * 2, ctypes.c_int
     lib.get_pair_rows.argtypes, lib.get_pair_rows.restype = [ctypes.c_int], ctypes.c_int
@@ -145,21 +147,19 @@ def time_tuning(lib, fns, nbytes: int = 128 << 20, rounds: int = 3) -> dict[tupl
     step: placed as the engine's are, fp32 (the trainer's own), bf16 (the rollout copy) and its copies
     packed in panels alike in 2 MB pages (``hugepages.rehome``, ``codraft.rollout.weights``). Panels
     are timed without pairs (they have none)."""
-    from codraft.kernels import panels  # (it builds on this module)
     best = {}
     saved = current(lib)
     gen = torch.Generator().manual_seed(0)  # not the global RNG: a run tuning midway samples as one that did not
     try:
         for name in KINDS:
             w = torch.ones(1536, 576, dtype=torch.float32 if name == "float32" else torch.bfloat16)
-            n = max(2, nbytes // (w.numel() * w.element_size()))
-            if name == "panels":
-                ws = [panels.pack(w, p) for p in panels.empty([w] * n)]
-                fn = panels._lib().gemv_panels_bf16
-            else:
-                ws = [w.clone() for _ in range(n)]
-                hugepages.rehome(ws)
-                fn = fns[w.dtype]
+            ws = [w.clone() for _ in range(max(2, nbytes // (w.numel() * w.element_size())))]
+            hugepages.rehome(ws)
+            fn = fns[w.dtype]
+            if name == "panels":  # 1536 rows: whole panels at any vector width, so a copy has w's shape
+                fn = lib.gemv_panels_bf16
+                for wi in ws:
+                    lib.pack_panels_bf16(w.data_ptr(), wi.data_ptr(), *w.shape)
             for m in TUNE_ROWS:
                 x, y = torch.randn(m, 576, generator=gen), torch.empty(m, 1536)
                 for _ in range(rounds):

@@ -17,8 +17,6 @@ stack's plans (``codraft.kernels.decode_ops``).
 """
 from __future__ import annotations
 
-import ctypes
-import functools
 import weakref
 
 import torch
@@ -26,16 +24,11 @@ import torch
 from codraft.kernels import cbuild, gemv, hugepages
 
 
-@functools.cache
 def _lib():
-    """The built library with the panel functions' argument types (the caller checked ``gemv.applies``
-    or ``decode_ops.kernels``: it is built)."""
-    lib = cbuild.library()
-    p, i = ctypes.c_void_p, ctypes.c_int64
-    lib.pack_panels_bf16.argtypes, lib.pack_panels_bf16.restype = [p, p, i, i], None
-    lib.gemv_panels_bf16.argtypes, lib.gemv_panels_bf16.restype = [p] * 3 + [i] * 3, None
-    lib.panel_rows.argtypes, lib.panel_rows.restype = [], ctypes.c_int
-    return lib
+    """The built library, its panel functions typed by ``gemv.kernel`` (the caller checked
+    ``gemv.applies`` or ``decode_ops.kernels``: it is built)."""
+    gemv.kernel()  # (cached: sets the functions' argument types on first use)
+    return cbuild.library()
 
 
 def empty(weights: list[torch.Tensor]) -> list[torch.Tensor]:
