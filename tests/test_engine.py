@@ -336,7 +336,7 @@ def test_shared_prefix_rule():
 @pytest.mark.parametrize("kind", [None, "dflash", "eagle3"])
 def test_shared_prefix_prefill(target, kind):
     """Prompts that share a prefix: it is prefilled once, and the cache, the first logprobs, the draft's
-    proposals after the prefill (it read the tapped features) and greedy outputs equal a prefill of
+    state after the prefill (built from the tapped features) and greedy outputs equal a prefill of
     every prompt whole."""
     draft = None if kind is None else _draft_of(kind, target)
     engine = Engine(target, draft, gamma=None if draft is None else 3)

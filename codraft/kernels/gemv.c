@@ -24,8 +24,8 @@
 // [1] bf16) the threshold and a prefetch mode for each side of it, whichever streams fastest on this
 // machine, measured once by codraft/kernels/gemv.py (L2: a model's bf16 products ~9% faster at 1-4
 // rows on a 2-core Xeon, where L1's few fill buffers bound the lines in flight). [2]: bf16 weights
-// packed in panels (below), their own prefetch mode (no pairs): they stream one address range per
-// thread, and the rows kernel's choice cost a batch-8 step ~12% on a 2-core EPYC.
+// packed in panels (below), their own prefetch mode (no pairs): the rows kernel's choice cost a
+// batch-8 step ~12% on a 2-core EPYC.
 enum { TUNED_KINDS = 3 };
 static int prefetch_mode[TUNED_KINDS][2];  // [fp32, bf16, bf16 panels][pairs]
 static int pair_rows[TUNED_KINDS] = {2, 2, 2};
