@@ -347,7 +347,7 @@ def _bench_commands(sub):
     b.add_argument("--dtypes", default="float32", help="comma list of weight dtypes: float32, bfloat16 "
                                                         "(the weight-only rollout copy)")
     b.add_argument("--threads", type=int, default=2)
-    b.add_argument("--repeats", type=int, default=5)
+    b.add_argument("--repeats", type=int, default=9, help="timed rounds (each side once per round)")
     b.add_argument("--remeasure", action="store_true",
                    help="forget the cached dispatch tables ($CODRAFT_CACHE/dispatch) and measure them again")
     b.add_argument("--json", metavar="FILE")

@@ -279,6 +279,19 @@ def test_bench_covers_every_decode_product(tied):
     buffers = sum(b.numel() * 4 for b in model.buffers())  # rope frequencies
     embed = 0 if tied else model.embed_tokens.weight.numel() * 4  # a lookup, not a product
     assert sum(w.numel() * 4 for w in ws) + norms + buffers + embed == weight_bytes(model)
-    (r,) = measure(ws, rows=[3], repeats=1)
+    (r,) = measure(ws, rows=[3], repeats=3)
     assert r["rows"] == 3 and r["bytes"] == sum(w.numel() * 4 for w in ws)
     assert all(r[f"{k}_ms"] > 0 for k in ("sum", "kernel", "linear", "transposed", "chosen"))
+    assert set(r["vs_chosen"]) >= {"kernel", "linear", "transposed"} and r["same_path"] > 0
+    assert r["chosen_vs_best"] == min(r["vs_chosen"].values()) == r["vs_chosen"][r["best_single"]]
+
+
+def test_paired_ratio():
+    from codraft.bench.gemv import paired_ratio
+    # a side 10 % faster within every round: 1.1 however much the host's speed moves between rounds
+    slow_host = [1.0, 3.0, 2.0, 5.0, 0.5]
+    assert paired_ratio(slow_host, [t / 1.1 for t in slow_host]) == pytest.approx(1.1)
+    # one side's lucky round (0.5 against 2) moves the median of the ratios 0.5, 1, 3 no further than 1
+    assert paired_ratio([1, 2, 3], [2, 2, 1]) == 1.0
+    with pytest.raises(ValueError, match="same number of rounds"):
+        paired_ratio([1.0], [1.0, 2.0])
