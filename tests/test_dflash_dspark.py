@@ -10,8 +10,9 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
-from codraft.drafts import dflash, dspark
+from codraft.drafts import block_backbone, dflash, dspark
 from codraft.drafts.batch import DraftBatch
 from codraft.drafts.block_backbone import Blocks, build_target_layer_ids
 from codraft.models import ModelConfig, Transformer
@@ -212,7 +213,12 @@ def test_loss_decreases_on_a_fixed_batch(kind):
     assert last["acc"] > first["acc"] + 0.2, (first["acc"], last["acc"])
 
 
-def test_loss_chunking_is_exact():
+@pytest.mark.parametrize("kept_budget", [0, 1 << 30])  # every chunk recomputed in the backward; none
+def test_loss_chunking_is_exact(kept_budget, monkeypatch):
+    monkeypatch.setattr(block_backbone, "KEPT_LOSS_BYTES", kept_budget)
+    recomputed = []
+    monkeypatch.setattr(block_backbone, "checkpoint",
+                        lambda fn, *a, **kw: recomputed.append(1) or checkpoint(fn, *a, **kw))
     target = _target(_cfg())
     for kind in KINDS:
         draft = _draft(kind, target, num_anchors=16)
@@ -229,6 +235,7 @@ def test_loss_chunking_is_exact():
             torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
         for k in grads[0][2]:
             torch.testing.assert_close(grads[0][2][k], grads[1][2][k])
+    assert bool(recomputed) == (kept_budget == 0)
 
 
 # ---- decoding: cache path == training path; (d) engine; (e) Markov q -------------------------

@@ -283,6 +283,7 @@ def test_bench_covers_every_decode_product(tied):
     assert r["rows"] == 3 and r["bytes"] == sum(w.numel() * 4 for w in ws)
     assert all(r[f"{k}_ms"] > 0 for k in ("sum", "kernel", "linear", "transposed", "chosen"))
     assert set(r["vs_chosen"]) >= {"kernel", "linear", "transposed"} and r["same_path"] > 0
+    assert sum(r["chosen_paths"].values()) == len(ws)
     assert r["chosen_vs_best"] == min(r["vs_chosen"].values()) == r["vs_chosen"][r["best_single"]]
 
 
@@ -295,3 +296,22 @@ def test_paired_ratio():
     assert paired_ratio([1, 2, 3], [2, 2, 1]) == 1.0
     with pytest.raises(ValueError, match="same number of rounds"):
         paired_ratio([1.0], [1.0, 2.0])
+
+
+def test_bench_times_the_paths_a_decode_step_takes(monkeypatch):
+    """A layer's products follow its one-call path where the layer table picks one; elsewhere (and the LM
+    head always) each product's own table."""
+    from types import SimpleNamespace
+
+    from codraft import kernels
+    from codraft.bench import gemv as bench
+    from codraft.models import ModelConfig, Transformer
+    cfg = ModelConfig(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    model = kernels.enable(Transformer(cfg).eval())
+    ws = bench.decode_weights(model)
+    layer_paths = {1: "fused", 2: "fused-panels", 3: "unfused"}
+    monkeypatch.setattr(bench, "layer_table", lambda layer: SimpleNamespace(path=layer_paths.get))
+    monkeypatch.setattr(bench.products, "table", lambda w: SimpleNamespace(path=lambda m: f"own{m}"))
+    for m, inside in ((1, "kernel"), (2, "panels"), (3, "own3")):
+        assert bench.engine_paths(model, ws, m) == [inside] * 14 + [f"own{m}"]

@@ -7,11 +7,10 @@ machine has none, or with ``remeasure``). Then, for each row count, the same run
 interleaved, every 2-D weight a decode step multiplies (all layers' projections and the LM head, in
 forward order): a ``sum`` over each weight (what reading it costs, the floor), each single product
 path (``codraft.kernels.products.PATHS``: the C kernel, ``F.linear``, ``(w @ xᵀ)ᵀ``, the AMX kernel
-for bf16 weights where the CPU has it), the chosen
-one (each weight's path from its table, called the same way) and the same through
-``products.linear`` (what the fast layers call: plus a reshape, the checks and the table lookup,
-a few µs per product). Figures are ms for all the products (best of ``repeats``) and GB/s of
-weights read.
+for bf16 weights where the CPU has it) and the chosen one: the path each weight takes in a decode
+step (``engine_paths``: a layer's products follow the one-call layer where its table picks it,
+else each product's own table, as the LM head's), called the same way. Figures are ms for all the
+products (best of ``repeats``) and GB/s of weights read.
 
 "chosen vs best" (≥ 1: the table did as well as any single path at that row count) compares
 within rounds: every round runs each side once, back to back in a rotating order, so a slow moment
@@ -20,26 +19,29 @@ p's time / the chosen one's in the same round; the figure is the lowest of those
 it belongs to is "best single". (A best-of-n time per side, compared across sides, mixes moments:
 with four single paths against one chosen, the minimum over more samples wins by chance, and one
 path timed twice came out 0.86× of itself on a host whose speed moved ±15 % within minutes.) The
-same ratio for ``via_linear`` (the chosen path again, through the layers' entry) shows the noise
-and that entry's cost: ``same_path``.
+same ratio for ``chosen_again`` (the chosen paths timed a second time in each round) shows the
+noise: ``same_path``.
 ``dtypes``: the fp32 weights and/or the bf16 rollout copy (weight-only: x stays fp32).
 """
 from __future__ import annotations
 
 import json
 import statistics
+from collections import Counter
 from time import perf_counter
+from typing import Callable
 
 import torch
 
 from codraft.bench import format_table
 from codraft.bench.spec import MODELS
 from codraft.kernels import dispatch, products
-from codraft.kernels.fast_layers import layer_table
+from codraft.kernels.fast_layers import FastDecoderLayer, layer_table
 from codraft.policy import load_policy
 from codraft.rollout.weights import RolloutWeights
 
 SINGLE = tuple(products.PATHS)
+FUSED_PRODUCTS = {"fused": "kernel", "fused-panels": "panels", "fused-amx": "amx"}  # a one-call layer's products
 
 
 def decode_weights(model) -> list[torch.Tensor]:
@@ -70,21 +72,33 @@ def tables(model, weights: list[torch.Tensor]) -> list[dict]:
     return out
 
 
-def measure(weights: list[torch.Tensor], rows: list[int], repeats: int = 5) -> list[dict]:
+def engine_paths(model, weights: list[torch.Tensor], m: int) -> list[str]:
+    """The path each of ``decode_weights(model)`` takes in a decode step of m rows: a layer's products
+    run inside the one-call layer where its table picks that (the vector kernel, panels or AMX tiles),
+    else each product takes its own table's path, as the LM head does."""
+    layer, in_layers = model.layers[0], 7 * len(model.layers)
+    fused = None
+    if isinstance(layer, FastDecoderLayer) and layer.self_attn.q_norm is None:
+        fused = FUSED_PRODUCTS.get(layer_table(layer).path(m))
+    return [fused if fused and i < in_layers else products.table(w).path(m) for i, w in enumerate(weights)]
+
+
+def measure(weights: list[torch.Tensor], rows: list[int], repeats: int = 9,
+            paths: Callable[[int], list[str]] | None = None) -> list[dict]:
     """Per row count: ``{side}_ms`` for all ``weights``' products, sides: ``sum``, each path of
-    ``products.PATHS`` (None where it does not apply), ``chosen`` (each weight's path from its table,
-    called as the single paths are) and ``via_linear`` (``products.linear``: the chosen path with
-    the layers' per-call reshape, checks and lookup); and ``best_single``, ``chosen_vs_best``,
+    ``products.PATHS`` (None where it does not apply), ``chosen`` (``paths(m)``, default each weight's
+    product table; called as the single paths are) and ``chosen_again``; and ``best_single``,
+    ``chosen_vs_best``, ``vs_chosen``, ``same_path``, ``chosen_paths`` (how many weights take each),
     ``bytes``, ``chosen_GBps``."""
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     out = []
     with torch.inference_mode():
         for m in rows:
             xs = [torch.randn(m, w.shape[1]) for w in weights]  # (the same x for every side)
-            chosen = [products.PATHS[products.table(w).path(m)] for w in weights]
-            sides = {name: [fn] * len(weights) for name, fn in
-                     {"sum": lambda x, w: w.sum(), **products.PATHS, "via_linear": products.linear}.items()}
-            sides["chosen"] = chosen
+            assigned = paths(m) if paths else [products.table(w).path(m) for w in weights]
+            chosen = [products.PATHS[n] for n in assigned]
+            sides = {name: [fn] * len(weights) for name, fn in {"sum": lambda x, w: w.sum(), **products.PATHS}.items()}
+            sides["chosen"] = sides["chosen_again"] = chosen
             for name, applies in products.APPLIES.items():
                 if not all(applies(x, w) for x, w in zip(xs, weights)):
                     del sides[name]
@@ -98,12 +112,12 @@ def measure(weights: list[torch.Tensor], rows: list[int], repeats: int = 5) -> l
                         fn(x, w)
                     if r:
                         times[name].append(perf_counter() - t)
-            ms = {n: min(times[n]) * 1e3 if n in times else None for n in ("sum", *SINGLE, "chosen", "via_linear")}
+            ms = {n: min(times[n]) * 1e3 if n in times else None for n in ("sum", *SINGLE, "chosen", "chosen_again")}
             vs = {n: paired_ratio(times[n], times["chosen"]) for n in SINGLE if n in times}
             single = min(vs, key=vs.get)
             out.append({"rows": m, "bytes": nbytes, **{f"{k}_ms": v for k, v in ms.items()}, "best_single": single,
-                        "chosen_vs_best": vs[single], "vs_chosen": vs,
-                        "same_path": paired_ratio(times["via_linear"], times["chosen"]),
+                        "chosen_vs_best": vs[single], "vs_chosen": vs, "chosen_paths": dict(Counter(assigned)),
+                        "same_path": paired_ratio(times["chosen_again"], times["chosen"]),
                         "chosen_GBps": nbytes / ms["chosen"] / 1e6})
     return out
 
@@ -141,15 +155,15 @@ def run(model_name: str = "smollm2", rows=tuple(range(1, 65)), threads: int = 2,
         for t in tabs:
             busy = t["table"].busy and f" (timed while others used {t['table'].busy:.1f} cores: rerun when idle)"
             print(f"  {t['op']} {t['key']} (x{t['weights']}): {_ranges(t['table'])}{busy or ''}")
-        result = measure(weights, list(rows), repeats)
+        result = measure(weights, list(rows), repeats, paths=lambda m: engine_paths(decoder, weights, m))
         mb = result[0]["bytes"] / 1e6
         print(f"{len(weights)} products, {mb:.0f} MB of {dtype} weights, best of {repeats}; ms for all; "
               f"chosen vs best = the lowest over single paths of the median over rounds of (its time / the "
-              f"chosen path's in the same round); same path = that for via linear()")
-        columns = ["sum", *SINGLE, "chosen", "via_linear"]
+              f"chosen path's in the same round); same path = that for the chosen paths timed again")
+        columns = ["sum", *SINGLE, "chosen", "chosen_again"]
         print(format_table([[r["rows"], *(r[f"{c}_ms"] for c in columns), r["chosen_GBps"], r["best_single"],
                              r["chosen_vs_best"], r["same_path"]] for r in result],
-                           ["rows", "sum (floor)", *SINGLE, "chosen", "via linear()", "chosen GB/s", "best single",
+                           ["rows", "sum (floor)", *SINGLE, "chosen", "again", "chosen GB/s", "best single",
                             "chosen vs best", "same path"]))
         worst = min(result, key=lambda r: r["chosen_vs_best"])
         same = sorted(r["same_path"] for r in result)

@@ -52,9 +52,9 @@ bounded by the host-known ``context_len``, writes are scatters at per-row positi
 Training helpers: ``sample_anchors`` (random anchors per packed sequence, notes 2.2),
 ``block_hidden`` (the forward above for N anchors of a packed ``DraftBatch`` row: context K/V
 at per-sequence positions, one branch attention per layer over all N·S block queries) and
-``chunked`` (the (N,S,V) head + loss in checkpointed chunks of blocks, so the vocabulary-sized
-logits of only one chunk are alive). Subclasses (dflash.py, dspark.py) define the slot→label
-mapping, the loss and ``propose``.
+``chunked`` (the (N,S,V) head + loss in chunks of blocks, so the vocabulary-sized temporaries of
+only one chunk are alive; checkpointed where what the backward keeps would not fit). Subclasses
+(dflash.py, dspark.py) define the slot→label mapping, the loss and ``propose``.
 
 Context parallelism (``DraftBatch.main``): anchors are drawn from the global row (the same on
 every rank: same loss mask, same generator); each rank runs the blocks whose anchor row it
@@ -133,7 +133,7 @@ class BlockDraftConfig:
     mask_token_id: int | None = None  # None: a learned mask embedding
     loss_decay: float = 7.0
     num_anchors: int = 128  # per packed sequence and step
-    loss_chunk_blocks: int = 256  # head + loss run over this many blocks at a time (checkpointed)
+    loss_chunk_blocks: int = 256  # head + loss run over this many blocks at a time (``chunked``)
     draft_vocab_size: int = 0  # K > 0: the draft predicts only K target tokens (``set_vocabulary``); 0: all
 
     def layer_config(self) -> ModelConfig:
@@ -285,6 +285,10 @@ class Blocks(NamedTuple):
     anchors: torch.Tensor  # (N,) packed index a_n
     seq_end: torch.Tensor  # (N,) packed index one past a_n's sequence
     pos: torch.Tensor  # (N,) position of a_n inside its sequence (RoPE position of slot 0)
+
+
+# a loss's tensors kept for the backward over all its blocks, above which its chunks are recomputed instead
+KEPT_LOSS_BYTES = 1 << 30
 
 
 class _Bound:
@@ -525,18 +529,24 @@ class BlockDraftBase(nn.Module, Draft):
         part = functools.partial(main.branch, anchors=local, include_anchor=False)
         return self.run_blocks(x, blocks.pos.to(batch.device)[sel][None], kv, part)
 
-    def chunked(self, fn: Callable[..., tuple[torch.Tensor, ...]], n: int, *per_block: torch.Tensor):
-        """Sum of fn(*slices) over chunks of ``config.loss_chunk_blocks`` blocks (dim 0 of every tensor).
+    def chunked(self, fn: Callable[..., tuple[torch.Tensor, ...]], n: int, *per_block: torch.Tensor,
+                kept_per_block: int = 0):
+        """Sum of fn(*slices) over chunks of ``config.loss_chunk_blocks`` blocks (dim 0 of every tensor);
+        fn must return a tuple of tensors of fixed shapes.
 
-        With more than one chunk each one is checkpointed, so only one chunk's (n,S,V) logits are
-        alive at a time; fn must return a tuple of tensors of fixed shapes.
+        Chunks bound the (n,S,V) temporaries alive at a time. What fn keeps for the backward
+        (``kept_per_block`` bytes a block; 0: unknown) stays alive over all chunks unless each is
+        checkpointed, which runs its forward, the head product included, again in the backward. So
+        chunks are checkpointed only where the whole would keep more than ``KEPT_LOSS_BYTES``.
         """
         c = max(1, self.config.loss_chunk_blocks)
         if n <= c:
             return fn(*per_block)
+        again = not kept_per_block or n * kept_per_block > KEPT_LOSS_BYTES
         total = None
         for i in range(0, n, c):
-            out = checkpoint(fn, *(x[i:i + c] for x in per_block), use_reentrant=False)
+            part = [x[i:i + c] for x in per_block]
+            out = checkpoint(fn, *part, use_reentrant=False) if again else fn(*part)
             total = out if total is None else tuple(a + b for a, b in zip(total, out))
         return total
 

@@ -83,7 +83,8 @@ class DFlashDraft(BlockDraftBase):
             hit = (logits.argmax(-1) == labels_c).float()
             return (ce * m_c).sum(0), (hit * m_c).sum(0).detach()  # (S,), (S,)
 
-        ce_sum, hit_sum = self.chunked(slot_sums, sel.shape[0], h, labels[sel], m[sel])
+        ce_sum, hit_sum = self.chunked(slot_sums, sel.shape[0], h, labels[sel], m[sel],
+                                       kept_per_block=4 * s * self.out_vocab)  # logsumexp keeps the fp32 logits
         ce_sum, hit_sum = batch.context.total(torch.cat([ce_sum, hit_sum])).split(s)  # over ranks
         w = decay_weights(s, self.config.loss_decay, 1, dev)  # (S,) w_0 = 0
         denom = (w * count).sum().clamp_min(1e-9)

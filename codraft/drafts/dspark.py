@@ -24,7 +24,8 @@ Training (teacher forcing: previous tokens are the ground truth x_a, x_{a+1}, �
     default weights 0.1 / 0.9 / 1.0, decay 4.0 (DeepSpec's configs). With a draft vocabulary of K
   tokens (block_backbone.py) p_d,k lives on those K, W2 has K outputs and W1 K + 1 rows (the last for
   a previous token outside the vocabulary), labels outside it get no loss, and L1 is taken against
-  the teacher over the whole vocabulary (its mass outside the K tokens counts in full).
+  the teacher over the whole vocabulary (its mass outside the K tokens counts in full). CE and L1
+  with their gradient in one function: slot_loss.py.
   Metrics: loss, ce, tv (mean L1), conf, acc, acc_j (draft position j = slot j−1), alpha_j (mean c*),
   tau_est = mean over blocks of 1 + Σ_k Π_{j≤k} c*_j (expected acceptance length against the
   teacher at temperature 1, cut at the first unsupervised slot), num_blocks.
@@ -51,6 +52,7 @@ from codraft.drafts.block_backbone import (
     make_config, read_saved,
 )
 from codraft.drafts.dflash import _block_size
+from codraft.drafts.slot_loss import slot_losses
 from codraft.models.config import ModelConfig
 from codraft.models.layers import linear
 from codraft.spec.sampling import Sampler
@@ -150,9 +152,8 @@ class DSparkDraft(BlockDraftBase):
 
         def slot_sums(h_c, labels_c, prev_c, src_c, m_c):
             z, e = self.slot_logits(h_c, prev_c)  # (n,S,K), (n,S,r)
-            logp = z.log_softmax(-1)
-            ce = -logp.gather(-1, labels_c[..., None])[..., 0]  # (n,S)
-            l1 = self._l1(logp.exp(), teacher.teacher_at(src_c).float())  # (n,S); rows outside m_c: placeholders
+            # (n,S) each; rows outside m_c: placeholders
+            ce, l1 = slot_losses(z, labels_c, teacher.teacher_at(src_c), outside=self.draft_vocab is not None)
             c_star = (1 - 0.5 * l1).clamp(0, 1).detach()
             conf = self.confidence_head(torch.cat([h_c, e.to(h_c.dtype)], -1))[..., 0].float()
             bce = F.binary_cross_entropy_with_logits(conf, c_star, reduction="none")
@@ -162,7 +163,8 @@ class DSparkDraft(BlockDraftBase):
             return ((ce * m_c).sum(0), (l1 * m_c).sum(0), (bce * m_c).sum(0), (hit * m_c).sum(0).detach(),
                     alpha.sum(0).detach(), tau.detach())
 
-        sums = self.chunked(slot_sums, sel.shape[0], h, labels[sel], prev[sel], src[sel], m[sel])
+        sums = self.chunked(slot_sums, sel.shape[0], h, labels[sel], prev[sel], src[sel], m[sel],
+                            kept_per_block=8 * s * self.out_vocab)  # slot_losses keeps q and sign(q − p)
         sums = batch.context.total(torch.cat([*sums[:5], sums[5][None]]))  # over ranks
         ce_s, l1_s, bce_s, hit_s, alpha_s, tau_s = (*sums[:5 * s].split(s), sums[5 * s])
         w = decay_weights(s, self.config.loss_decay, 0, dev)
@@ -178,24 +180,13 @@ class DSparkDraft(BlockDraftBase):
         return loss, metrics
 
     def _teacher(self, batch: DraftBatch) -> DraftBatch:
-        """The batch whose teacher rows the loss reads: as is, or with a draft vocabulary the teacher's
-        log-probabilities of its K tokens (normalised over the whole vocabulary, once per teacher row:
-        the per-slot gathers and passes then cover K columns, not V)."""
-        if self.draft_vocab is None:
-            return batch
+        """The batch whose teacher rows the loss reads: the teacher's log-probabilities (normalised over
+        the whole vocabulary, once per teacher row, not per slot) of the draft's K tokens, or of all."""
         t = batch.teacher_logits.float()
         # logsumexp 64 rows at a time: its (rows x V) temporaries stay in cache (whole: ~5x slower on CPU)
         lse = torch.cat([t[i:i + 64].logsumexp(-1, keepdim=True) for i in range(0, t.shape[0], 64)])
-        return dataclasses.replace(batch, teacher_logits=t.index_select(-1, self.draft_vocab) - lse)
-
-    def _l1(self, q: torch.Tensor, teacher: torch.Tensor) -> torch.Tensor:
-        """‖q − p_t‖₁, q over the draft's vocabulary (zero outside it): ``teacher`` holds the teacher's
-        logits over the whole vocabulary, or with a draft vocabulary its log-probabilities of the K
-        tokens (``_teacher``), whose mass outside them counts in full."""
-        if self.draft_vocab is None:
-            return (q - teacher.softmax(-1)).abs().sum(-1)
-        p_t = teacher.exp()  # (…,K)
-        return (q - p_t).abs().sum(-1) + (1 - p_t.sum(-1)).clamp_min(0)
+        kept = t if self.draft_vocab is None else t.index_select(-1, self.draft_vocab)
+        return dataclasses.replace(batch, teacher_logits=kept - lse)
 
     # ---- decoding ----
 
