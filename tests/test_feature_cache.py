@@ -124,3 +124,28 @@ def test_reward_knobs_do_not_change_the_cached_data(tiny):
     strict = make_task("arith", max_chars=50, format_reward=0.5)
     assert _ident(strict) == _ident(task)
     assert _ident(make_task("arith", style="steps")) != _ident(task)
+
+
+@pytest.mark.parametrize("kind", WEIGHTED)
+def test_a_batch_without_teacher_serves_exactly_the_kinds_that_do_not_read_one(tiny, cache, kind):
+    """``reads_teacher`` False lets offline training skip the head product: such a kind's loss is the same
+    without the teacher's logits; a kind that reads them gets another loss (or an error)."""
+    policy = tiny[0]
+    torch.manual_seed(3)
+    draft = init_draft(kind, policy, gamma=3)
+    idx = [7, 2, 5]
+    full = cache.batch(policy, idx, draft.feature_layers)
+    bare = cache.batch(policy, idx, draft.feature_layers, teacher=False)
+    assert bare.teacher_logits.shape == (0, policy.config.vocab_size) and len(bare.teacher_rows) == 0
+    assert torch.equal(bare.input_ids, full.input_ids) and torch.equal(bare.loss_mask, full.loss_mask)
+    losses = []
+    for batch in (full, bare):
+        torch.manual_seed(11)
+        try:
+            losses.append(draft.loss(batch)[0].detach())
+        except (ValueError, RuntimeError, IndexError):
+            losses.append(None)
+    if draft.reads_teacher:
+        assert losses[1] is None or not torch.allclose(losses[0], losses[1])
+    else:
+        torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)

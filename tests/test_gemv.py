@@ -284,7 +284,18 @@ def test_bench_covers_every_decode_product(tied):
     assert all(r[f"{k}_ms"] > 0 for k in ("sum", "kernel", "linear", "transposed", "chosen"))
     assert set(r["vs_chosen"]) >= {"kernel", "linear", "transposed"} and r["same_path"] > 0
     assert sum(r["chosen_paths"].values()) == len(ws)
+    assert r["chosen_is"] == (next(iter(r["chosen_paths"])) if len(r["chosen_paths"]) == 1 else None)
     assert r["chosen_vs_best"] == min(r["vs_chosen"].values()) == r["vs_chosen"][r["best_single"]]
+
+
+def test_bench_summary_counts_a_path_compared_with_itself_apart():
+    from codraft.bench.gemv import summary
+    rows = [{"rows": 1, "chosen_is": "kernel", "best_single": "kernel", "chosen_vs_best": 0.9, "same_path": 0.95},
+            {"rows": 2, "chosen_is": None, "best_single": "panels", "chosen_vs_best": 1.02, "same_path": 1.05},
+            {"rows": 3, "chosen_is": "kernel", "best_single": "panels", "chosen_vs_best": 0.8, "same_path": 1.0}]
+    assert summary(rows) == ("the chosen path is the best single path itself at 1/3 row counts; the same paths "
+                             "timed twice: 0.95-1.05; elsewhere chosen vs best >= 1 at 1/2, >= 0.97 at 1, worst "
+                             "0.80 at 3 rows")
 
 
 def test_paired_ratio():

@@ -20,7 +20,8 @@ it belongs to is "best single". (A best-of-n time per side, compared across side
 with four single paths against one chosen, the minimum over more samples wins by chance, and one
 path timed twice came out 0.86× of itself on a host whose speed moved ±15 % within minutes.) The
 same ratio for ``chosen_again`` (the chosen paths timed a second time in each round) shows the
-noise: ``same_path``.
+noise: ``same_path``. Where every weight's chosen path is the best single path itself
+(``chosen_is``), the ratio compares one code with itself: the summary counts those row counts apart.
 ``dtypes``: the fp32 weights and/or the bf16 rollout copy (weight-only: x stays fp32).
 """
 from __future__ import annotations
@@ -89,6 +90,7 @@ def measure(weights: list[torch.Tensor], rows: list[int], repeats: int = 9,
     ``products.PATHS`` (None where it does not apply), ``chosen`` (``paths(m)``, default each weight's
     product table; called as the single paths are) and ``chosen_again``; and ``best_single``,
     ``chosen_vs_best``, ``vs_chosen``, ``same_path``, ``chosen_paths`` (how many weights take each),
+    ``chosen_is`` (the one path every weight takes, else None),
     ``bytes``, ``chosen_GBps``."""
     nbytes = sum(w.numel() * w.element_size() for w in weights)
     out = []
@@ -117,9 +119,25 @@ def measure(weights: list[torch.Tensor], rows: list[int], repeats: int = 9,
             single = min(vs, key=vs.get)
             out.append({"rows": m, "bytes": nbytes, **{f"{k}_ms": v for k, v in ms.items()}, "best_single": single,
                         "chosen_vs_best": vs[single], "vs_chosen": vs, "chosen_paths": dict(Counter(assigned)),
+                        "chosen_is": assigned[0] if len(set(assigned)) == 1 else None,
                         "same_path": paired_ratio(times["chosen_again"], times["chosen"]),
                         "chosen_GBps": nbytes / ms["chosen"] / 1e6})
     return out
+
+
+def summary(result: list[dict]) -> str:
+    """How the chosen paths compare with the best single path over ``measure``'s rows."""
+    itself = [r for r in result if r["chosen_is"] == r["best_single"]]
+    other = [r for r in result if r["chosen_is"] != r["best_single"]]
+    same = sorted(r["same_path"] for r in result)
+    line = (f"the chosen path is the best single path itself at {len(itself)}/{len(result)} row counts; "
+            f"the same paths timed twice: {same[0]:.2f}-{same[-1]:.2f}")
+    if other:
+        worst = min(other, key=lambda r: r["chosen_vs_best"])
+        line += (f"; elsewhere chosen vs best >= 1 at {sum(r['chosen_vs_best'] >= 1 for r in other)}/{len(other)}, "
+                 f">= 0.97 at {sum(r['chosen_vs_best'] >= 0.97 for r in other)}, worst {worst['chosen_vs_best']:.2f} "
+                 f"at {worst['rows']} rows")
+    return line
 
 
 def paired_ratio(a: list[float], b: list[float]) -> float:
@@ -165,12 +183,7 @@ def run(model_name: str = "smollm2", rows=tuple(range(1, 65)), threads: int = 2,
                              r["chosen_vs_best"], r["same_path"]] for r in result],
                            ["rows", "sum (floor)", *SINGLE, "chosen", "again", "chosen GB/s", "best single",
                             "chosen vs best", "same path"]))
-        worst = min(result, key=lambda r: r["chosen_vs_best"])
-        same = sorted(r["same_path"] for r in result)
-        print(f"chosen vs best single path: >= 1 at {sum(r['chosen_vs_best'] >= 1 for r in result)}/{len(result)} "
-              f"row counts, >= 0.97 at {sum(r['chosen_vs_best'] >= 0.97 for r in result)}; "
-              f"worst {worst['chosen_vs_best']:.2f} at {worst['rows']} rows; the same path timed twice: "
-              f"{same[0]:.2f}-{same[-1]:.2f}\n")
+        print(summary(result) + "\n")
         report["tables"] += [{"dtype": dtype, "op": t["op"], "key": t["key"], "weights": t["weights"],
                               "ranges": t["table"].ranges, "times_us": _us(t["table"].times),
                               "busy_cores": t["table"].busy} for t in tabs]

@@ -84,6 +84,9 @@ class Draft(ABC):
     feature_layers: tuple[int, ...] = ()
     default_gamma: int = 4
     architectures: tuple[str, ...] = ()  # config.json "architectures" names this kind saves and loads
+    # whether ``loss`` reads ``batch.teacher_logits``: offline training computes them (the target's whole
+    # LM head over every supervised row, a step's dearest product) only for kinds that do
+    reads_teacher: bool = True
 
     # ---- training and checkpoints ----------------------------------------------------------
 

@@ -43,6 +43,8 @@ from codraft.spec.sampling import Sampler
 class DFlashDraft(BlockDraftBase):
     architectures = ("DFlashDraftModel",)
 
+    reads_teacher = False  # trained on the sampled tokens (CE), not on the teacher's distribution
+
     def __init__(self, config: BlockDraftConfig):
         super().__init__(config)
         self.default_gamma = config.block_size - 1

@@ -49,9 +49,10 @@ class FeatureCache:
     def __len__(self) -> int:
         return len(self.sequences)
 
-    def batch(self, policy, indices: list[int], layers: tuple[int, ...]) -> DraftBatch:
+    def batch(self, policy, indices: list[int], layers: tuple[int, ...], teacher: bool = True) -> DraftBatch:
         """The ``DraftBatch`` of sequences ``indices`` packed in that order, on the policy's device;
-        teacher logits from ``policy.logits`` (final norm + LM head) on the supervised rows only."""
+        teacher logits from ``policy.logits`` (final norm + LM head) on the supervised rows only, or
+        (``teacher`` False, for a draft that does not read them) on none."""
         missing = sorted(set(layers) - set(self.features))
         if missing:
             raise ValueError(f"the feature cache holds layers {list(self.layers)}, the draft reads {list(layers)} "
@@ -61,6 +62,8 @@ class FeatureCache:
         p = pack([s[0] for s in seqs], [s[1] for s in seqs], device=dev, share_prompts=False)
         flat = torch.cat([torch.arange(self.offsets[i], self.offsets[i + 1]) for i in indices])
         rows = supervised_rows(p.completion)
+        if not teacher:
+            rows = rows[:0]
         with torch.no_grad():
             teacher = policy.logits(self.last[flat[rows.cpu()]].to(dev))
         feats = {l: self.features[l][flat][None].to(dev) for l in layers}
