@@ -2,8 +2,9 @@
 before session 22, same process, interleaved (docs/real-preset.md, "Session 22").
 
 "now": DSpark's CE and L1 through ``slot_losses`` (hand-written backward), loss chunks not
-recomputed where what the backward keeps fits ``KEPT_LOSS_BYTES``, and no teacher logits for a
-kind whose loss does not read them (``reads_teacher``: DFlash).
+recomputed where what the backward keeps fits ``KEPT_LOSS_BYTES``, no teacher logits for a kind
+whose loss does not read them (``reads_teacher``: DFlash) and only the draft vocabulary's columns for
+one that reads those (``teacher_columns``: DSpark; each row's logsumexp computed once, before timing).
 "before": the same losses through autograd, every chunk recomputed in the backward, teacher logits
 (the whole LM head over every supervised row) for every kind.
 
@@ -44,15 +45,18 @@ def main(kind: str = "dspark", rounds: int = 3):
                                 max_new_tokens=recipe.max_new_tokens)
     draft.set_vocabulary(draft_vocabulary(features, policy.config.vocab_size, recipe.draft_vocab)[0])
     picks = [random.Random(s).sample(range(len(features)), recipe.batch_sequences) for s in range(6)]
-    sides = {"now": (slot_losses, block_backbone.KEPT_LOSS_BYTES, draft.reads_teacher),
-             "before": (autograd_slot_losses, 0, True)}
+    columns = draft.teacher_columns()
+    if columns is not None:
+        features.teacher_lse(policy)
+    sides = {"now": (slot_losses, block_backbone.KEPT_LOSS_BYTES, draft.reads_teacher, columns),
+             "before": (autograd_slot_losses, 0, True, None)}
     seconds = dict.fromkeys(sides, 0.0)
     for r in range(rounds + 1):
         for name in (list(sides) if r % 2 else list(sides)[::-1]):
-            dspark.slot_losses, block_backbone.KEPT_LOSS_BYTES, teacher = sides[name]
+            dspark.slot_losses, block_backbone.KEPT_LOSS_BYTES, teacher, columns = sides[name]
             for pick in picks:
                 t = time.perf_counter()
-                batch = features.batch(policy, pick, tuple(draft.feature_layers), teacher=teacher)
+                batch = features.batch(policy, pick, tuple(draft.feature_layers), teacher=teacher, columns=columns)
                 draft.zero_grad()
                 draft.loss(batch, generator=torch.Generator().manual_seed(0))[0].backward()
                 if r:

@@ -3,10 +3,12 @@ teacher logits and every kind's loss, against a target forward written out here)
 no target forward per step, and a cache made from another policy, task or tap set is refused."""
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
-from codraft.drafts import DraftBatch, available_drafts, draft_kind, init_draft
+from codraft.drafts import DraftBatch, available_drafts, build_draft, draft_kind, init_draft
 from codraft.drafts.batch import supervised_rows
 from codraft.models import Transformer
 from codraft.policy.warmstart import tiny_model_config
@@ -149,3 +151,60 @@ def test_a_batch_without_teacher_serves_exactly_the_kinds_that_do_not_read_one(t
         assert losses[1] is None or not torch.allclose(losses[0], losses[1])
     else:
         torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
+
+
+def _dspark_with_vocab(policy, tokens):
+    torch.manual_seed(3)
+    draft = build_draft("dspark", policy.config, target=policy, gamma=3, draft_vocab_size=len(tokens))
+    draft.set_vocabulary(torch.tensor(tokens))
+    return draft
+
+
+def test_a_batch_of_the_draft_vocabulary_columns_gives_the_same_loss(tiny, cache):
+    """The teacher's log-probabilities of the draft's K tokens (head rows of K, logsumexp cached per row)
+    give DSpark the same loss, metrics and gradients as the whole-vocabulary logits."""
+    policy = tiny[0]
+    draft = _dspark_with_vocab(policy, list(range(2, policy.config.vocab_size, 3)))
+    idx, layers = [7, 2, 5], draft.feature_layers
+    full = cache.batch(policy, idx, layers)
+    part = cache.batch(policy, idx, layers, columns=draft.teacher_columns())
+    assert torch.equal(part.teacher_tokens, draft.draft_vocab) and torch.equal(part.teacher_rows, full.teacher_rows)
+    torch.testing.assert_close(part.teacher_logits, full.teacher_logits.log_softmax(-1)[:, draft.draft_vocab])
+    runs = []
+    for batch in (full, part):
+        draft.zero_grad()
+        loss, metrics = draft.loss(batch, generator=torch.Generator().manual_seed(0))
+        loss.backward()
+        runs.append((metrics, [p.grad.clone() for p in draft.parameters() if p.grad is not None]))
+    for k in runs[0][0]:
+        torch.testing.assert_close(runs[0][0][k], runs[1][0][k], rtol=1e-5, atol=1e-6)
+    assert len(runs[0][1]) == len(runs[1][1]) > 0
+    for a, b in zip(runs[0][1], runs[1][1]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_column_batches_are_refused_by_drafts_that_read_other_columns(tiny, cache):
+    policy = tiny[0]
+    columns = torch.arange(2, policy.config.vocab_size, 3)
+    other = _dspark_with_vocab(policy, list(range(1, policy.config.vocab_size, 3)))
+    part = cache.batch(policy, [7, 2, 5], other.feature_layers, columns=columns)
+    with pytest.raises(ValueError, match="other tokens than this draft's vocabulary"):
+        other.loss(part)
+    for kind in ("dspark", "eagle3"):  # the whole vocabulary's logits expected
+        draft = init_draft(kind, policy, gamma=3)
+        with pytest.raises(ValueError, match="vocab"):
+            draft.loss(cache.batch(policy, [7, 2, 5], draft.feature_layers, columns=columns))
+
+
+def test_teacher_lse_follows_the_head(tiny, cache):
+    policy = copy.deepcopy(tiny[0])
+    first = cache.teacher_lse(policy).clone()
+    rows = ~first.isnan()
+    assert rows.sum() == sum(len(c) for _, c in cache.sequences)  # one row before every completion token
+    with torch.no_grad():
+        policy.head_weight.mul_(2.0)  # in place, as an optimiser step would
+    again = cache.teacher_lse(policy)
+    assert not torch.allclose(again[rows], first[rows])
+    with torch.no_grad():
+        want = policy.logits(cache.last[rows]).logsumexp(-1)
+    torch.testing.assert_close(again[rows], want, rtol=1e-5, atol=1e-5)

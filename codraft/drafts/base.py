@@ -88,6 +88,12 @@ class Draft(ABC):
     # LM head over every supervised row, a step's dearest product) only for kinds that do
     reads_teacher: bool = True
 
+    def teacher_columns(self) -> torch.Tensor | None:
+        """The target tokens whose teacher log-probabilities ``loss`` reads where that is a subset of the
+        vocabulary (offline batches then carry only those columns: ``DraftBatch.teacher_tokens``); None:
+        the logits over the whole vocabulary."""
+        return None
+
     # ---- training and checkpoints ----------------------------------------------------------
 
     @abstractmethod

@@ -16,7 +16,10 @@ from row t only when ``loss_mask[0, t + 1]``, so those are the only teacher rows
 reads: the rows just before completion tokens, which are also the rows the RL loss needs.
 ``teacher_logits`` (R,V) holds the logits of the distinct packed rows ``teacher_rows`` (R,),
 which must include every such row (extra rows are allowed and ignored); the (T,V) tensor over
-the whole row, mostly prompt, is never built. ``teacher_at(rows)`` looks rows up.
+the whole row, mostly prompt, is never built. ``teacher_at(rows)`` looks rows up. An offline batch
+for a draft that predicts K tokens may hold only those columns, as log-probabilities
+(``teacher_tokens``): the head product over K rows instead of V, with each row's logsumexp over the
+whole vocabulary computed once per cached row (``codraft.train.feature_cache``).
 
 Context parallelism: ``main`` (a ``MainAttention``; None = the single-process default) says which
 packed positions this rank's feature rows are. Then ``features[l]`` are the LOCAL rows
@@ -47,6 +50,9 @@ class DraftBatch:
     teacher_logits: torch.Tensor            # (R,V), detached: the policy's logits at teacher_rows
     teacher_rows: torch.Tensor              # (R,) long, distinct packed rows ⊇ supervised_rows(loss_mask)
     main: MainAttention | None = None       # None: single process, features cover the whole row
+    # None: teacher_logits span the whole vocabulary. Else (K,) the target tokens of its columns, which
+    # then hold log-probabilities normalised over the whole vocabulary (for a draft vocabulary of K)
+    teacher_tokens: torch.Tensor | None = None
 
     def __post_init__(self):
         t = self.input_ids.shape[1]
@@ -68,6 +74,9 @@ class DraftBatch:
                 or self.teacher_logits.shape[0] != self.teacher_rows.shape[0]:
             raise ValueError(f"DraftBatch.teacher_logits must be (R,V) and teacher_rows (R,); got "
                              f"{tuple(self.teacher_logits.shape)} and {tuple(self.teacher_rows.shape)}")
+        if self.teacher_tokens is not None and self.teacher_tokens.shape != self.teacher_logits.shape[1:]:
+            raise ValueError(f"DraftBatch.teacher_tokens {tuple(self.teacher_tokens.shape)} must name the "
+                             f"{self.teacher_logits.shape[1]} columns of teacher_logits")
 
     @classmethod
     def from_full_logits(cls, input_ids, cu_seqlens, loss_mask, features, logits: torch.Tensor,
@@ -89,6 +98,7 @@ class DraftBatch:
 
     @property
     def vocab_size(self) -> int:
+        """The teacher's columns: the target's vocabulary, or the K of ``teacher_tokens``."""
         return self.teacher_logits.shape[-1]
 
     def teacher_at(self, rows: torch.Tensor) -> torch.Tensor:

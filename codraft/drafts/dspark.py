@@ -179,12 +179,23 @@ class DSparkDraft(BlockDraftBase):
             metrics[f"alpha_{k + 1}"] = alpha_s[k].detach() / count[k].clamp_min(1)
         return loss, metrics
 
+    def teacher_columns(self) -> torch.Tensor | None:
+        return self.draft_vocab
+
     def _teacher(self, batch: DraftBatch) -> DraftBatch:
         """The batch whose teacher rows the loss reads: the teacher's log-probabilities (normalised over
-        the whole vocabulary, once per teacher row, not per slot) of the draft's K tokens, or of all."""
+        the whole vocabulary, once per teacher row, not per slot) of the draft's K tokens, or of all; a
+        batch that holds them already (``teacher_tokens``) as is."""
+        if batch.teacher_tokens is not None:
+            if self.draft_vocab is None or not torch.equal(batch.teacher_tokens.to(self.draft_vocab.device),
+                                                           self.draft_vocab):
+                raise ValueError("the batch's teacher holds the log-probabilities of other tokens than this "
+                                 f"draft's vocabulary ({len(batch.teacher_tokens)} tokens, the draft "
+                                 f"{self.out_vocab})")
+            return batch
         t = batch.teacher_logits.float()
         # logsumexp 64 rows at a time: its (rows x V) temporaries stay in cache (whole: ~5x slower on CPU)
-        lse = torch.cat([t[i:i + 64].logsumexp(-1, keepdim=True) for i in range(0, t.shape[0], 64)])
+        lse = torch.cat([t[i:i + 64].logsumexp(-1, keepdim=True) for i in range(0, t.shape[0], 64)] or [t[:, :1]])
         kept = t if self.draft_vocab is None else t.index_select(-1, self.draft_vocab)
         return dataclasses.replace(batch, teacher_logits=kept - lse)
 

@@ -4,7 +4,9 @@
 rollouts), runs the target once over them in packed chunks (no grad) and keeps, for every token,
 the tapped layer outputs and the last layer's output (before the final norm). Teacher logits
 are the frozen, shared LM head applied to that last output: ``batch`` computes them for the rows
-a draft reads only, so the (tokens, vocab) logits are never stored.
+a draft reads only, so the (tokens, vocab) logits are never stored. A draft that predicts K tokens
+of the vocabulary gets their log-probabilities only: the head's K rows per step, and each row's
+logsumexp over the whole vocabulary once per cache (``teacher_lse``).
 
 A cache records what it was made from (``identity``: policy, task and its knobs, sampling, taps);
 ``load`` refuses one made from another policy or task, naming both. ``cached`` builds on first
@@ -25,6 +27,7 @@ from codraft.atomic import atomic_dir
 from codraft.cache import cache_root
 from codraft.drafts import DraftBatch
 from codraft.drafts.batch import supervised_rows
+from codraft.models.layers import linear
 from codraft.rollout import Engine
 from codraft.train.packing import pack
 
@@ -41,6 +44,7 @@ class FeatureCache:
     def __post_init__(self):
         lens = torch.tensor([len(p) + len(c) for p, c in self.sequences])
         self.offsets = torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)])  # (n+1,)
+        self._lse = None  # (key of the head it was computed with, (N,) logsumexp), see teacher_lse
 
     @property
     def layers(self) -> tuple[int, ...]:
@@ -49,10 +53,12 @@ class FeatureCache:
     def __len__(self) -> int:
         return len(self.sequences)
 
-    def batch(self, policy, indices: list[int], layers: tuple[int, ...], teacher: bool = True) -> DraftBatch:
+    def batch(self, policy, indices: list[int], layers: tuple[int, ...], teacher: bool = True,
+              columns: torch.Tensor | None = None) -> DraftBatch:
         """The ``DraftBatch`` of sequences ``indices`` packed in that order, on the policy's device;
-        teacher logits from ``policy.logits`` (final norm + LM head) on the supervised rows only, or
-        (``teacher`` False, for a draft that does not read them) on none."""
+        teacher logits from ``policy.logits`` (final norm + LM head) on the supervised rows only;
+        with ``columns`` (K,) token ids only their log-probabilities (``DraftBatch.teacher_tokens``);
+        with ``teacher`` False (a draft that does not read them) on no row."""
         missing = sorted(set(layers) - set(self.features))
         if missing:
             raise ValueError(f"the feature cache holds layers {list(self.layers)}, the draft reads {list(layers)} "
@@ -64,10 +70,34 @@ class FeatureCache:
         rows = supervised_rows(p.completion)
         if not teacher:
             rows = rows[:0]
+        at = flat[rows.cpu()]
         with torch.no_grad():
-            teacher = policy.logits(self.last[flat[rows.cpu()]].to(dev))
+            if columns is None:
+                logits = policy.logits(self.last[at].to(dev))
+            else:
+                columns = columns.to(dev)
+                head = policy.head_weight.index_select(0, columns)
+                lse = self.teacher_lse(policy)[at, None].to(dev)
+                logits = linear(policy.norm(self.last[at].to(dev)), head).float() - lse
         feats = {l: self.features[l][flat][None].to(dev) for l in layers}
-        return DraftBatch(p.input_ids, p.cu_seqlens, p.completion, feats, teacher, rows)
+        return DraftBatch(p.input_ids, p.cu_seqlens, p.completion, feats, logits, rows, teacher_tokens=columns)
+
+    def teacher_lse(self, policy) -> torch.Tensor:
+        """(N,) the logsumexp over the whole vocabulary of ``policy``'s logits at every cached row a
+        completion token follows (the rows a batch's teacher can be; NaN at the others): computed on
+        first use, 256 rows at a time (~25k SmolLM2 rows: ~15 s on 2 cores), again if the head changes."""
+        w, n = policy.head_weight, policy.norm.weight
+        key = (w.data_ptr(), w._version, n.data_ptr(), n._version)
+        if self._lse is None or self._lse[0] != key:
+            rows = torch.cat([torch.arange(o + len(p) - 1, o + len(p) + len(c) - 1)
+                              for (p, c), o in zip(self.sequences, self.offsets.tolist())])
+            lse = torch.full((len(self.last),), float("nan"))
+            with torch.no_grad():
+                for i in range(0, len(rows), 256):
+                    r = rows[i:i + 256]
+                    lse[r] = policy.logits(self.last[r].to(w.device)).float().logsumexp(-1).cpu()
+            self._lse = (key, lse)
+        return self._lse[1]
 
     # ------------------------------------------------------------ disk
 

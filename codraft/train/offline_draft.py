@@ -70,7 +70,7 @@ def train_offline(policy, tok, task, draft: Draft, *, out_dir: str | os.PathLike
     for step in bar:
         s = step_seed(seed, step)
         batch = features.batch(policy, random.Random(s).sample(range(len(features)), min(batch_sequences, len(features))),
-                               layers, teacher=draft.reads_teacher)
+                               layers, teacher=draft.reads_teacher, columns=draft.teacher_columns())
         torch.manual_seed(s)
         loss, _ = draft.loss(batch)
         opt.zero_grad(set_to_none=True)
