@@ -87,7 +87,7 @@ class FeatureCache:
         completion token follows (the rows a batch's teacher can be; NaN at the others): computed on
         first use, 256 rows at a time (~25k SmolLM2 rows: ~15 s on 2 cores), again if the head changes."""
         w, n = policy.head_weight, policy.norm.weight
-        key = (w.data_ptr(), w._version, n.data_ptr(), n._version)
+        key = (w.data_ptr(), _version(w), n.data_ptr(), _version(n))
         if self._lse is None or self._lse[0] != key:
             rows = torch.cat([torch.arange(o + len(p) - 1, o + len(p) + len(c) - 1)
                               for (p, c), o in zip(self.sequences, self.offsets.tolist())])
@@ -120,6 +120,14 @@ class FeatureCache:
         state = torch.load(folder / "tensors.pt", weights_only=True)  # never unpickle code from a folder
         return cls(identity, [(list(p), list(c)) for p, c in state["sequences"]],
                    {int(l): f for l, f in state["features"].items()}, state["last"])
+
+
+def _version(t: torch.Tensor) -> int | None:
+    """How many in-place changes t has seen; None for an inference-mode tensor, which counts none."""
+    try:
+        return t._version
+    except RuntimeError:
+        return None
 
 
 def identity(*, policy_name: str, policy_key: str, task, n_prompts: int, max_new_tokens: int, seed: int,
