@@ -130,24 +130,27 @@ class Recipe:
     lr: float
     n_prompts: int
     max_new_tokens: int
-    draft_vocab: int = 0  # block drafts: predict this many tokens (``draft_vocabulary``); 0: all
+    draft_vocab: int = 0  # predict this many tokens (``draft_vocabulary``); 0: all
 
 
-BLOCK_KINDS = ("dflash", "dspark")  # the kinds that take a draft vocabulary
+BLOCK_KINDS = ("dflash", "dspark")  # take a draft vocabulary after they are built (EAGLE-3: when built)
 
 
 def recipe_for(tok, kind: str) -> Recipe:
-    """The char model: 200 short steps for every kind. Real models: sized to ~12 minutes per kind on
-    2 CPU cores after the shared feature cache (docs/real-preset.md; EAGLE-3's 7 test-time steps
-    make its step the dearest), on completions as long as the real preset's rollouts. Block drafts
-    predict 8 192 of the tokens (SmolLM2: 1/6 of 49 152; ~96 % of held-out completion tokens), which
-    makes their step ~4x cheaper: they spend it on more steps at a higher rate (held-out acceptance
-    still rises at 800 steps; docs/real-preset.md)."""
+    """The char model: 200 short steps for every kind. Real models: sized to fit ~12 minutes per kind
+    on 2 CPU cores after the shared feature cache (docs/real-preset.md), on completions as long as
+    the real preset's rollouts. Drafts predict 8 192 of the tokens (SmolLM2: 1/6 of 49 152; every
+    cached completion token of its task), which makes a block draft's step ~4x cheaper, spent on more
+    steps at a higher rate (held-out acceptance still rises at 800 steps), and EAGLE-3's ~5x (its 7
+    test-time steps each run its head: 15.7 s a step over the whole vocabulary on a 2-core EPYC,
+    26 minutes for its 100 steps; docs/real-preset.md, session 22)."""
     if isinstance(tok, CharTokenizer):
         return Recipe(steps=200, batch_sequences=16, lr=1e-3, n_prompts=512, max_new_tokens=64)
     if kind in BLOCK_KINDS and tok.vocab_size > 8192:
         return Recipe(steps={"dflash": 800, "dspark": 700}[kind], batch_sequences=8, lr=2e-3, n_prompts=512,
                       max_new_tokens=128, draft_vocab=8192)
+    if kind == "eagle3" and tok.vocab_size > 8192:
+        return Recipe(steps=100, batch_sequences=8, lr=1e-3, n_prompts=512, max_new_tokens=128, draft_vocab=8192)
     steps = {"eagle3": 100, "dflash": 200, "dspark": 150}.get(kind, 150)
     return Recipe(steps=steps, batch_sequences=8, lr=1e-3, n_prompts=512, max_new_tokens=128)
 
@@ -232,17 +235,20 @@ def offline_draft_dir(kind: str, *, policy, tok, task, policy_dir: Path, gamma: 
            f"{vocab}-lr{r.lr:g}-seed{seed}-{_policy_key(Path(policy_dir))}-v{CACHE_VERSION}")
     folder = cache_root() / "drafts" / key
     if not (folder / "report.json").is_file():
-        torch.manual_seed(seed)
-        options = {"draft_vocab_size": r.draft_vocab} if r.draft_vocab else {}
-        draft = build_draft(kind, policy.config, target=policy, gamma=gamma, **options)
-        features = offline_features(policy, tok, task, policy_dir=policy_dir, layers=draft.feature_layers,
+        features = offline_features(policy, tok, task, policy_dir=policy_dir, layers=shared_layers(policy.config),
                                     seed=seed, n_prompts=r.n_prompts, max_new_tokens=r.max_new_tokens,
                                     progress=progress)
-        notes = {}
+        options, notes, tokens = {}, {}, None
         if r.draft_vocab:
             tokens, covered = draft_vocabulary(features, policy.config.vocab_size, r.draft_vocab)
-            draft.set_vocabulary(tokens)
             notes = {"draft_vocab": r.draft_vocab, "draft_vocab_coverage": covered}
+            options = {"draft_vocab_size": r.draft_vocab}
+            if kind not in BLOCK_KINDS:  # chosen at build: exactly these tokens, one count each
+                options["token_counts"] = torch.zeros(policy.config.vocab_size).index_fill_(0, tokens, 1.0)
+        torch.manual_seed(seed)
+        draft = build_draft(kind, policy.config, target=policy, gamma=gamma, **options)
+        if tokens is not None and kind in BLOCK_KINDS:
+            draft.set_vocabulary(tokens)
         train_offline(policy, tok, task, draft, out_dir=folder, steps=r.steps, batch_sequences=r.batch_sequences,
                       lr=r.lr, seed=seed, progress=progress, features=features, notes=notes)
         write_target_record(folder / "draft", policy, policy_dir, draft.feature_layers)
