@@ -156,7 +156,7 @@ def recipe_for(tok, kind: str) -> Recipe:
 
 
 def draft_vocabulary(features: FeatureCache, vocab_size: int, k: int) -> tuple[torch.Tensor, float]:
-    """The k tokens a block draft trained on ``features`` predicts, and the share of the cached
+    """The k tokens a draft trained on ``features`` predicts, and the share of the cached
     completion tokens they cover: the most frequent completion tokens, then the lowest ids (a BPE
     vocabulary lists its common merges first), so tokens rare in the cache still have a chance."""
     if not 0 < k <= vocab_size:
