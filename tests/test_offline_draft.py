@@ -113,45 +113,30 @@ def test_draft_vocabulary_is_the_most_frequent_completion_tokens_then_low_ids():
         offline_draft.draft_vocabulary(fc, 20, 21)
 
 
-def test_an_offline_block_draft_with_a_vocabulary(tiny, tmp_path, monkeypatch):
+@pytest.mark.parametrize("kind", ["dspark", "eagle3"])
+def test_an_offline_draft_with_a_vocabulary(kind, tiny, tmp_path, monkeypatch):
     """A recipe with ``draft_vocab``: the cached draft predicts the feature cache's most frequent
-    completion tokens, its report says how many of them it covers, and a run starts from it."""
+    completion tokens (a block draft set after it is built, EAGLE-3 built with them: its head has K rows),
+    its report says how many of them it covers, and a run starts from it."""
     monkeypatch.setenv("CODRAFT_CACHE", str(tmp_path / "cache"))
     policy, tok, task = tiny
     (tmp_path / "policy").mkdir()
     recipe = offline_draft.Recipe(steps=2, batch_sequences=3, lr=1e-3, n_prompts=6, max_new_tokens=8, draft_vocab=12)
-    folder = offline_draft.offline_draft_dir("dspark", policy=policy, tok=tok, task=task,
+    folder = offline_draft.offline_draft_dir(kind, policy=policy, tok=tok, task=task,
                                              policy_dir=tmp_path / "policy", gamma=3, seed=0, recipe=recipe,
                                              progress=False)
     assert "-dv12-" in folder.parent.name
     report = json.loads((folder.parent / "report.json").read_text())
     assert report["draft_vocab"] == 12 and 0 < report["draft_vocab_coverage"] < 1  # (12 of the char vocabulary)
-    draft = starting_draft("dspark", str(folder), policy=policy, tok=tok, task=task, policy_dir=tmp_path / "policy",
+    draft = starting_draft(kind, str(folder), policy=policy, tok=tok, task=task, policy_dir=tmp_path / "policy",
                            gamma=3, seed=0)
     features = offline_draft.offline_features(policy, tok, task, policy_dir=tmp_path / "policy",
                                               layers=draft.feature_layers, seed=0, n_prompts=6, max_new_tokens=8,
                                               progress=False)
     want, covered = offline_draft.draft_vocabulary(features, policy.config.vocab_size, 12)
-    assert draft.draft_vocab.tolist() == want.tolist() and covered == report["draft_vocab_coverage"]
-    assert offline_draft.recipe_for(tok, "dspark").draft_vocab == 0  # the char model: its whole vocabulary
-
-
-def test_an_offline_eagle3_draft_with_a_vocabulary(tiny, tmp_path, monkeypatch):
-    """EAGLE-3 takes the recipe's draft vocabulary when built: exactly the block drafts' choice (the feature
-    cache's most frequent completion tokens), its head K rows."""
-    monkeypatch.setenv("CODRAFT_CACHE", str(tmp_path / "cache"))
-    policy, tok, task = tiny
-    (tmp_path / "policy").mkdir()
-    recipe = offline_draft.Recipe(steps=2, batch_sequences=3, lr=1e-3, n_prompts=6, max_new_tokens=8, draft_vocab=12)
-    folder = offline_draft.offline_draft_dir("eagle3", policy=policy, tok=tok, task=task,
-                                             policy_dir=tmp_path / "policy", gamma=3, seed=0, recipe=recipe,
-                                             progress=False)
-    assert "-dv12-" in folder.parent.name
-    draft = starting_draft("eagle3", str(folder), policy=policy, tok=tok, task=task, policy_dir=tmp_path / "policy",
-                           gamma=3, seed=0)
-    features = offline_draft.offline_features(policy, tok, task, policy_dir=tmp_path / "policy",
-                                              layers=draft.feature_layers, seed=0, n_prompts=6, max_new_tokens=8,
-                                              progress=False)
-    want, _ = offline_draft.draft_vocabulary(features, policy.config.vocab_size, 12)
-    assert draft.used_ids().tolist() == sorted(want.tolist()) and draft.lm_head.weight.shape[0] == 12
-    assert offline_draft.recipe_for(tok, "eagle3").draft_vocab == 0  # the char model: its whole vocabulary
+    assert covered == report["draft_vocab_coverage"]
+    if kind == "eagle3":
+        assert draft.used_ids().tolist() == sorted(want.tolist()) and draft.lm_head.weight.shape[0] == 12
+    else:
+        assert draft.draft_vocab.tolist() == want.tolist()
+    assert offline_draft.recipe_for(tok, kind).draft_vocab == 0  # the char model: its whole vocabulary
