@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from codraft import kernels
-from codraft.kernels import cbuild, decode_ops, dispatch, fast_layers, gemv, products
+from codraft.kernels import cbuild, decode_ops, dispatch, fast_layers, gemv, panels, products
 from codraft.models import KVCache, ModelConfig, Transformer
 from codraft.models.transformer import DecoderLayer
 
@@ -361,3 +361,32 @@ def test_decoder_layer_takes_the_chosen_path(made_up_times, monkeypatch):
     assert calls == [2, 4]  # one layer
     assert ["fused", "unfused"] in made and fast_layers.layer_table(model.layers[0]).ranges == (
         (1, 4, "fused"), (5, 128, "unfused"))
+
+
+# ---- what a measurement times ------------------------------------------------------------------------
+
+
+def test_measurements_time_the_paths_not_the_packing(monkeypatch):
+    """The panels paths run on copies of a bf16 weight (or layer) packed on first use. A measurement
+    cycles through up to 256 copies and packing one costs ~10 products at 1 row, so every sample
+    timed the packing and the panels lost where they were fastest (SmolLM2 on the Xeon, session 23).
+    The copies are packed when a candidate is built, before its first timed call."""
+    packs = []
+    real = panels.pack
+    monkeypatch.setattr(panels, "pack", lambda w, into: packs.append(w.shape) or real(w, into))
+    model, _ = _layer_and_cache(torch.bfloat16, 1, 1, seed=0)
+    model.requires_grad_(False)  # a rollout copy's weights: packed copies follow them
+    with torch.inference_mode(False):
+        w = torch.randn(64, 48).bfloat16()
+    layer = model.layers[0]
+    nbytes = sum(p.numel() * p.element_size() for p in layer.parameters())
+    built = {"product": (products._candidates(w), dispatch.copies(w.numel() * 2)),  # (packed: one weight a copy)
+             "layer": (fast_layers._layer_candidates(layer), 7 * dispatch.copies(nbytes))}  # (7 projections)
+    for op, (candidates, copies) in built.items():
+        before = len(packs)
+        runs = [run for at in candidates.values() for m in (1, 3) if (run := at(m)) is not None]  # as measure does
+        made = len(packs)
+        assert made - before == copies, op  # every copy, once
+        for run in runs * 2:
+            run()
+        assert len(packs) == made, f"{op}: a timed call packed {len(packs) - made} copies"

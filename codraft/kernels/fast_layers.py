@@ -126,7 +126,7 @@ def _layer_candidates(layer: FastDecoderLayer) -> dict[str, dispatch.At]:
     nbytes = sum(p.numel() * p.element_size() for p in layer.parameters())
     with torch.inference_mode(False):  # weights that keep version counters, as a model's (for packed copies)
         timed = nn.ModuleList(copy.deepcopy(layer) for _ in range(dispatch.copies(nbytes)))
-    turn = itertools.count()
+    turn, packed = itertools.count(), []
 
     def at(fused: bool, on_amx: bool = False, panels: bool = False):
         def rows(m):
@@ -141,6 +141,9 @@ def _layer_candidates(layer: FastDecoderLayer) -> dict[str, dispatch.At]:
                 if fused and not decode_ops.layer_applies(layer, x, cache.k) or on_amx and not _amx_fits(layer) \
                         or panels and layer.self_attn.q_proj.weight.dtype is not torch.bfloat16:
                     return None
+                if panels and not packed:  # each copy packs on its first call: done here, not timed
+                    packed.extend(decode_ops.decoder_stack(timed, j, [timed[j]], x, cos, sin, cache, panels=True)
+                                  for j in range(len(timed)))
 
             @torch.no_grad()
             def run():

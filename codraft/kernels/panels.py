@@ -74,6 +74,15 @@ def packed(w: torch.Tensor) -> torch.Tensor:
     return held[2]
 
 
+def prepare(weights: list[torch.Tensor]) -> None:
+    """Make (or bring up to date) the packed copy of each weight ``versions`` accepts, now: a
+    measurement cycling through many copies of a weight would otherwise time the packing (each
+    copy's first product: ~10x the product at 1 row)."""
+    for w in weights:
+        if versions([w]) is not None:
+            packed(w)
+
+
 def applies(x2: torch.Tensor, w: torch.Tensor) -> bool:
     """What ``gemv.applies`` takes, with a bf16 weight."""
     return w.dtype is torch.bfloat16 and gemv.applies(x2, w)

@@ -51,6 +51,8 @@ def _candidates(w: torch.Tensor) -> dict[str, dispatch.At]:
             x = torch.randn(m, w.shape[1])
             if name in APPLIES and not APPLIES[name](x, ws[0]):
                 return None
+            if name == "panels":  # pack every copy now: the samples time products, not the one-time packing
+                panels.prepare(ws)
             return lambda: PATHS[name](x, ws[next(turn) % n])
         return rows
     return {name: at(name) for name in PATHS}
