@@ -1,6 +1,9 @@
 """`codraft bench spec --dtypes float32,bfloat16` on a small saved policy: both rollout dtypes side by
-side, every row tagged with its dtype and compared with the plain side of its own dtype."""
+side, every row tagged with its dtype and compared with the plain side of its own dtype; the HF side
+decoding as many tokens as codraft's."""
 import json
+
+import torch
 
 from codraft.cli import main
 from test_cotrain import tiny_policy_dir  # noqa: F401 (a fixture)
@@ -26,3 +29,25 @@ def test_bench_spec_compares_rollout_dtypes(tiny_policy_dir, tmp_path, capsys):
     assert summary["bfloat16"]["weight_MB"] < 0.6 * summary["float32"]["weight_MB"]  # the matrices halve
     assert summary["bfloat16"]["speedup_vs_float32"] > 0
     assert "plain decoding with bfloat16 rollout weights vs float32: batch 1" in capsys.readouterr().out
+
+
+def test_hf_side_decodes_every_token_as_codraft_does(tiny_policy_dir):
+    """Greedy rows run EOS off on every side. HF's generate() fills a setting left None from the
+    model's own generation config, so a model whose config names an EOS stopped there: SmolLM2's HF
+    rows stopped after 13 of 128 tokens, and "vs HF" timed mostly a prefill. Here the model's EOS is
+    the first token it emits: the HF side still decodes all of them, the same tokens as codraft."""
+    from transformers import AutoModelForCausalLM
+
+    from codraft.bench import spec
+    from codraft.policy import load_policy
+    from codraft.rollout import Engine
+
+    prompt, n = [1, 2, 3], 6
+    with torch.inference_mode():
+        first = AutoModelForCausalLM.from_pretrained(str(tiny_policy_dir))(torch.tensor([prompt])).logits[0, -1].argmax()
+    (tiny_policy_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": int(first)}))
+    side = spec._hf_side("hf generate", spec._load_hf(tiny_policy_dir), 0, n)
+    tokens = side.run([prompt])["tokens"]
+    policy, _, _ = load_policy(str(tiny_policy_dir))
+    ours = Engine(policy.eval()).generate([prompt], n, temperature=0.0, eos_id=[])
+    assert tokens == [ours[0].tokens] and tokens[0][0] == first and len(tokens[0]) == n

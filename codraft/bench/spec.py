@@ -126,6 +126,8 @@ def _hf_side(name, hf, pad_id, max_new, lookup: int | None = None):
                                bos_token_id=None, prompt_lookup_num_tokens=lookup)
         with torch.inference_mode():
             out = hf.generate(ids, attention_mask=mask, generation_config=cfg)
+        if out.shape[1] - t != n:  # tokens per second over fewer tokens would be mostly prefill
+            raise RuntimeError(f"{name}: HF generated {out.shape[1] - t} tokens, not {n}")
         return {"tokens": out[:, t:].tolist()}
 
     return Side(name, run)
@@ -135,7 +137,11 @@ def _load_hf(folder):
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging
     logging.set_verbosity_error()
-    return AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    hf = AutoModelForCausalLM.from_pretrained(str(folder), dtype=torch.float32).eval()
+    # generate() fills a setting left None from the model's own generation config: its EOS would
+    # stop the greedy rows (SmolLM2's after 13 of 128 tokens) that codraft decodes with EOS off
+    hf.generation_config.eos_token_id = None
+    return hf
 
 
 def _prompts(tok, n: int) -> list[list[int]]:
