@@ -260,6 +260,11 @@ void gemv_rows_bf16(const float *x, const uint16_t *w, float *y, int64_t m, int6
 // ~1.4x with the weights in cache at 4-8 rows (at the FMA rate).
 #define PANEL (2 * LANES)
 int panel_rows(void) { return PANEL; }
+// input rows per tile: AVX-512's 32 vector registers hold 8 rows x 2 x LANES accumulators (AVX2's 16
+// hold 4), so each widened weight vector serves twice the FMAs
+#ifndef ROW_TILE
+#define ROW_TILE (LANES == 16 ? 8 : 4)
+#endif
 
 // w (out, in) row-major bf16 -> packed (ceil(out / PANEL), in, PANEL): panel p, input k holds outputs
 // p*PANEL + j at even position 2j and p*PANEL + LANES + j at 2j + 1 (zero past `out`)
@@ -277,10 +282,10 @@ void pack_panels_bf16(const uint16_t *w, uint16_t *packed, int64_t out, int64_t 
 }
 
 // y[r0 .. r0+R, the outputs of panels p0 .. p0+NP] over all k: R*NP*2 accumulators (R, NP constants
-// after inlining; up to 4 x 1, 3 x 2, 2 x 2, 1 x 4: 8-12 chains of FMAs hide their latency).
+// after inlining; up to ROW_TILE x 1, 3 x 2, 2 x 2, 1 x 4: 8-16 chains of FMAs hide their latency).
 INLINE void panel_tile(const float *x, const uint16_t *packed, float *y, int64_t in, int64_t out, int64_t r0,
                        int64_t p0, const int R, const int NP, const int hint) {
-    vf a[4][4][2];
+    vf a[ROW_TILE > 4 ? ROW_TILE : 4][4][2];
     for (int r = 0; r < R; r++)
         for (int n = 0; n < NP; n++) a[r][n][0] = a[r][n][1] = (vf){0};
     const uint16_t *base = packed + p0 * in * PANEL;
@@ -320,12 +325,15 @@ INLINE void panel_tile(const float *x, const uint16_t *packed, float *y, int64_t
 
 #define PANEL_TILE(R, NP) panel_tile(x, packed, y, in, out, r0, p, R, NP, hint)
 // panels p0 .. p1 for all m rows: per group of panels (4 / the last tile's rows, so that tile has
-// chains enough), tiles of 4 rows one panel at a time, then the last 1-3 rows over the whole group
+// chains enough), tiles of ROW_TILE rows, then of 4, one panel at a time, then the last 1-3 rows over
+// the whole group
 INLINE void panels(const float *x, const uint16_t *packed, float *y, int64_t m, int64_t in, int64_t out, int64_t p0,
                    int64_t p1, const int hint) {
     const int rest = (int)(m % 4), group = rest == 1 ? 4 : rest ? 2 : 1;
     for (int64_t g = p0; g < p1; g += group) {
         int64_t g1 = g + group < p1 ? g + group : p1, r0 = 0;
+        for (; r0 + ROW_TILE <= m; r0 += ROW_TILE)
+            for (int64_t p = g; p < g1; p++) PANEL_TILE(ROW_TILE, 1);
         for (; r0 + 4 <= m; r0 += 4)
             for (int64_t p = g; p < g1; p++) PANEL_TILE(4, 1);
         for (int64_t p = g; rest && p < g1;) {
