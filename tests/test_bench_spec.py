@@ -44,7 +44,8 @@ def test_hf_side_decodes_every_token_as_codraft_does(tiny_policy_dir):
 
     prompt, n = [1, 2, 3], 6
     with torch.inference_mode():
-        first = AutoModelForCausalLM.from_pretrained(str(tiny_policy_dir))(torch.tensor([prompt])).logits[0, -1].argmax()
+        hf = AutoModelForCausalLM.from_pretrained(str(tiny_policy_dir))
+        first = hf(torch.tensor([prompt])).logits[0, -1].argmax()
     (tiny_policy_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": int(first)}))
     side = spec._hf_side("hf generate", spec._load_hf(tiny_policy_dir), 0, n)
     tokens = side.run([prompt])["tokens"]
