@@ -370,10 +370,12 @@ def test_measurements_time_the_paths_not_the_packing(monkeypatch):
     """The panels paths run on copies of a bf16 weight (or layer) packed on first use. A measurement
     cycles through up to 256 copies and packing one costs ~10 products at 1 row, so every sample
     timed the packing and the panels lost where they were fastest (SmolLM2 on the Xeon, session 23).
-    The copies are packed when a candidate is built, before its first timed call."""
+    The copies are packed when a candidate is built, before its first timed call: also those the
+    per-op layer's products pack where their own table picks panels (here: always)."""
     packs = []
     real = panels.pack
     monkeypatch.setattr(panels, "pack", lambda w, into: packs.append(w.shape) or real(w, into))
+    monkeypatch.setattr(products, "table", lambda w: dispatch.Table((), ("panels",), {}))  # every row count
     model, _ = _layer_and_cache(torch.bfloat16, 1, 1, seed=0)
     model.requires_grad_(False)  # a rollout copy's weights: packed copies follow them
     with torch.inference_mode(False):
@@ -381,7 +383,7 @@ def test_measurements_time_the_paths_not_the_packing(monkeypatch):
     layer = model.layers[0]
     nbytes = sum(p.numel() * p.element_size() for p in layer.parameters())
     built = {"product": (products._candidates(w), dispatch.copies(w.numel() * 2)),  # (packed: one weight a copy)
-             "layer": (fast_layers._layer_candidates(layer), 7 * dispatch.copies(nbytes))}  # (7 projections)
+             "layer": (fast_layers._layer_candidates(layer), 2 * 7 * dispatch.copies(nbytes))}  # (both layers' 7)
     for op, (candidates, copies) in built.items():
         before = len(packs)
         runs = [run for at in candidates.values() for m in (1, 3) if (run := at(m)) is not None]  # as measure does

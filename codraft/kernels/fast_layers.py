@@ -27,7 +27,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from codraft.attention import cache_causal_mask, varlen_attention
-from codraft.kernels import amx, decode_ops, dispatch
+from codraft.kernels import amx, decode_ops, dispatch, panels as panel_copies
 from codraft.kernels.products import linear
 from codraft.models.kv_cache import KVCache
 from codraft.models.layers import MLP, RMSNorm
@@ -126,7 +126,7 @@ def _layer_candidates(layer: FastDecoderLayer) -> dict[str, dispatch.At]:
     nbytes = sum(p.numel() * p.element_size() for p in layer.parameters())
     with torch.inference_mode(False):  # weights that keep version counters, as a model's (for packed copies)
         timed = nn.ModuleList(copy.deepcopy(layer) for _ in range(dispatch.copies(nbytes)))
-    turn, packed = itertools.count(), []
+    turn, packed, packed_products = itertools.count(), [], []
 
     def at(fused: bool, on_amx: bool = False, panels: bool = False):
         def rows(m):
@@ -141,9 +141,14 @@ def _layer_candidates(layer: FastDecoderLayer) -> dict[str, dispatch.At]:
                 if fused and not decode_ops.layer_applies(layer, x, cache.k) or on_amx and not _amx_fits(layer) \
                         or panels and layer.self_attn.q_proj.weight.dtype is not torch.bfloat16:
                     return None
-                if panels and not packed:  # each copy packs on its first call: done here, not timed
+                # each copy packs on its first call (the one-call layer's plan, or the per-op layer's products
+                # where their table picks panels): done here, not timed
+                if panels and not packed:
                     packed.extend(decode_ops.decoder_stack(timed, j, [timed[j]], x, cos, sin, cache, panels=True)
                                   for j in range(len(timed)))
+                if not fused and not packed_products:
+                    packed_products.append(panel_copies.prepare([w for copy in timed
+                                                                 for w in decode_ops._layer_weights(copy)[1]]))
 
             @torch.no_grad()
             def run():

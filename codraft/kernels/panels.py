@@ -75,11 +75,11 @@ def packed(w: torch.Tensor) -> torch.Tensor:
 
 
 def prepare(weights: list[torch.Tensor]) -> None:
-    """Make (or bring up to date) the packed copy of each weight ``versions`` accepts, now: a
+    """Make (or bring up to date) the packed copy of each bf16 weight ``versions`` accepts, now: a
     measurement cycling through many copies of a weight would otherwise time the packing (each
     copy's first product: ~10x the product at 1 row)."""
     for w in weights:
-        if versions([w]) is not None:
+        if w.dtype is torch.bfloat16 and versions([w]) is not None:
             packed(w)
 
 
