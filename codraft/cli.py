@@ -242,7 +242,8 @@ def _cmd_bench(args):
     elif args.bench == "gemv":
         from codraft.bench.gemv import run
         run(model_name=args.model, rows=[int(r) for r in _csv(args.rows)], threads=args.threads,
-            repeats=args.repeats, dtypes=_csv(args.dtypes), remeasure=args.remeasure, json_path=args.json)
+            repeats=args.repeats, dtypes=_csv(args.dtypes), remeasure=args.remeasure, json_path=args.json,
+            step_rows=[int(r) for r in _csv(args.step_rows)])
     elif args.bench == "spec":
         from codraft.bench.spec import parse_gammas, run
         run(models=_csv(args.models), batches=[int(b) for b in _csv(args.batches)],
@@ -348,6 +349,8 @@ def _bench_commands(sub):
                                                         "(the weight-only rollout copy)")
     b.add_argument("--threads", type=int, default=2)
     b.add_argument("--repeats", type=int, default=9, help="timed rounds (each side once per round)")
+    b.add_argument("--step-rows", default="1,2,4,8,12,16,24,32,40,48,64",
+                   help="row counts of whole decode steps timed with each path forced ('' for none)")
     b.add_argument("--remeasure", action="store_true",
                    help="forget the cached dispatch tables ($CODRAFT_CACHE/dispatch) and measure them again")
     b.add_argument("--json", metavar="FILE")

@@ -1,6 +1,7 @@
 """The CPU few-row product kernel (codraft.kernels.gemv), fp32 and bf16 weights, against fp64 torch
 products, the fast ``linear`` that routes to it, and how the C kernels (it and
 codraft.kernels.decode_ops) are built, cached, and switched off."""
+import copy
 import ctypes
 
 import pytest
@@ -326,3 +327,72 @@ def test_bench_times_the_paths_a_decode_step_takes(monkeypatch):
     monkeypatch.setattr(bench.products, "table", lambda w: SimpleNamespace(path=lambda m: f"own{m}"))
     for m, inside in ((1, "kernel"), (2, "panels"), (3, "own3")):
         assert bench.engine_paths(model, ws, m) == [inside] * 14 + [f"own{m}"]
+
+
+def _decode_step_model():
+    from codraft import kernels
+    from codraft.models import KVCache, ModelConfig, Transformer
+    cfg = ModelConfig(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    torch.manual_seed(0)
+    reference = Transformer(cfg).eval()
+    model = kernels.enable(copy.deepcopy(reference))
+    cache = KVCache.for_model(model, batch=3, max_len=9)
+    cache.k.normal_(), cache.v.normal_()
+    return reference, model, cache
+
+
+def test_forcing_gives_one_path_at_every_row_count_and_restores_the_tables():
+    from codraft.kernels import dispatch, products
+    w = torch.randn(32, 48)
+    measured = products.table(w)
+    with dispatch.forcing({"product": "transposed"}):
+        assert {products.table(w).path(m) for m in (1, 7, 64, 1000)} == {"transposed"}
+        with dispatch.forcing({"product": "kernel", "layer": "unfused"}):
+            assert products.table(w).path(3) == "kernel"
+        assert products.table(w).path(3) == "transposed"
+    with pytest.raises(RuntimeError), dispatch.forcing({"product": "linear"}):
+        raise RuntimeError
+    assert products.table(w) is measured
+
+
+def test_a_forced_decode_step_runs_the_forced_path_and_computes_the_same(monkeypatch):
+    """The whole-step sides of ``codraft bench gemv`` run what they name: a product path for every product
+    with the layers per op, or the one-call layer; each gives the reference model's logits."""
+    from codraft.bench import gemv as bench
+    from codraft.kernels import dispatch, products
+    reference, model, cache = _decode_step_model()
+    token = torch.randint(61, (3, 1), generator=torch.Generator().manual_seed(1))
+    start = torch.tensor([2, 5, 0])
+    with torch.inference_mode():
+        cache.set_lengths(start, span=5)
+        expected = reference(token, cache=cache)
+        sides = bench.step_sides(model, 3, cache.k)
+    assert {"chosen", "kernel", "linear", "transposed", "fused"} <= set(sides)
+    calls = []
+    for name, fn in products.PATHS.items():
+        monkeypatch.setitem(products.PATHS, name, lambda x, w, n=name, f=fn: calls.append(n) or f(x, w))
+    real_stack = decode_ops.decoder_stack
+    monkeypatch.setattr(decode_ops, "decoder_stack", lambda *a, **k: calls.append("stack") or real_stack(*a, **k))
+    for name, paths in sides.items():
+        calls.clear()
+        with torch.inference_mode(), dispatch.forcing(paths):
+            cache.set_lengths(start, span=5)
+            got = model(token, cache=cache)
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4, msg=name)
+        if name in products.PATHS:
+            assert calls == [name] * (7 * 2 + 1), name  # 7 products a layer and the LM head
+        elif name in ("fused", "fused-panels", "fused-amx"):
+            assert calls[0] == "stack" and "stack" not in calls[1:] and len(calls) == 2, (name, calls)
+
+
+def test_bench_times_whole_decode_steps_against_each_forced_path():
+    from codraft.bench import gemv as bench
+    _, model, _ = _decode_step_model()
+    result = bench.measure_steps(model, rows=[1, 3], repeats=2)
+    assert [r["rows"] for r in result] == [1, 3]
+    for r in result:
+        assert {"kernel", "linear", "transposed", "fused"} <= set(r["vs_chosen"])
+        assert all(r[f"{n}_ms"] > 0 for n in (*r["vs_chosen"], "chosen", "chosen_again"))
+        assert r["chosen_vs_best"] == min(r["vs_chosen"].values()) == r["vs_chosen"][r["best_single"]]
+    assert bench.steps_summary(result).startswith("whole steps: chosen vs best")

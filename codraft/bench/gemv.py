@@ -23,9 +23,17 @@ same ratio for ``chosen_again`` (the chosen paths timed a second time in each ro
 noise: ``same_path``. Where every weight's chosen path is the best single path itself
 (``chosen_is``), the ratio compares one code with itself: the summary counts those row counts apart.
 ``dtypes``: the fp32 weights and/or the bf16 rollout copy (weight-only: x stays fp32).
+
+Products alone do not judge the one-call layer: it also does the norms, RoPE, attention and the
+glue between them in C, so its products can lose to MKL's while its layer wins. So last, at
+``step_rows``, whole decode steps (``measure_steps``: m rows of one new token over ``CONTEXT``
+cached ones) run as the engine chooses and with each path forced everywhere (``dispatch.forcing``:
+one product path for every product with the layers per op, or one variant of the one-call layer),
+compared the same way within rounds.
 """
 from __future__ import annotations
 
+import functools
 import json
 import statistics
 from collections import Counter
@@ -36,12 +44,15 @@ import torch
 
 from codraft.bench import format_table
 from codraft.bench.spec import MODELS
-from codraft.kernels import dispatch, products
-from codraft.kernels.fast_layers import FastDecoderLayer, layer_table
+from codraft.kernels import dispatch, fast_layers, products
+from codraft.kernels.fast_layers import FUSED, FastDecoderLayer, layer_table
+from codraft.models.kv_cache import KVCache
 from codraft.policy import load_policy
 from codraft.rollout.weights import RolloutWeights
 
 SINGLE = tuple(products.PATHS)
+STEP_ROWS = (1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 64)
+CONTEXT = 64  # cached tokens per row before a timed whole step
 FUSED_PRODUCTS = {"fused": "kernel", "fused-panels": "panels", "fused-amx": "amx"}  # a one-call layer's products
 
 
@@ -104,16 +115,7 @@ def measure(weights: list[torch.Tensor], rows: list[int], repeats: int = 9,
             for name, applies in products.APPLIES.items():
                 if not all(applies(x, w) for x, w in zip(xs, weights)):
                     del sides[name]
-            times = {name: [] for name in sides}
-            names = list(sides)
-            for r in range(repeats + 1):  # the first round warms up
-                for k in range(len(names)):
-                    name = names[(k + r) % len(names)]  # rotating order: a slow moment hits all sides alike
-                    calls, t = zip(sides[name], xs, weights), perf_counter()
-                    for fn, x, w in calls:
-                        fn(x, w)
-                    if r:
-                        times[name].append(perf_counter() - t)
+            times = rounds({name: functools.partial(_each, fns, xs, weights) for name, fns in sides.items()}, repeats)
             ms = {n: min(times[n]) * 1e3 if n in times else None for n in ("sum", *SINGLE, "chosen", "chosen_again")}
             vs = {n: paired_ratio(times[n], times["chosen"]) for n in SINGLE if n in times}
             single = min(vs, key=vs.get)
@@ -123,6 +125,78 @@ def measure(weights: list[torch.Tensor], rows: list[int], repeats: int = 9,
                         "same_path": paired_ratio(times["chosen_again"], times["chosen"]),
                         "chosen_GBps": nbytes / ms["chosen"] / 1e6})
     return out
+
+
+def _each(fns, xs, weights):
+    for fn, x, w in zip(fns, xs, weights):
+        fn(x, w)
+
+
+def rounds(sides: dict[str, Callable[[], object]], repeats: int) -> dict[str, list[float]]:
+    """{side: seconds per round}: ``repeats`` rounds (after one that warms up), each calling every
+    side once in a rotating order, so a slow moment of the host hits the sides of a round alike."""
+    times, names = {name: [] for name in sides}, list(sides)
+    for r in range(repeats + 1):
+        for k in range(len(names)):
+            name = names[(k + r) % len(names)]
+            t = perf_counter()
+            sides[name]()
+            if r:
+                times[name].append(perf_counter() - t)
+    return times
+
+
+def step_sides(decoder, m: int, cache_k: torch.Tensor) -> dict[str, dict[str, str]]:
+    """The ways a decode step of m rows can run, as ``dispatch.forcing`` arguments: the engine's
+    choice (``chosen``, twice), each product path for every product (the layers per op) where it
+    applies to all of them, and each one-call layer variant that applies (its products inside; the
+    LM head by its own table)."""
+    weights, layer = decode_weights(decoder), decoder.layers[0]
+    sides = {"chosen": {}, "chosen_again": {}}
+    for name in SINGLE:
+        if name not in products.APPLIES or all(products.APPLIES[name](torch.empty(m, w.shape[1]), w) for w in weights):
+            sides[name] = {"product": name, "layer": "unfused"}
+    x = torch.empty(m, 1, layer.self_attn.q_proj.weight.shape[1])
+    if isinstance(layer, FastDecoderLayer):
+        sides.update({path: {"layer": path} for path in FUSED if fast_layers.applies(path, layer, x, cache_k)})
+    return sides
+
+
+def measure_steps(decoder, rows: list[int], repeats: int = 9) -> list[dict]:
+    """Per row count: whole decode steps (m rows of one new token after ``CONTEXT`` cached ones: the
+    layers, the LM head, the glue) under each of ``step_sides``: ``{side}_ms`` (best of ``repeats``),
+    ``vs_chosen`` (the paired ratio of each single side to the chosen one), ``best_single``,
+    ``chosen_vs_best``, ``same_path``. Where the tables pick the one-call layer, its products may lose
+    to torch's while the whole step wins: this compares what a step costs."""
+    cfg, out = decoder.config, []
+    with torch.inference_mode():
+        for m in rows:
+            cache = KVCache.for_model(decoder, batch=m, max_len=CONTEXT + 1)
+            cache.k.normal_(), cache.v.normal_()  # (what the keys hold does not change the time)
+            token = torch.randint(cfg.vocab_size, (m, 1), generator=torch.Generator().manual_seed(m))
+
+            def step(paths):
+                def run():
+                    cache.set_lengths(torch.full((m,), CONTEXT), span=CONTEXT)
+                    with dispatch.forcing(paths):
+                        decoder(token, cache=cache)
+                return run
+            times = rounds({name: step(paths) for name, paths in step_sides(decoder, m, cache.k).items()}, repeats)
+            vs = {n: paired_ratio(ts, times["chosen"]) for n, ts in times.items() if n not in ("chosen", "chosen_again")}
+            single = min(vs, key=vs.get)
+            out.append({"rows": m, **{f"{n}_ms": min(ts) * 1e3 for n, ts in times.items()}, "vs_chosen": vs,
+                        "best_single": single, "chosen_vs_best": vs[single],
+                        "same_path": paired_ratio(times["chosen_again"], times["chosen"])})
+    return out
+
+
+def steps_summary(result: list[dict]) -> str:
+    same = sorted(r["same_path"] for r in result)
+    worst = min(result, key=lambda r: r["chosen_vs_best"])
+    return (f"whole steps: chosen vs best >= 1 at {sum(r['chosen_vs_best'] >= 1 for r in result)}/{len(result)} "
+            f"row counts, >= 0.97 at {sum(r['chosen_vs_best'] >= 0.97 for r in result)}, worst "
+            f"{worst['chosen_vs_best']:.2f} at {worst['rows']} rows ({worst['best_single']}); the chosen step "
+            f"timed twice: {same[0]:.2f}-{same[-1]:.2f}")
 
 
 def summary(result: list[dict]) -> str:
@@ -157,13 +231,13 @@ def _ranges(table: dispatch.Table) -> str:
 
 
 def run(model_name: str = "smollm2", rows=tuple(range(1, 65)), threads: int = 2, repeats: int = 9,
-        dtypes=("float32",), remeasure: bool = False, json_path: str | None = None) -> dict:
+        dtypes=("float32",), remeasure: bool = False, json_path: str | None = None, step_rows=STEP_ROWS) -> dict:
     torch.set_num_threads(threads)
     model = load_policy(MODELS.get(model_name, model_name))[0]
     if remeasure:
         dispatch.forget()
     report = {"model": model_name, "threads": threads, "repeats": repeats, "machine": dispatch.machine(),
-              "tables": [], "rows": []}
+              "tables": [], "rows": [], "steps": []}
     for dtype in dtypes:
         decoder = RolloutWeights(model, getattr(torch, dtype)).policy  # as the engine decodes: placed alike
         weights = decode_weights(decoder)
@@ -184,6 +258,17 @@ def run(model_name: str = "smollm2", rows=tuple(range(1, 65)), threads: int = 2,
                            ["rows", "sum (floor)", *SINGLE, "chosen", "again", "chosen GB/s", "best single",
                             "chosen vs best", "same path"]))
         print(summary(result) + "\n")
+        if step_rows:
+            steps = measure_steps(decoder, list(step_rows), repeats)
+            print(f"whole decode steps ({CONTEXT} cached tokens a row), {dtype} weights, ms, best of {repeats}: the "
+                  f"engine's choice against each path forced everywhere")
+            columns = [*SINGLE, *FUSED, "chosen", "chosen_again"]
+            print(format_table([[r["rows"], *(r.get(f"{c}_ms") for c in columns), r["best_single"], r["chosen_vs_best"],
+                                 r["same_path"]] for r in steps],
+                               ["rows", *SINGLE, *FUSED, "chosen", "again", "best single", "chosen vs best",
+                                "same path"]))
+            print(steps_summary(steps) + "\n")
+            report["steps"] += [{"dtype": dtype, **r} for r in steps]
         report["tables"] += [{"dtype": dtype, "op": t["op"], "key": t["key"], "weights": t["weights"],
                               "ranges": t["table"].ranges, "times_us": _us(t["table"].times),
                               "busy_cores": t["table"].busy} for t in tabs]

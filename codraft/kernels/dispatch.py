@@ -43,6 +43,7 @@ for products, ``codraft.kernels.fast_layers`` for decoder layers).
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -104,16 +105,33 @@ class Table:
 
 
 TABLES: dict[tuple, Table] = {}
+_forced: dict[str, Table] = {}  # operation name -> one path at every row count (``forcing``)
 
 
 def lookup(op: Operation, key: tuple, *args) -> Table:
     """The table of ``op`` for ``key`` (ints and dtypes) here: from this process, else the disk cache,
     else measured with ``op.candidates(*args)`` (a line on stderr) and cached."""
+    if _forced and op.name in _forced:
+        return _forced[op.name]
     memo = (op.name, key, torch.get_num_threads(), cbuild.library())
     table = TABLES.get(memo)
     if table is None:
         table = TABLES[memo] = _load_or_measure(op, key, args)
     return table
+
+
+@contextlib.contextmanager
+def forcing(paths: dict[str, str]):
+    """Within it, every lookup of the operations named (``Operation.name`` -> path) gives that one path
+    at every row count, whatever was measured: a benchmark's single-path sides (the caller checks
+    that the path applies where it runs)."""
+    saved = dict(_forced)
+    _forced.update({name: Table((), (path,), {}) for name, path in paths.items()})
+    try:
+        yield
+    finally:
+        _forced.clear()
+        _forced.update(saved)
 
 
 def forget() -> None:

@@ -128,7 +128,9 @@ def _layer_candidates(layer: FastDecoderLayer) -> dict[str, dispatch.At]:
         timed = nn.ModuleList(copy.deepcopy(layer) for _ in range(dispatch.copies(nbytes)))
     turn, packed, packed_products = itertools.count(), [], []
 
-    def at(fused: bool, on_amx: bool = False, panels: bool = False):
+    def at(path: str):
+        fused, on_amx, panels = path in FUSED, path == "fused-amx", path == "fused-panels"
+
         def rows(m):
             cache = KVCache(num_layers=len(timed), batch=m, max_len=CONTEXT + 1, num_kv_heads=a.n_kv,
                             head_dim=a.head_dim, dtype=layer.input_layernorm.weight.dtype, device="cpu")
@@ -138,8 +140,7 @@ def _layer_candidates(layer: FastDecoderLayer) -> dict[str, dispatch.At]:
             positions, span = cache.lengths[:, None], CONTEXT + 1
             mask = torch.zeros(()).masked_fill(~cache_causal_mask(cache.lengths, 1, span), float("-inf"))
             with torch.no_grad():  # as a decode step runs (the table may be looked up under autograd)
-                if fused and not decode_ops.layer_applies(layer, x, cache.k) or on_amx and not _amx_fits(layer) \
-                        or panels and layer.self_attn.q_proj.weight.dtype is not torch.bfloat16:
+                if not applies(path, layer, x, cache.k):
                     return None
                 # each copy packs on its first call (the one-call layer's plan, or the per-op layer's products
                 # where their table picks panels): done here, not timed
@@ -161,14 +162,22 @@ def _layer_candidates(layer: FastDecoderLayer) -> dict[str, dispatch.At]:
                 return DecoderLayer.forward(timed[j], x, cos, sin, varlen_attention, mask, cache, j, positions, span)
             return run
         return rows
-    return {"fused": at(True), "fused-panels": at(True, panels=True), "fused-amx": at(True, on_amx=True),
-            "unfused": at(False)}
+    return {path: at(path) for path in LAYER.paths}
 
 
 # the one-call layer, its products on the vector kernel (bf16 weights as they are or packed in panels) or
 # AMX tiles
 FUSED = ("fused", "fused-panels", "fused-amx")
 LAYER = dispatch.Operation("layer", (*FUSED, "unfused"), "unfused", _layer_candidates)
+
+
+def applies(path: str, layer: FastDecoderLayer, x: torch.Tensor, cache_k: torch.Tensor) -> bool:
+    """Whether ``path`` (one of ``LAYER.paths``) can run this layer on x (B,T,D) over a cache like ``cache_k``."""
+    if path == "unfused":
+        return True
+    bf16 = layer.self_attn.q_proj.weight.dtype is torch.bfloat16
+    return decode_ops.layer_applies(layer, x, cache_k) and (
+        path == "fused" or path == "fused-panels" and bf16 or path == "fused-amx" and _amx_fits(layer))
 
 
 def layer_path(layer: FastDecoderLayer, x: torch.Tensor) -> str:
