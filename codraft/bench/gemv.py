@@ -182,7 +182,8 @@ def measure_steps(decoder, rows: list[int], repeats: int = 9) -> list[dict]:
                         decoder(token, cache=cache)
                 return run
             times = rounds({name: step(paths) for name, paths in step_sides(decoder, m, cache.k).items()}, repeats)
-            vs = {n: paired_ratio(ts, times["chosen"]) for n, ts in times.items() if n not in ("chosen", "chosen_again")}
+            vs = {n: paired_ratio(ts, times["chosen"]) for n, ts in times.items()
+                  if n not in ("chosen", "chosen_again")}
             single = min(vs, key=vs.get)
             out.append({"rows": m, **{f"{n}_ms": min(ts) * 1e3 for n, ts in times.items()}, "vs_chosen": vs,
                         "best_single": single, "chosen_vs_best": vs[single],
