@@ -1,15 +1,20 @@
-"""bf16 products on weights packed in panels, tiles of ROW_TILE input rows (8 where AVX-512 has 32
-vector registers) against tiles of 4 (the AVX2 register budget), same process, interleaved
-(docs/bench-spec.md, "The Intel Xeon again"). SmolLM2-135M's 210 decoder projections, random bf16
-values, packed (~270 MB: they stream from memory as in a decode step).
+"""bf16 products on weights packed in panels: this build against another, same process, interleaved
+(docs/bench-spec.md, "The Intel Xeon again" and session 25). SmolLM2-135M's 210 decoder projections,
+random bf16 values, packed (~270 MB: they stream from memory as in a decode step).
 
-Usage: python scripts/panel_tile_ab.py [ROUNDS]
-Prints, per row count, ms for all 210 products with each build (median over the rounds) and the
-median of the paired ratios (tiles of 4 / this build's tiles), and checks both give the same outputs.
+Usage: python scripts/panel_tile_ab.py [ROUNDS] [ROW_TILE=4[,NAME=VALUE...] | REV]
+The other build: gemv.c with -D flags (default ROW_TILE=4: tiles of 4 input rows, the AVX2 register
+budget, against AVX-512's 8), or gemv.c as committed at a git revision (e.g. HEAD). Prints, per row
+count, ms for all 210 products with each build (median over the rounds) and the median of the paired
+ratios (other / this build), and checks both give the same outputs.
 """
 import ctypes
+import shutil
 import statistics
+import subprocess
 import sys
+import tempfile
+from pathlib import Path
 from time import perf_counter
 
 import torch
@@ -17,16 +22,29 @@ import torch
 from codraft.kernels import cbuild, gemv, panels
 
 SHAPES = [(576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536)]  # q k v o gate up down
-ROWS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 40, 64)
+ROWS = (1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 24, 32, 40, 64)
 
 
-def main(rounds: int = 7):
+def other_build(against: str, tmp: str) -> Path:
+    """gemv.c built with the -D flags ``against`` (NAME=VALUE,...), or as committed at revision ``against``."""
+    if "=" in against:
+        return cbuild.build(defines=tuple(against.split(",")), cache_dir=Path(tmp))
+    src = Path(cbuild.SOURCES[0])
+    old = Path(tmp) / src.name
+    old.write_text(subprocess.run(["git", "show", f"{against}:codraft/kernels/{src.name}"], capture_output=True,
+                                  text=True, check=True, cwd=src.parent).stdout)
+    shutil.copy(src.with_name("vec.h"), Path(tmp) / "vec.h")
+    return cbuild.build((old,), cache_dir=Path(tmp))
+
+
+def main(rounds: int = 7, against: str = "ROW_TILE=4"):
     torch.set_num_threads(2)
     gemv.kernel()  # this machine's tuning, set on the default library
     here = cbuild.library()
-    four = ctypes.CDLL(str(cbuild.build(defines=("ROW_TILE=4",))))
-    four.set_tuning(2, here.get_prefetch(2, 0), here.get_prefetch(2, 1), here.get_pair_rows(2))
-    libs = {"tiles of 4": four, "this build": here}
+    with tempfile.TemporaryDirectory() as tmp:
+        other = ctypes.CDLL(str(other_build(against, tmp)))
+    other.set_tuning(2, here.get_prefetch(2, 0), here.get_prefetch(2, 1), here.get_pair_rows(2))
+    libs = {against: other, "this build": here}
     g = torch.Generator().manual_seed(0)
     ws = [torch.randn(o, i, generator=g).bfloat16() for _ in range(30) for o, i in SHAPES]
     packed = [panels.pack(w, room) for w, room in zip(ws, panels.empty(ws))]
@@ -57,4 +75,4 @@ def main(rounds: int = 7):
 
 
 if __name__ == "__main__":
-    main(*map(int, sys.argv[1:]))
+    main(*(int(a) if a.isdigit() else a for a in sys.argv[1:]))

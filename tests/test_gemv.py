@@ -57,11 +57,13 @@ def test_bf16_matches_fp64_product(m, i, o):
     assert y.shape == (m, o) and y.dtype == torch.float32 and within_fp32_summation(y, x, w)
 
 
-@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 33])
-@pytest.mark.parametrize("i,o", [(1, 1), (7, 3), (16, 5), (33, 7), (72, 100), (576, 33), (1000, 9), (1536, 40)])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8, 9, 12, 13, 15, 16, 33])
+@pytest.mark.parametrize("i,o", [(1, 1), (7, 3), (16, 5), (33, 7), (72, 100), (576, 33), (1000, 9), (1536, 40),
+                                 (72, 800)])
 def test_bf16_panels_match_fp64_product(m, i, o):
-    """The packed layout (bf16 products on panels): every tile shape (4-row tiles, then 1-3 rows over
-    groups of 1-4 panels) and a last panel that is only partly outputs."""
+    """The packed layout (bf16 products on panels): every tile shape (tiles of 4 or 8 rows, then the
+    last 1-7 rows over groups of 1-4 panels; 800 outputs: threads' chunks of an odd number of panels)
+    and a last panel that is only partly outputs."""
     g = torch.Generator().manual_seed(m * 1000 + i + o)
     x, w = torch.randn(m, i, generator=g), torch.randn(o, i, generator=g).bfloat16()
     y = panel_product(decode_ops.kernels(), x, w)

@@ -282,10 +282,10 @@ void pack_panels_bf16(const uint16_t *w, uint16_t *packed, int64_t out, int64_t 
 }
 
 // y[r0 .. r0+R, the outputs of panels p0 .. p0+NP] over all k: R*NP*2 accumulators (R, NP constants
-// after inlining; up to ROW_TILE x 1, 3 x 2, 2 x 2, 1 x 4: 8-16 chains of FMAs hide their latency).
+// after inlining; ROW_TILE x 1, (ROW_TILE - 1 .. 2) x 2, 1 x 4: 8-28 chains of FMAs hide their latency).
 INLINE void panel_tile(const float *x, const uint16_t *packed, float *y, int64_t in, int64_t out, int64_t r0,
                        int64_t p0, const int R, const int NP, const int hint) {
-    vf a[ROW_TILE > 4 ? ROW_TILE : 4][4][2];
+    vf a[ROW_TILE][4][2];
     for (int r = 0; r < R; r++)
         for (int n = 0; n < NP; n++) a[r][n][0] = a[r][n][1] = (vf){0};
     const uint16_t *base = packed + p0 * in * PANEL;
@@ -324,32 +324,49 @@ INLINE void panel_tile(const float *x, const uint16_t *packed, float *y, int64_t
 }
 
 #define PANEL_TILE(R, NP) panel_tile(x, packed, y, in, out, r0, p, R, NP, hint)
+// the last rest (1 .. ROW_TILE - 1) rows from r0 over np panels from p, as one tile over 4 panels for a
+// single row, else 2 (rest x 2 x 2 accumulators: up to 28 of AVX-512's 32 registers, 12 of AVX2's 16).
+// AVX-512 used to take 4-7 rows as a 4-row tile over one panel, then 1-3 rows: SmolLM2's products at
+// 5-7 rows took 1.42x as long that way, 1.18x at 4, on a 2-core Xeon (scripts/panel_tile_ab.py,
+// session 25). Returns how many panels it did
+INLINE int last_rows(const float *x, const uint16_t *packed, float *y, int64_t in, int64_t out, int64_t r0,
+                     int64_t p, int np, const int rest, const int hint) {
+    if (rest == 1) {
+        switch (np) {
+            case 4: PANEL_TILE(1, 4); return 4;
+            case 3: PANEL_TILE(1, 3); return 3;
+            case 2: PANEL_TILE(1, 2); return 2;
+            default: PANEL_TILE(1, 1); return 1;
+        }
+    }
+    np = np >= 2 ? 2 : 1;
+#define TAIL(R) \
+    case R:     \
+        if (np == 2) PANEL_TILE(R, 2); else PANEL_TILE(R, 1); break;
+    switch (rest) {
+        TAIL(2)
+        TAIL(3)
+#if ROW_TILE > 4
+        TAIL(4)
+        TAIL(5)
+        TAIL(6)
+        TAIL(7)
+#endif
+    }
+#undef TAIL
+    return np;
+}
+
 // panels p0 .. p1 for all m rows: per group of panels (4 / the last tile's rows, so that tile has
-// chains enough), tiles of ROW_TILE rows, then of 4, one panel at a time, then the last 1-3 rows over
-// the whole group
+// chains enough), tiles of ROW_TILE rows one panel at a time, then the last m % ROW_TILE rows
 INLINE void panels(const float *x, const uint16_t *packed, float *y, int64_t m, int64_t in, int64_t out, int64_t p0,
                    int64_t p1, const int hint) {
-    const int rest = (int)(m % 4), group = rest == 1 ? 4 : rest ? 2 : 1;
+    const int rest = (int)(m % ROW_TILE), group = rest == 1 ? 4 : rest ? 2 : 1;
     for (int64_t g = p0; g < p1; g += group) {
         int64_t g1 = g + group < p1 ? g + group : p1, r0 = 0;
         for (; r0 + ROW_TILE <= m; r0 += ROW_TILE)
             for (int64_t p = g; p < g1; p++) PANEL_TILE(ROW_TILE, 1);
-        for (; r0 + 4 <= m; r0 += 4)
-            for (int64_t p = g; p < g1; p++) PANEL_TILE(4, 1);
-        for (int64_t p = g; rest && p < g1;) {
-            int np = (int)(g1 - p);
-            switch (rest * 8 + np) {
-                case 1 * 8 + 4: PANEL_TILE(1, 4); break;
-                case 1 * 8 + 3: PANEL_TILE(1, 3); break;
-                case 1 * 8 + 2: case 2 * 8 + 2: case 3 * 8 + 2:
-                    if (rest == 1) PANEL_TILE(1, 2); else if (rest == 2) PANEL_TILE(2, 2); else PANEL_TILE(3, 2);
-                    break;
-                default:
-                    np = 1;
-                    if (rest == 1) PANEL_TILE(1, 1); else if (rest == 2) PANEL_TILE(2, 1); else PANEL_TILE(3, 1);
-            }
-            p += np;
-        }
+        for (int64_t p = g; rest && p < g1;) p += last_rows(x, packed, y, in, out, r0, p, (int)(g1 - p), rest, hint);
     }
 }
 
