@@ -6,9 +6,10 @@ prefix: the acceptance probability at T = 1) and ``tau_est`` (1 + Σ_k Π_{j≤k
 DFlash's ``acc_k`` (top-1 agreement).
 
 Usage: python scripts/draft_recipe.py [--kind dspark] [--steps 150] [--lr 1e-3] [--layers 1]
-       [--taps 1,14,26,29] [--vocab 8192] [--batch 8] [--init-layer 29]
+       [--taps 1,14,26,29] [--vocab 8192] [--batch 8] [--init-layer 29] [--train-seqs 224]
 (--taps: target layers to read, 29 = the cached last-layer output; default: the kind's own taps.
---init-layer: start every draft layer from that target layer's weights instead of random ones.)
+--init-layer: start every draft layer from that target layer's weights instead of random ones.
+--train-seqs: train on only the first N of the 448 sequences, to see whether more data would help.)
 Training is the offline recipe's own loop (``train_offline``); about 1 s per step on 2 cores with the
 8 192-token vocabulary.
 """
@@ -48,6 +49,7 @@ def main():
                     help="also print held-out candidate-set tree estimates for these widths (DSpark)")
     ap.add_argument("--init-layer", type=int, default=-1,
                     help="copy this target layer's weights into every draft layer (q/k norms stay 1)")
+    ap.add_argument("--train-seqs", type=int, default=0, help="train on only the first N held-in sequences")
     a = ap.parse_args()
     torch.set_num_threads(2)
     policy, tok, folder = load_policy("smollm2-135m")
@@ -55,7 +57,7 @@ def main():
     fc = _cache(policy, tok, folder)
     held = list(range(len(fc) - HELD_OUT, len(fc)))
     # the other sequences, a prefix of the cache: its offsets into the stored features are the cache's
-    seen = FeatureCache(fc.identity, fc.sequences[:-HELD_OUT], fc.features, fc.last)
+    seen = FeatureCache(fc.identity, fc.sequences[:-HELD_OUT][:a.train_seqs or None], fc.features, fc.last)
     torch.manual_seed(0)
     opts = {"gamma": 4, "num_layers": a.layers, "draft_vocab_size": a.vocab}
     if a.taps:
