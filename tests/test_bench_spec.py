@@ -25,10 +25,15 @@ def test_bench_spec_compares_rollout_dtypes(tiny_policy_dir, tmp_path, capsys):
         assert spec["new_tokens"] == b * 8
         # the rollout measure: 3 prompts per repetition, b per call (batch 2: 2 + 1), pooled
         assert len(spec["seconds_t1"]) == {1: 3, 2: 2}[b] and spec["stats_t1"]["rounds"] >= len(spec["seconds_t1"])
+        st = spec["stats_t1"]  # a round's split: the target's verify, the draft's propose + commit
+        assert spec["verify_ms_per_round_t1"] == 1e3 * st["verify_s"] / st["rounds"] > 0
+        assert spec["draft_ms_per_round_t1"] == 1e3 * st["draft_s"] / st["rounds"] > 0
     summary = {s["dtype"]: s for s in data["summary"]}
     assert summary["bfloat16"]["weight_MB"] < 0.6 * summary["float32"]["weight_MB"]  # the matrices halve
     assert summary["bfloat16"]["speedup_vs_float32"] > 0
-    assert "plain decoding with bfloat16 rollout weights vs float32: batch 1" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "plain decoding with bfloat16 rollout weights vs float32: batch 1" in printed
+    assert "T=1 verify / draft ms a round" in printed
 
 
 def test_hf_side_decodes_every_token_as_codraft_does(tiny_policy_dir):

@@ -247,6 +247,9 @@ def _row(s: Side, plain: Side, b: int, max_new: int, load: dict, ref) -> dict:
         row["tau_t1"] = t1["acceptance_length"]
         row["acceptance_per_position_t1"] = t1["acceptance_per_position"]
         row["gamma_chosen_t1"] = t1["gamma_chosen"]
+        # a round's cost split: the target's verify (or plain step) and the draft's propose + commit
+        row["verify_ms_per_round_t1"], row["draft_ms_per_round_t1"] = (
+            1e3 * t1[k] / max(t1["rounds"], 1) for k in ("verify_s", "draft_s"))
     if ref is not None and s is plain and s.dtype == "float32":
         row["match_hf"] = _match(plain.last["tokens"], ref)
     return row
@@ -313,19 +316,22 @@ def _label(name: str) -> str:
 
 def print_report(result: dict, log=print):
     for name, m in result["models"].items():
-        plain = {(r["batch"], r["dtype"]): r["tokens_per_s"] for r in m["rows"] if r["side"].startswith("codraft plain")}
+        plain = {(r["batch"], r["dtype"]): r["tokens_per_s"] for r in m["rows"]
+                 if r["side"].startswith("codraft plain")}
         hf = {r["batch"]: r["tokens_per_s"] for r in m["rows"] if r["side"] == "hf generate"}
         table = [[r["batch"], r["side"], r["tokens_per_s"], 1e3 * median(r["seconds"]),
                   r["tokens_per_s"] / plain[r["batch"], r["dtype"]] if (r["batch"], r["dtype"]) in plain else None,
                   r["tokens_per_s"] / hf[r["batch"]] if r["batch"] in hf else None,
                   r.get("tau_greedy"), r.get("tau_t1"), r.get("speedup_t1"), r.get("ms_per_forward"),
                   r["stats_greedy"]["mean_gamma"] if r["side"].startswith("codraft spec/") else None,
+                  f"{r['verify_ms_per_round_t1']:.1f} / {r['draft_ms_per_round_t1']:.1f}"
+                  if "draft_ms_per_round_t1" in r else "-",
                   {True: "yes", False: "NO"}.get(r.get("identical_to_plain"), "-")] for r in m["rows"]]
         log(f"\n{_label(name)} ({m['parameters'] / 1e6:.1f} M params, fp32), greedy, "
             f"{result['settings']['max_new_tokens']} new tokens/row, median of {result['settings']['repeats']}:")
-        log(format_table(table, ["B", "side", "tok/s", "ms/call", "vs plain", "vs hf", "τ greedy", "τ T=1", "T=1 vs plain",
-                                 "fwd ms", "drafts/row", "= plain"]))
-        for dtype in {d for _, d in plain} - {"float32"}:
+        log(format_table(table, ["B", "side", "tok/s", "ms/call", "vs plain", "vs hf", "τ greedy", "τ T=1",
+                                 "T=1 vs plain", "fwd ms", "drafts/row", "T=1 verify / draft ms a round", "= plain"]))
+        for dtype in {d for b, d in plain if (b, "float32") in plain} - {"float32"}:
             log(f"plain decoding with {dtype} rollout weights vs float32: " + ", ".join(
                 f"batch {b} {plain[b, dtype] / plain[b, 'float32']:.2f}x" for b, d in plain
                 if d == dtype and (b, "float32") in plain))
