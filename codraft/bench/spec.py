@@ -217,7 +217,8 @@ def bench_model(model_name: str, *, batches, max_new: int, drafts, gamma: int, r
         ref = next((s.last["tokens"] for s in these if s.name == "hf generate"), None)
         plains = {s.dtype: s for s in these if s.name.startswith("codraft plain")}
         out["rows"] += [_row(s, plains[s.dtype], b, max_new, load, ref) for s in these]
-        log(f"  {model_name} batch {b}: done ({load.get('others_cores', float('nan')):.2f} cores busy elsewhere)")
+        log(f"  {model_name} batch {b}: done ({load.get('others_cores', float('nan')):.2f} cores busy elsewhere, "
+            f"{load.get('stolen_cores', float('nan')):.2f} stolen by the hypervisor)")
     return out
 
 
@@ -226,7 +227,8 @@ def _row(s: Side, plain: Side, b: int, max_new: int, load: dict, ref) -> dict:
     HF's greedy tokens, or None."""
     n_tok = sum(map(len, s.last["tokens"]))
     row = {"batch": b, "side": s.name, "dtype": s.dtype, "new_tokens": n_tok, "seconds": s.times,
-           "tokens_per_s": n_tok / median(s.times), "others_cores": load.get("others_cores")}
+           "tokens_per_s": n_tok / median(s.times), "others_cores": load.get("others_cores"),
+           "stolen_cores": load.get("stolen_cores")}
     if n_tok != b * max_new:
         row["warning"] = f"{n_tok} tokens instead of {b * max_new}"
     st = s.last.get("stats")

@@ -271,7 +271,7 @@ def _load_or_measure(op: Operation, key: tuple, args: tuple) -> Table:
     others = _others_cores(before, _cpu_seconds())
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     if others > max(cores - n, 0) + 0.5:
-        warnings.warn(f"codraft: other processes kept {others:.1f} cores busy while timing {op.name} "
+        warnings.warn(f"codraft: other processes or the hypervisor kept {others:.1f} cores busy while timing {op.name} "
                       f"{describe(key)} on {n} threads: the table may pick badly, so it serves this process "
                       "only and is measured again next time", stacklevel=4)
         return dataclasses.replace(table, busy=others)

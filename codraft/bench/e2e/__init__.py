@@ -203,7 +203,7 @@ def _one_step(side, log: Callable[[str], None]):
     extra = f" tau={rec['acceptance_length']:.2f}" if rec.get("acceptance_length") else ""
     log(f"  {side.name:16s} step {rec['step']}: rollout {rec['rollout_s']:.1f}s train {rec['train_s']:.1f}s "
         f"step {rec['step_s']:.1f}s len {rec['completion_len'] or 0:.1f}{extra} "
-        f"(others {rec.get('others_cores') or 0:.1f} cores)")
+        f"(others {rec.get('others_cores') or 0:.1f} cores, stolen {rec.get('stolen_cores') or 0:.1f})")
 
 
 def _summarize(s: Settings, side, entry: dict):

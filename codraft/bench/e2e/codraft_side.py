@@ -87,7 +87,8 @@ class CodraftSide:
                "acceptance_per_position": m.get("acceptance_per_position"), "gamma_chosen": m.get("gamma_chosen"),
                "rollout_plain_s": _f(m.get("time_rollout_plain")), "rollout_speedup": _f(m.get("rollout_speedup")),
                "draft_loss": _f(m.get("draft/loss")), "engine": stats.as_dict(),
-               "others_cores": load.get("others_cores"), "torch_threads": torch.get_num_threads()}
+               "others_cores": load.get("others_cores"),
+               "stolen_cores": load.get("stolen_cores"), "torch_threads": torch.get_num_threads()}
         self.records.append(rec)
         self.steps_done += 1
         return rec

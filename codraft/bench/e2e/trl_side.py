@@ -183,7 +183,8 @@ class TrlSide:
             "completion_max": max(self._lens) if n else None,
             "reward_mean": sum(self._rewards) / len(self._rewards) if self._rewards else None,
             "tokens_per_s": sum(self._lens) / self._gen.total if n and self._gen.total > 0 else None,
-            "others_cores": load.get("others_cores"), "torch_threads": torch.get_num_threads()})
+            "others_cores": load.get("others_cores"), "stolen_cores": load.get("stolen_cores"),
+            "torch_threads": torch.get_num_threads()})
 
     def _train(self):
         torch.set_num_threads(self.threads)  # OpenMP's thread count is per OS thread
