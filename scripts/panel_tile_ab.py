@@ -31,7 +31,7 @@ def other_build(against: str, tmp: str) -> Path:
         return cbuild.build(defines=tuple(against.split(",")), cache_dir=Path(tmp))
     src = Path(cbuild.SOURCES[0])
     old = Path(tmp) / src.name
-    old.write_text(subprocess.run(["git", "show", f"{against}:codraft/kernels/{src.name}"], capture_output=True,
+    old.write_text(subprocess.run(["git", "show", f"{against}:./{src.name}"], capture_output=True,
                                   text=True, check=True, cwd=src.parent).stdout)
     shutil.copy(src.with_name("vec.h"), Path(tmp) / "vec.h")
     return cbuild.build((old,), cache_dir=Path(tmp))

@@ -21,17 +21,21 @@ def test_the_cpu_meter_tells_the_hypervisors_steal_apart_from_other_processes(mo
     """/proc/stat's first line: user nice system idle iowait irq softirq steal. Over 2 s of wall
     clock, the machine's user time grows by 2 s (1 s of it this process's) and steal by 1 s: one
     core's half busy with another process, half a core stolen. Without /proc: neither is claimed."""
+    import builtins
+    import io
     import os
     import time
+    real_open = builtins.open
     hz = os.sysconf("SC_CLK_TCK")
-    now = {"ticks": [100, 0, 50, 1000, 0, 0, 0, 10], "wall": 10.0, "own": 3.0}
-    monkeypatch.setattr(bench.CpuMeter, "_ticks", staticmethod(lambda: now["ticks"]))
+    now = {"stat": "cpu  100 0 50 1000 0 0 0 10 0 0\n", "wall": 10.0, "own": 3.0}
+    monkeypatch.setattr(builtins, "open", lambda path, *a, **k: io.StringIO(now["stat"]) if path == "/proc/stat"
+                        else real_open(path, *a, **k))
     monkeypatch.setattr(time, "perf_counter", lambda: now["wall"])
     monkeypatch.setattr(time, "process_time", lambda: now["own"])
     meter = bench.CpuMeter()
-    now.update(ticks=[100 + 2 * hz, 0, 50, 1000 + 3 * hz, 0, 0, 0, 10 + hz], wall=12.0, own=4.0)
+    now.update(stat=f"cpu  {100 + 2 * hz} 0 50 {1000 + 3 * hz} 0 0 0 {10 + hz} 0 0\n", wall=12.0, own=4.0)
     load = meter.read()
     assert load["wall_s"] == 2.0 and load["own_cpu_s"] == 1.0
     assert load["others_cores"] == pytest.approx(0.5) and load["stolen_cores"] == pytest.approx(0.5)
-    monkeypatch.setattr(bench.CpuMeter, "_ticks", staticmethod(lambda: None))
+    now["stat"] = "no cpu line\n"  # unreadable: as on a machine without /proc
     assert not {"others_cores", "stolen_cores"} & set(bench.CpuMeter().read())

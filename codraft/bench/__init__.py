@@ -58,44 +58,37 @@ class CpuMeter:
         self.start()
 
     @staticmethod
-    def _ticks() -> list[int] | None:
-        """The machine's CPU time since boot per state, in clock ticks (/proc/stat's first line)."""
+    def _usage() -> tuple[float, float] | None:
+        """(CPU seconds all processes used, seconds the hypervisor ran other guests) since boot, from
+        one reading of /proc/stat's first line (user nice system idle iowait irq softirq steal)."""
         try:
-            return [int(x) for x in open("/proc/stat").readline().split()[1:]]
+            ticks = [int(x) for x in open("/proc/stat").readline().split()[1:]]
         except (OSError, ValueError):
             return None
+        idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+        steal = ticks[7] if len(ticks) > 7 else 0
+        hz = os.sysconf("SC_CLK_TCK")
+        return (sum(ticks[:8]) - idle - steal) / hz, steal / hz
 
     @classmethod
     def _machine_busy_s(cls) -> float | None:
-        ticks = cls._ticks()
-        if ticks is None:
-            return None
-        idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
-        return (sum(ticks[:8]) - idle - cls._steal(ticks)) / os.sysconf("SC_CLK_TCK")
-
-    @staticmethod
-    def _steal(ticks: list[int]) -> int:
-        return ticks[7] if len(ticks) > 7 else 0  # time the hypervisor gave to other guests
-
-    @classmethod
-    def _stolen_s(cls) -> float | None:
-        ticks = cls._ticks()
-        return None if ticks is None else cls._steal(ticks) / os.sysconf("SC_CLK_TCK")
+        usage = cls._usage()
+        return None if usage is None else usage[0]
 
     def start(self):
         import time
-        self._wall, self._own = time.perf_counter(), time.process_time()
-        self._all, self._stolen = self._machine_busy_s(), self._stolen_s()
+        self._wall, self._own, self._usage0 = time.perf_counter(), time.process_time(), self._usage()
 
     def read(self) -> dict:
         import time
         wall = time.perf_counter() - self._wall
         own = time.process_time() - self._own
-        busy, stolen = self._machine_busy_s(), self._stolen_s()
+        usage = self._usage()
         out = {"wall_s": wall, "own_cpu_s": own}
-        if busy is not None and self._all is not None and wall > 0:
-            out["others_cores"] = max(0.0, (busy - self._all - own) / wall)
-            out["stolen_cores"] = max(0.0, (stolen - self._stolen) / wall)
+        if usage is not None and self._usage0 is not None and wall > 0:
+            (busy, stolen), (busy0, stolen0) = usage, self._usage0
+            out["others_cores"] = max(0.0, (busy - busy0 - own) / wall)
+            out["stolen_cores"] = max(0.0, (stolen - stolen0) / wall)
         return out
 
 

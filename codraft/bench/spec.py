@@ -237,7 +237,7 @@ def _row(s: Side, plain: Side, b: int, max_new: int, load: dict, ref) -> dict:
         row["tau_greedy"] = st["acceptance_length"]
         row["gamma_chosen"] = st["gamma_chosen"]  # rounds that drafted 0, 1, … tokens
         # target forward + sampling/accept per round: a plain decode step, or one γ+1-token verify
-        row["ms_per_forward"] = 1e3 * st["verify_s"] / max(st["rounds"], 1)
+        row["ms_per_forward"] = _ms_per_round(st, "verify_s")
     if s.sampled:  # tokens over time summed over the repetitions: their lengths differ
         row["seconds_t1"] = s.times_t1
         row["tokens_per_s_t1"] = sum(s.tokens_t1) / sum(s.times_t1)
@@ -250,11 +250,16 @@ def _row(s: Side, plain: Side, b: int, max_new: int, load: dict, ref) -> dict:
         row["acceptance_per_position_t1"] = t1["acceptance_per_position"]
         row["gamma_chosen_t1"] = t1["gamma_chosen"]
         # a round's cost split: the target's verify (or plain step) and the draft's propose + commit
-        row["verify_ms_per_round_t1"], row["draft_ms_per_round_t1"] = (
-            1e3 * t1[k] / max(t1["rounds"], 1) for k in ("verify_s", "draft_s"))
+        row["verify_ms_per_round_t1"] = _ms_per_round(t1, "verify_s")
+        row["draft_ms_per_round_t1"] = _ms_per_round(t1, "draft_s")
     if ref is not None and s is plain and s.dtype == "float32":
         row["match_hf"] = _match(plain.last["tokens"], ref)
     return row
+
+
+def _ms_per_round(stats: dict, phase: str) -> float:
+    """An engine phase's time (``verify_s``, ``draft_s``) per round, in ms."""
+    return 1e3 * stats[phase] / max(stats["rounds"], 1)
 
 
 _TAGS = {"float32": "", "bfloat16": " bf16"}
