@@ -12,9 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from codraft import kernels
 from codraft.drafts import block_backbone, dflash, dspark
 from codraft.drafts.batch import DraftBatch
 from codraft.drafts.block_backbone import Blocks, build_target_layer_ids
+from codraft.kernels import dispatch
 from codraft.models import ModelConfig, Transformer
 from codraft.rollout import Engine, Sampler
 
@@ -315,12 +317,15 @@ def test_greedy_spec_with_a_trained_draft_accepts():
         assert engine.stats.acceptance_length > 1.5, (kind, engine.stats.acceptance_length)
 
 
-@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+@pytest.mark.parametrize("kind", ["dflash", "dspark", "dspark-c"])
 @pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=0.7, top_p=0.8)], ids=["t1", "t0.7-p0.8"])
 @pytest.mark.parametrize("vocab", [False, True], ids=["all", "vocab"])
 def test_sampling_is_lossless(target, exact, kind, settings, vocab):  # noqa: F811  (fixtures from test_spec_sampling)
     """vocab: a draft vocabulary of the 4 tokens (of 8) the target emits most, so its mass on the
-    other 4 can only come through the residual (test_draft_vocab.py)."""
+    other 4 can only come through the residual (test_draft_vocab.py). dspark-c: the draft's layer and
+    (without top-p) its Markov loop in C (``kernels.enable``)."""
+    fast = kind == "dspark-c"
+    kind = kind.removesuffix("-c")
     block = dict(block_size=3 if kind == "dflash" else 2)
     if vocab:
         probs = exact(**settings)  # (V,V,V) over the first three new tokens
@@ -331,9 +336,18 @@ def test_sampling_is_lossless(target, exact, kind, settings, vocab):  # noqa: F8
         draft.set_vocabulary(tokens)
     else:
         draft = _draft(kind, target, **block)
+    calls = []
+    if fast:
+        kernels.enable(draft.requires_grad_(False))
+        for hook in ("fused_block_decode", "fused_markov"):
+            real = getattr(draft, hook)
+            setattr(draft, hook, lambda *a, _f=real, _n=hook: (r := _f(*a), r is not None and calls.append(_n))[0])
     engine = Engine(target, draft)
     assert engine.gamma == 2
-    results = engine.generate([PROMPT] * N, N_NEW, seed=11, eos_id=[], **settings)
+    with dispatch.forcing({"block-layer": "fused"}):
+        results = engine.generate([PROMPT] * N, N_NEW, seed=11, eos_id=[], **settings)
+    if fast:  # (the Markov loop in C has no top-p: the torch loop runs it)
+        assert set(calls) == {"fused_block_decode"} | ({"fused_markov"} if "top_p" not in settings else set())
     assert all(0.01 < a < 0.95 for a in engine.stats.acceptance_per_position), engine.stats.acceptance_per_position
     ok, stat, crit = chi2_fits(_histogram(results), exact(**settings))
     assert ok, f"chi2 {stat:.1f} >= critical {crit:.1f}"

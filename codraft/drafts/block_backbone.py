@@ -311,6 +311,9 @@ class BlockDraftBase(nn.Module, Draft):
     architectures = ("BlockDraftModel",)
     # the product with the LM head over the target's (V,H) weight; codraft.kernels.enable sets a faster one
     product = staticmethod(linear)
+    # (layers, x, cos, sin, k, v, ctx_len) -> the layers' decode of one block per row, or None: run them
+    # here. codraft.kernels.enable sets one that runs them in one C call where that is faster
+    fused_block_decode = None
 
     def __init__(self, config: BlockDraftConfig):
         super().__init__()
@@ -602,6 +605,10 @@ class BlockDraftBase(nn.Module, Draft):
             x = self.block_input(state.pending[:, None], slots)[:, 0]  # (B,S,H)
             positions = state.ctx_len[:, None] + torch.arange(slots, device=x.device)
             cos, sin = rope_cos_sin(self.inv_freq, positions, x.dtype)  # (B,1,S,D)
+            fused = self.fused_block_decode
+            done = None if fused is None else fused(self.layers, x, cos, sin, state.k, state.v, state.ctx_len)
+            if done is not None:
+                return self.norm(done)
             for i, layer in enumerate(self.layers):
                 x = layer.decode(x, cos, sin, state.k[i], state.v[i], state.ctx_len, keys)
             return self.norm(x)

@@ -201,12 +201,22 @@ class DSparkDraft(BlockDraftBase):
 
     # ---- decoding ----
 
+    # (base (B,γ,K), prev (B,), W1, W2, sampler) -> (tokens, q) of the vanilla head's loop below, or None:
+    # run it here. codraft.kernels.enable sets one that runs it in one C call
+    fused_markov = None
+
     @torch.no_grad()
     def propose(self, state: BlockDraftState, gamma: int, sampler: Sampler, *, context_len: int):
         slots = max(self.config.block_size, gamma)
         h = self.decode_hidden(state, slots, context_len)[:, :gamma]  # (B,γ,H)
         base = self.logits(h)  # (B,γ,K) U_k
         prev = self.markov_input(state.pending)  # x_0, as a row of W1
+        head = self.markov_head
+        done = None if self.fused_markov is None or head.gate is not None else \
+            self.fused_markov(base, prev, head.w1.weight, head.w2.weight, sampler)
+        if done is not None:
+            tokens, q = done
+            return self.to_target(tokens), (None if q is None else self.full_probs(q))
         tokens, qs = [], []
         for k in range(gamma):
             e = self.markov_head.w1(prev)  # (B,r)

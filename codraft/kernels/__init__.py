@@ -6,8 +6,10 @@ C kernels, built on first use by ``cbuild`` (system compiler, cached): few-row p
 reference module it finds (``codraft.models``' Transformer, DecoderLayer, Attention, MLP,
 RMSNorm, drafts' included) to its subclass in ``fast_layers``, which takes the C path when it
 applies (CPU, fp32 activations, fp32 or bf16 weights, no autograd) and otherwise runs the
-reference forward; and gives modules that declare a ``product`` (block drafts: their product with
-the target's LM head, their layers' projections, DSpark's Markov bias) the fast product. Between
+reference forward; and fills the hooks other modules declare (``HOOKS``): ``product`` (block drafts:
+their product with the target's LM head, their layers' projections, DSpark's Markov bias) gets the
+fast product, ``fused_block_decode`` (block drafts) their layers' decode in one C call
+(``block_layers``), ``fused_markov`` (DSpark) its proposal loop in one (``markov``). Between
 paths that all apply (the kernel or torch's products; one C call per layer or one per op) the
 fastest for the shape and row count is chosen by timing them on this machine the first time
 (``dispatch``, cached on disk). Parameter
@@ -22,8 +24,12 @@ from typing import TypeVar
 
 import torch.nn as nn
 
-from codraft.kernels import decode_ops, gemv, products
+from codraft.kernels import block_layers, decode_ops, gemv, markov, products
 from codraft.kernels.fast_layers import SWAPS
+
+# hooks a module declares as class attributes (the reference code's own path, or None), set on it to
+# the fast ones: x @ wᵀ; a block draft's layers over one block per row in one C call; DSpark's Markov loop
+HOOKS = {"product": products.linear, "fused_block_decode": block_layers.decode, "fused_markov": markov.propose}
 
 M = TypeVar("M")
 
@@ -44,8 +50,10 @@ def enable(module: M) -> M:
         fast = SWAPS.get(type(m))
         if fast is not None:
             m.__class__ = fast
-        elif hasattr(type(m), "product"):  # x @ wᵀ in a module that is not a swapped reference one
-            m.product = products.linear
+            continue
+        for name, fast in HOOKS.items():  # in a module that is not a swapped reference one
+            if hasattr(type(m), name):
+                setattr(m, name, fast)
     return module
 
 

@@ -45,86 +45,8 @@ static void rope(const float *x, const float *cos, const float *sin, float *out,
     }
 }
 
-// Vectors of LANES floats (vec.h). A head's vector is its first nd = D - D % LANES values, the rest a
-// scalar tail.
-typedef int32_t vi __attribute__((vector_size(LANES * 4)));
+// A head's vector is its first nd = D - D % LANES values (vec.h's vf), the rest a scalar tail.
 #define MAX_NC 16  // attend's head vectors: head_dim up to 16 * LANES
-INLINE vf vload(const float *p) { vf v; memcpy(&v, p, sizeof v); return v; }
-INLINE void vstore(float *p, vf v) { memcpy(p, &v, sizeof v); }
-// a where take (a comparison's all-ones lanes), else b
-INLINE vf vselect(vi take, vf a, vf b) {
-    vi ai, bi;
-    memcpy(&ai, &a, sizeof ai);
-    memcpy(&bi, &b, sizeof bi);
-    ai = (ai & take) | (bi & ~take);
-    memcpy(&a, &ai, sizeof a);
-    return a;
-}
-INLINE vf vmax(vf a, vf b) { return vselect(a > b, a, b); }
-
-// lane j of the result = the sum of a[j]'s lanes, for LANES vectors a[] (clobbered) at once: log2(LANES)
-// levels, each adding the lower and the upper half of every group of lanes of two vectors (a score per
-// key this way costs ~3 vector ops for LANES keys, where a horizontal sum per key cost ~8 dependent ones)
-#if defined(__has_builtin) && __has_builtin(__builtin_shufflevector)
-#define FOLD(u, v, LO, HI) (__builtin_shufflevector(u, v, LO) + __builtin_shufflevector(u, v, HI))
-#if LANES == 16
-#define G16_LO 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23
-#define G16_HI 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31
-#define G8_LO 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27
-#define G8_HI 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31
-#define G4_LO 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29
-#define G4_HI 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31
-#define G2_LO 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30
-#define G2_HI 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31
-INLINE vf hsums(vf *a) {
-    for (int i = 0; i < 8; i++) a[i] = FOLD(a[2 * i], a[2 * i + 1], G16_LO, G16_HI);
-    for (int i = 0; i < 4; i++) a[i] = FOLD(a[2 * i], a[2 * i + 1], G8_LO, G8_HI);
-    for (int i = 0; i < 2; i++) a[i] = FOLD(a[2 * i], a[2 * i + 1], G4_LO, G4_HI);
-    return FOLD(a[0], a[1], G2_LO, G2_HI);
-}
-#else
-#define G8_LO 0, 1, 2, 3, 8, 9, 10, 11
-#define G8_HI 4, 5, 6, 7, 12, 13, 14, 15
-#define G4_LO 0, 1, 4, 5, 8, 9, 12, 13
-#define G4_HI 2, 3, 6, 7, 10, 11, 14, 15
-#define G2_LO 0, 2, 4, 6, 8, 10, 12, 14
-#define G2_HI 1, 3, 5, 7, 9, 11, 13, 15
-INLINE vf hsums(vf *a) {
-    for (int i = 0; i < 4; i++) a[i] = FOLD(a[2 * i], a[2 * i + 1], G8_LO, G8_HI);
-    for (int i = 0; i < 2; i++) a[i] = FOLD(a[2 * i], a[2 * i + 1], G4_LO, G4_HI);
-    return FOLD(a[0], a[1], G2_LO, G2_HI);
-}
-#endif
-#else
-INLINE vf hsums(vf *a) {
-    float out[LANES], lanes[LANES];
-    for (int j = 0; j < LANES; j++) {
-        memcpy(lanes, &a[j], sizeof lanes);
-        out[j] = 0.0f;
-        for (int k = 0; k < LANES; k++) out[j] += lanes[k];
-    }
-    return vload(out);
-}
-#endif
-
-// exp(x) for x <= 0, LANES at once: Cephes' expf (x = n ln2 + r, a degree-6 polynomial in r, 2^n put
-// into the exponent), within a few ulp of expf; below -87 it gives exp(-87) ~ 1.6e-38 instead of less
-INLINE vf vexp_neg(vf x) {
-    x = vmax(x, (vf){0} - 87.0f);
-    vi n = __builtin_convertvector(x * 1.44269504088896341f - 0.5f, vi);  // round(x / ln2) for x <= 0
-    vf nf = __builtin_convertvector(n, vf);
-    vf r = x - nf * 0.693359375f - nf * -2.12194440e-4f;
-    vf p = 1.9875691500e-4f * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    vi e = (n + 127) << 23;
-    vf scale;
-    memcpy(&scale, &e, sizeof scale);
-    return p * scale;
-}
 
 // One query (D values, roped) over keys and values 0..n-1 (rows of D): softmax(q·kᵀ·scale)·v -> o.
 // The first nc vectors of each head (a constant where attend_nc is inlined, so that q and the sums stay
@@ -203,29 +125,43 @@ static void attend(const float *q, const float *kb, const float *vb, int64_t n, 
 
 // T new tokens per row b at positions lengths[b] + t: rope q and k, write k and v into this
 // layer's cache (B, Hkv, L, D), and attend each query head over keys 0..its own position
-// (grouped-query: head h reads KV head h / (H / Hkv)).
+// (grouped-query: head h reads KV head h / (H / Hkv)); with `block`, every query of row b over keys
+// 0..lengths[b] + T - 1 (a block draft's slots see each other both ways). qn, kn: per-head RMSNorm
+// weights (D) applied before RoPE (Qwen3's q/k norms), or NULL.
 //   q (B*T, H*D), k and v (B*T, Hkv*D), cos and sin (B*T, D), out (B*T, H*D)
 void decode_attention(const float *q, const float *k, const float *v, const float *cos, const float *sin,
                       float *kc, float *vc, const int64_t *lengths, float *out,
-                      int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t L, float scale) {
+                      int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t L, float scale,
+                      const float *qn, const float *kn, float eps, int block) {
 #pragma omp parallel for collapse(2) schedule(static)
     for (int64_t bt = 0; bt < B * T; bt++)
         for (int64_t g = 0; g < Hkv; g++) {
             int64_t b = bt / T, pos = lengths[b] + bt % T;
             float *kd = kc + ((b * Hkv + g) * L + pos) * D, *vd = vc + ((b * Hkv + g) * L + pos) * D;
-            rope(k + (bt * Hkv + g) * D, cos + bt * D, sin + bt * D, kd, D);
+            const float *kh = k + (bt * Hkv + g) * D;
+            if (kn) {  // normed into a copy, roped from it into the cache slot
+                float normed[D];
+                rms_norm_rows(kh, kn, normed, 1, D, eps);
+                rope(normed, cos + bt * D, sin + bt * D, kd, D);
+            } else
+                rope(kh, cos + bt * D, sin + bt * D, kd, D);
             for (int64_t i = 0; i < D; i++) vd[i] = v[(bt * Hkv + g) * D + i];
         }
     int64_t group = H / Hkv;
 #pragma omp parallel
     {
-        float *qr = malloc(D * sizeof(float)), *s = malloc((L + LANES) * sizeof(float));
+        float *qr = malloc(2 * D * sizeof(float)), *s = malloc((L + LANES) * sizeof(float));
 #pragma omp for collapse(2) schedule(static)
         for (int64_t bt = 0; bt < B * T; bt++)
             for (int64_t h = 0; h < H; h++) {
-                int64_t b = bt / T, n = lengths[b] + bt % T + 1;  // keys this query sees
+                int64_t b = bt / T, n = lengths[b] + (block ? T : bt % T + 1);  // keys this query sees
                 const float *kb = kc + (b * Hkv + h / group) * L * D, *vb = vc + (b * Hkv + h / group) * L * D;
-                rope(q + (bt * H + h) * D, cos + bt * D, sin + bt * D, qr, D);
+                const float *qh = q + (bt * H + h) * D;
+                if (qn) {
+                    rms_norm_rows(qh, qn, qr + D, 1, D, eps);
+                    qh = qr + D;
+                }
+                rope(qh, cos + bt * D, sin + bt * D, qr, D);
                 attend(qr, kb, vb, n, D, scale, s, out + (bt * H + h) * D);
             }
         free(qr);
@@ -282,9 +218,10 @@ static int64_t layer_scratch(int64_t m, int64_t D, int64_t nq, int64_t nkv, int6
     return m * (D + nq + 2 * nkv + nq + 2 * I);
 }
 
-static void layer(const float *x, float *y, const void *const *w, const float *cos, const float *sin,
-                  float *kc, float *vc, const int64_t *lengths, int64_t B, int64_t T, int64_t D, int64_t H,
-                  int64_t Hkv, int64_t hd, int64_t I, int64_t L, float eps, int kind, float *scratch) {
+static void layer(const float *x, float *y, const void *const *w, const float *const *qk, const float *cos,
+                  const float *sin, float *kc, float *vc, const int64_t *lengths, int64_t B, int64_t T, int64_t D,
+                  int64_t H, int64_t Hkv, int64_t hd, int64_t I, int64_t L, float eps, int kind, int block,
+                  float *scratch) {
     int64_t m = B * T, nq = H * hd, nkv = Hkv * hd;
     float *n = scratch, *q = n + m * D, *k = q + m * nq, *v = k + m * nkv, *att = v + m * nkv, *g = att + m * nq,
           *u = g + m * I;
@@ -292,7 +229,8 @@ static void layer(const float *x, float *y, const void *const *w, const float *c
     product(n, w[1], kind, q, m, D, nq);
     product(n, w[2], kind, k, m, D, nkv);
     product(n, w[3], kind, v, m, D, nkv);
-    decode_attention(q, k, v, cos, sin, kc, vc, lengths, att, B, T, H, Hkv, hd, L, 1.0f / sqrtf((float)hd));
+    decode_attention(q, k, v, cos, sin, kc, vc, lengths, att, B, T, H, Hkv, hd, L, 1.0f / sqrtf((float)hd),
+                     qk ? qk[0] : NULL, qk ? qk[1] : NULL, eps, block);
     product(att, w[4], kind, y, m, nq, D);
     for (int64_t i = 0; i < m * D; i++) y[i] += x[i];
     rms_norm_rows(y, w[5], n, m, D, eps);
@@ -304,21 +242,22 @@ static void layer(const float *x, float *y, const void *const *w, const float *c
 }
 
 // n_layers decoder layers of one shape in one call (a decode step's whole stack): layer l reads
-// w[9 l .. 9 l + 8] and its cache at kc/vc + l * (B*Hkv*L*hd) (the KV cache's (layers, B, Hkv, L, hd)
-// tensors), and when taps[l] is not NULL its output is also copied there. x (B*T, D) in, y out.
+// w[9 l .. 9 l + 8], its q/k norm weights qk[2 l], qk[2 l + 1] (qk NULL: layers without them) and its
+// cache at kc/vc + l * (B*Hkv*L*hd) (the KV cache's (layers, B, Hkv, L, hd) tensors), and when taps[l]
+// is not NULL its output is also copied there. x (B*T, D) in, y out; `block`: decode_attention's.
 // At batch 1 the Python and ctypes calls around one call per layer cost ~1/4 of the layers' own time.
-void decode_stack(const float *x, float *y, const void *const *w, const float *cos, const float *sin,
-                  float *kc, float *vc, const int64_t *lengths, float *const *taps, int64_t n_layers,
-                  int64_t B, int64_t T, int64_t D, int64_t H, int64_t Hkv, int64_t hd, int64_t I, int64_t L,
-                  float eps, int kind) {
+void decode_stack(const float *x, float *y, const void *const *w, const float *const *qk, const float *cos,
+                  const float *sin, float *kc, float *vc, const int64_t *lengths, float *const *taps,
+                  int64_t n_layers, int64_t B, int64_t T, int64_t D, int64_t H, int64_t Hkv, int64_t hd, int64_t I,
+                  int64_t L, float eps, int kind, int block) {
     int64_t m = B * T, per_layer = B * Hkv * L * hd, own = layer_scratch(m, D, H * hd, Hkv * hd, I);
     float *scratch = malloc((own + m * D) * sizeof(float)), *other = scratch + own;
     // ping-pong so that the last layer writes y: layer l writes y when n_layers - l is odd
     const float *in = x;
     for (int64_t l = 0; l < n_layers; l++) {
         float *out = (n_layers - l) % 2 ? y : other;
-        layer(in, out, w + 9 * l, cos, sin, kc + l * per_layer, vc + l * per_layer, lengths, B, T, D, H, Hkv, hd, I,
-              L, eps, kind, scratch);
+        layer(in, out, w + 9 * l, qk ? qk + 2 * l : NULL, cos, sin, kc + l * per_layer, vc + l * per_layer, lengths,
+              B, T, D, H, Hkv, hd, I, L, eps, kind, block, scratch);
         if (taps[l]) memcpy(taps[l], out, m * D * sizeof(float));
         in = out;
     }

@@ -39,8 +39,8 @@ def kernels():
         return None
     lib.rms_norm_rows.restype = lib.decode_attention.restype = lib.decode_stack.restype = None
     lib.rms_norm_rows.argtypes = [_P, _P, _P, _I, _I, _F]
-    lib.decode_attention.argtypes = [_P] * 9 + [_I] * 6 + [_F]
-    lib.decode_stack.argtypes = [_P] * 9 + [_I] * 9 + [_F, ctypes.c_int]
+    lib.decode_attention.argtypes = [_P] * 9 + [_I] * 6 + [_F, _P, _P, _F, ctypes.c_int]
+    lib.decode_stack.argtypes = [_P] * 10 + [_I] * 9 + [_F, ctypes.c_int, ctypes.c_int]
     return lib
 
 
@@ -60,6 +60,14 @@ def _stack_order(layer) -> tuple[torch.Tensor, ...]:
             mlp["up_proj"]._parameters["weight"], mlp["down_proj"]._parameters["weight"])
 
 
+def _qk_norms(layer) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A layer's per-head q and k RMSNorm weights (Qwen3, block drafts), or None (Llama)."""
+    a = layer._modules["self_attn"]._modules
+    if a.get("q_norm") is None:
+        return None
+    return a["q_norm"]._parameters["weight"], a["k_norm"]._parameters["weight"]
+
+
 def _layer_weights(layer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """A decoder layer's norm weights and its 7 projection weights, in decode_stack's order."""
     w = _stack_order(layer)
@@ -67,12 +75,17 @@ def _layer_weights(layer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 
 
 def layer_applies(layer, x: torch.Tensor, cache_k: torch.Tensor) -> bool:
-    """Whether ``decoder_stack`` can run this ``DecoderLayer`` on x, at any row count: no q/k norms,
-    x, the cache and the norm weights CPU fp32 without autograd, the 7 projection weights contiguous
-    and all fp32 or all bf16, kernels built. Whether it is the fastest path is the caller's call."""
+    """Whether ``decoder_stack`` can run this decoder layer (a model's ``DecoderLayer``, a block draft's)
+    on x, at any row count: x, the cache and the norm weights CPU fp32 without autograd (q/k norms, if
+    any, with the layer's eps), the 7 projection weights contiguous and all fp32 or all bf16, kernels
+    built. Whether it is the fastest path is the caller's call."""
     norms, projections = _layer_weights(layer)
-    return (layer.self_attn.q_norm is None and cbuild.fits(x, cache_k, *norms)
-            and cbuild.weight_fits(*projections) and kernels() is not None)
+    qk, a = _qk_norms(layer), layer.self_attn
+    if qk is not None:
+        if not (a.q_norm.eps == a.k_norm.eps == layer.input_layernorm.eps and qk[0].shape == (a.head_dim,)):
+            return False
+        norms = [*norms, *qk]
+    return cbuild.fits(x, cache_k, *norms) and cbuild.weight_fits(*projections) and kernels() is not None
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -113,7 +126,7 @@ def cache_attention(q, k, v, cos, sin, k_cache, v_cache, lengths) -> torch.Tenso
     out = torch.empty_like(q)
     kernels().decode_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), cos.data_ptr(), sin.data_ptr(),
                                k_cache.data_ptr(), v_cache.data_ptr(), lengths.data_ptr(), out.data_ptr(),
-                               b, t, h, hkv, d, L, d ** -0.5)
+                               b, t, h, hkv, d, L, d ** -0.5, None, None, 0.0, 0)
     return out
 
 
@@ -134,6 +147,10 @@ class _Stack:
         self.ok = all(layer_applies(l, x, cache_k) and _dims(l) == (self.dims, self.eps) for l in layers)
         self.bf16 = weights[1].dtype is torch.bfloat16
         self.ptrs = (ctypes.c_void_p * len(weights))(*(w.data_ptr() for w in weights))
+        qk = [_qk_norms(l) for l in layers]
+        self.ok = self.ok and len({q is None for q in qk}) == 1
+        self.qk = None if qk[0] is None else (ctypes.c_void_p * (2 * len(layers)))(
+            *(w.data_ptr() for pair in qk for w in pair))
         self.stamp = stamp
         self.weights, self.packed = weights, None
         # the previous plan's packed copies, to pack into again when only the values changed (a refresh
@@ -168,19 +185,22 @@ _stacks: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
 def decoder_stack(model, first: int, layers: list, x, cos, sin, cache, taps=(), amx: bool = False,
-                  panels: bool = False) -> tuple | None:
+                  panels: bool = False, block: bool = False) -> tuple | None:
     """``layers`` (decoder layers ``first``, ``first + 1``, ... of ``model``; each ``layer_applies``,
-    one shape) on x (B,T,D) into ``cache`` in one C call -> (output, {i: output of layer i for i in
-    taps}); None when it does not apply (grad mode, a layer that does not fit, other shapes), for the
-    caller to run the layers one by one. bf16 products on AMX tiles (``amx``) or on copies packed in
-    panels (``panels``); fp32 weights ignore both. Whether one call per layer (and which
-    products) is the fastest path for the row count is the caller's call."""
+    one shape) on x (B,T,D) into ``cache`` (``.k``, ``.v`` (layers,B,Hkv,L,D), ``.lengths`` (B,)) in
+    one C call -> (output, {i: output of layer i for i in taps}); None when it does not apply (grad
+    mode, a layer that does not fit, other shapes), for the caller to run the layers one by one. bf16
+    products on AMX tiles (``amx``) or on copies packed in panels (``panels``); fp32 weights ignore
+    both. Attention is causal over each row's cache, or with ``block`` every query of row b sees keys
+    0..lengths[b] + T − 1 (a block draft's slots). Whether one call per layer (and which products) is
+    the fastest path for the row count is the caller's call."""
     if torch.is_grad_enabled() or kernels() is None:
         return None
     b, t, d = x.shape
     weights = [w for l in layers for w in _stack_order(l)]
     versions = panel_copies.versions(weights)  # None: weights nothing may pack (trainable, or inference tensors)
-    stamp = (x.dtype, cache.k.dtype, *(w.data_ptr() for w in weights), *(w.dtype for w in weights), versions)
+    qk = [w.data_ptr() for l in layers for w in _qk_norms(l) or ()]
+    stamp = (x.dtype, cache.k.dtype, *(w.data_ptr() for w in weights), *(w.dtype for w in weights), versions, *qk)
     key = (first, len(layers))
     plans = _stacks.setdefault(model, {})
     plan = plans.get(key)
@@ -201,7 +221,8 @@ def decoder_stack(model, first: int, layers: list, x, cos, sin, cache, taps=(), 
     y = torch.empty_like(x)
     kc, vc = cache.k[first], cache.v[first]  # layer `first`; the C code steps by one layer's size
     panels = panels and plan.bf16 and not amx and versions is not None
-    kernels().decode_stack(x.data_ptr(), y.data_ptr(), plan.panel_ptrs() if panels else plan.ptrs, cos.data_ptr(),
-                           sin.data_ptr(), kc.data_ptr(), vc.data_ptr(), lengths.data_ptr(), tap_ptrs, len(layers), b,
-                           t, D, H, Hkv, hd, inter, cache.k.shape[3], plan.eps, _kind(plan.bf16, amx, panels))
+    kernels().decode_stack(x.data_ptr(), y.data_ptr(), plan.panel_ptrs() if panels else plan.ptrs, plan.qk,
+                           cos.data_ptr(), sin.data_ptr(), kc.data_ptr(), vc.data_ptr(), lengths.data_ptr(), tap_ptrs,
+                           len(layers), b, t, D, H, Hkv, hd, inter, cache.k.shape[3], plan.eps,
+                           _kind(plan.bf16, amx, panels), int(block))
     return y, tapped

@@ -1,0 +1,92 @@
+"""A block draft's decode in one C call: its layers over one block of slots per row
+(``BlockDecoderLayer.decode`` in ``codraft.drafts.block_backbone``: q/k norms, every slot of a row sees
+the row's cached context and the whole block), where that is measured faster than the layers' own
+per-op decode.
+
+A DSpark/DFlash proposal runs one block of S slots per row through its layer(s). Per op, that is ~60
+torch calls a layer (norms, q/k norms, RoPE, two scatters into the cache, SDPA, views), which cost
+more than streaming the layer's weights at batch 1 (docs/real-preset.md, "Where the draft's time
+goes"). ``decode_ops.decoder_stack`` with ``block=True`` runs the same in one call. The choice per row
+count (B·S slots) is timed on this machine like the target's layers (``dispatch``, operation
+``block-layer``), the candidates each call on the next of copies of the layer, m rows of one slot
+after ``CONTEXT`` cached positions.
+
+Installed from outside: ``codraft.kernels.enable`` sets a block draft's ``fused_block_decode`` hook
+to ``decode``. Not here: the C code (``decode_ops.c``), the target's layers (``fast_layers``).
+"""
+from __future__ import annotations
+
+import copy
+import itertools
+from typing import NamedTuple
+
+import torch
+import torch.nn as nn
+
+from codraft.kernels import decode_ops, dispatch
+
+CONTEXT = 16  # cached positions per row while timing
+
+
+class _Cache(NamedTuple):  # what decoder_stack reads of a cache
+    k: torch.Tensor  # (L,B,Hkv,M,D)
+    v: torch.Tensor
+    lengths: torch.Tensor  # (B,)
+
+
+def decode(layers: nn.ModuleList, x: torch.Tensor, cos, sin, k: torch.Tensor, v: torch.Tensor,
+           ctx_len: torch.Tensor) -> torch.Tensor | None:
+    """``layers`` (a block draft's) on x (B,S,H), slot s of row b at position ctx_len[b] + s (cos/sin
+    (B,1,S,D)), over the context cache k, v (L,B,Hkv,M,D) whose rows hold ctx_len[b] positions; the
+    block's keys and values are written at those positions -> (B,S,H) before the final norm; None where
+    the one call does not apply or is not the measured faster path, for the caller's per-op decode."""
+    stack = list(layers)
+    if not stack or not decode_ops.layer_applies(stack[0], x, k) or \
+            block_table(stack[0]).path(x.shape[0] * x.shape[1]) != "fused":
+        return None
+    done = decode_ops.decoder_stack(layers, 0, stack, x, cos, sin, _Cache(k, v, ctx_len), block=True)
+    return None if done is None else done[0]
+
+
+def _candidates(layer: nn.Module) -> dict[str, dispatch.At]:
+    a = layer.self_attn
+    nbytes = sum(p.numel() * p.element_size() for p in layer.parameters())
+    with torch.inference_mode(False):
+        timed = nn.ModuleList(copy.deepcopy(layer) for _ in range(dispatch.copies(nbytes)))
+    turn = itertools.count()
+
+    def at(path: str):
+        def rows(m):
+            shape = (len(timed), m, a.n_kv, CONTEXT + 1, a.head_dim)
+            k, v = torch.zeros(shape), torch.zeros(shape)
+            ctx_len = torch.full((m,), CONTEXT)
+            x = torch.randn(m, 1, a.q_proj.weight.shape[1])
+            cos, sin = torch.ones(m, 1, 1, a.head_dim), torch.zeros(m, 1, 1, a.head_dim)  # RoPE at angle 0
+            with torch.no_grad():
+                if path == "fused" and not decode_ops.layer_applies(layer, x, k):
+                    return None
+
+            @torch.no_grad()
+            def run():
+                j = next(turn) % len(timed)
+                if path == "fused":
+                    out = decode_ops.decoder_stack(timed, j, [timed[j]], x, cos, sin, _Cache(k, v, ctx_len),
+                                                   block=True)
+                    assert out is not None, "decoder_stack refused a layer that layer_applies accepted"
+                    return out
+                return timed[j].decode(x, cos, sin, k[j], v[j], ctx_len, CONTEXT + 1)
+            return run
+        return rows
+    return {path: at(path) for path in BLOCK_LAYER.paths}
+
+
+BLOCK_LAYER = dispatch.Operation("block-layer", ("fused", "unfused"), "unfused", _candidates)
+
+
+def block_table(layer: nn.Module) -> dispatch.Table:
+    """The measured choice per row count (B·S slots) between one C call and the per-op decode, for block
+    layers shaped like ``layer`` with its weight dtype."""
+    a = layer.self_attn
+    key = (a.q_proj.weight.shape[1], layer.mlp.gate_proj.weight.shape[0], a.n_heads, a.n_kv, a.head_dim,
+           a.q_proj.weight.dtype)
+    return dispatch.lookup(BLOCK_LAYER, key, layer)

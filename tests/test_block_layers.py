@@ -1,0 +1,152 @@
+"""A block draft's decode in one C call (``codraft.kernels.block_layers``) against its per-op decode on
+the plain draft: the hidden states of a proposal's block and the context cache after the block's write,
+for rows at different context lengths, fp32 and bf16 projection weights, one and two layers."""
+import copy
+import ctypes
+
+import pytest
+import torch
+
+from codraft import kernels
+from codraft.drafts import dspark
+from codraft.kernels import block_layers, cbuild, decode_ops, dispatch, markov
+from codraft.models.config import ModelConfig
+from codraft.models.transformer import Transformer
+from codraft.spec.sampling import Sampler
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _pair(layers: int, dtype: torch.dtype):
+    """A target, a DSpark draft for it with random norms and weights larger than the init's (every term
+    matters beside the residual), and the draft's kernel-enabled twin."""
+    cfg = ModelConfig(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=4, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16, rope_theta=1000.0, architectures=["Qwen3ForCausalLM"],
+                      max_position_embeddings=256)
+    torch.manual_seed(0)
+    target = Transformer(cfg).eval()
+    draft = dspark.build(cfg, num_layers=layers, block_size=4)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g) if "norm" in name
+                    else 0.3 * torch.randn(p.shape, generator=g))
+    for layer in draft.layers:
+        for m in (*layer.self_attn.children(), *layer.mlp.children()):
+            if isinstance(m, torch.nn.Linear):
+                m.to(dtype)
+    draft.bind_target(target.embed_tokens.weight, target.head_weight).eval().requires_grad_(False)
+    fast = kernels.enable(copy.deepcopy(draft)).bind_target(target.embed_tokens.weight, target.head_weight)
+    return target, draft, fast
+
+
+def _state(target, draft, lengths, max_len=24):
+    ids = torch.randint(0, 61, (len(lengths), 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        _, feats = target(ids, taps=draft.feature_layers)
+        return draft.begin(ids, lengths, feats, max_len=max_len)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layers,lengths,slots", [(1, [9], 4), (1, [3, 16, 9], 4), (2, [7, 12], 3),
+                                                  (2, [1, 5, 10, 16], 6)])
+def test_one_call_equals_per_op_decode(monkeypatch, dtype, layers, lengths, slots):
+    target, draft, fast = _pair(layers, dtype)
+    calls = []
+    real = decode_ops.decoder_stack
+    monkeypatch.setattr(decode_ops, "decoder_stack", lambda *a, **k: calls.append(k) or real(*a, **k))
+    lengths = torch.tensor(lengths)
+    want_state, got_state = _state(target, draft, lengths), _state(target, draft, lengths)
+    with torch.no_grad(), dispatch.forcing({"block-layer": "fused"}):
+        want = draft.decode_hidden(want_state, slots, context_len=int(lengths.max()))
+        got = fast.decode_hidden(got_state, slots, context_len=int(lengths.max()))
+    assert calls == [{"block": True}]  # the whole run of layers in one call, block attention
+    assert want.abs().max() > 1
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in ((got_state.k, want_state.k), (got_state.v, want_state.v)):  # the block's K/V written alike
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+
+
+def test_the_measured_path_is_followed(monkeypatch):
+    """Where the table picks the per-op decode, no C call; a table measured here times both paths."""
+    target, draft, fast = _pair(1, torch.float32)
+    calls = []
+    real = decode_ops.decoder_stack
+    monkeypatch.setattr(decode_ops, "decoder_stack", lambda *a, **k: calls.append(k) or real(*a, **k))
+    state = _state(target, draft, torch.tensor([5, 8]))
+    with torch.no_grad(), dispatch.forcing({"block-layer": "unfused"}):
+        fast.decode_hidden(state, 4, context_len=8)
+    assert calls == []
+    times = dispatch.measure(block_layers._candidates(fast.layers[0]), grid=(1, 8))
+    assert all(set(t) == {"fused", "unfused"} and all(0 < s < 1 for s in t.values()) for t in times.values())
+
+
+@pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=0.6), dict(temperature=0.0)],
+                         ids=["t1", "t0.6", "greedy"])
+@pytest.mark.parametrize("rows,gamma,vocab", [(1, 4, 0), (3, 2, 0), (5, 6, 24)])
+def test_markov_loop_in_c_equals_torch(monkeypatch, settings, rows, gamma, vocab):
+    """DSpark's proposal with the Markov loop in C against the torch loop, same block hidden states and
+    seed: the same tokens and the same q (the distribution each was drawn from), with and without a
+    draft vocabulary (its out-of-vocabulary W1 row as the first previous token)."""
+    target, draft, fast = _pair(1, torch.float32)
+    if vocab:
+        draft = dspark.build(target.config, block_size=4, draft_vocab_size=vocab)
+        with torch.no_grad():
+            draft.markov_head.w2.weight.normal_(0, 0.5, generator=torch.Generator().manual_seed(4))
+        draft.bind_target(target.embed_tokens.weight, target.head_weight).eval().requires_grad_(False)
+        draft.set_vocabulary(torch.randperm(61, generator=torch.Generator().manual_seed(5))[:vocab])
+        fast = kernels.enable(copy.deepcopy(draft)).bind_target(target.embed_tokens.weight, target.head_weight)
+    calls = []
+    real = fast.fused_markov
+    fast.fused_markov = lambda *a: calls.append(1) or real(*a)
+    lengths = torch.arange(rows) * 3 + 4
+    sides = {}
+    for name, d in (("torch", draft), ("c", fast)):
+        state = _state(target, d, lengths)
+        sampler = Sampler(**settings, generator=torch.Generator().manual_seed(6))
+        with torch.no_grad():
+            sides[name] = d.propose(state, gamma, sampler, context_len=int(lengths.max()))
+    assert calls == [1]
+    (want_x, want_q), (got_x, got_q) = sides["torch"], sides["c"]
+    assert got_x.shape == (rows, gamma) and torch.equal(got_x, want_x)
+    if settings["temperature"] == 0:
+        assert got_q is None and want_q is None
+    else:
+        torch.testing.assert_close(got_q, want_q, rtol=1e-5, atol=1e-7)
+        assert (got_q.gather(-1, got_x[..., None]) > 0).all()
+
+
+@pytest.fixture(scope="module")
+def portable(tmp_path_factory):
+    """The kernels built with 8-lane vectors (what AVX2 machines build; this one may build 16), once."""
+    return ctypes.CDLL(str(cbuild.build(cache_dir=tmp_path_factory.mktemp("lanes8"), defines=("LANES=8",))))
+
+
+@pytest.mark.parametrize("lanes", [None, 8])
+@pytest.mark.parametrize("k,r", [(300, 20), (64, 16), (37, 72)])
+def test_markov_loop_shapes_and_vector_widths(portable, lanes, k, r):
+    """The C loop at this CPU's vector width and at the portable one (8 lanes, what AVX2 machines build)
+    against the loop written out in torch, for vocabularies that are not whole tiles and ranks that are
+    not whole vectors (the padded last vector of a row)."""
+    g = torch.Generator().manual_seed(k + r)
+    b, gamma = 3, 4
+    base, w1, w2 = (torch.randn(*shape, generator=g) for shape in ((b, gamma, k), (k + 1, r), (k, r)))
+    prev = torch.tensor([k, 0, 5])  # k: the out-of-vocabulary row
+    u = torch.rand(b, gamma, generator=g, dtype=torch.float64)
+    fn = markov._kernel() if lanes is None else portable.markov_propose
+    for temperature in (0.0, 0.8):
+        q, tokens, scratch = torch.zeros(b, gamma, k), torch.empty(b, gamma, dtype=torch.int64), torch.empty(b * k)
+        fn(*(ctypes.c_void_p(t.data_ptr()) for t in (base, w1, w2, prev, u)), ctypes.c_float(temperature),
+           *(ctypes.c_void_p(t.data_ptr()) for t in (q, tokens, scratch)), *map(ctypes.c_int64, (b, gamma, k, r)))
+        last = prev
+        for j in range(gamma):
+            z = base[:, j].double() + w1[last].double() @ w2.double().T
+            if temperature == 0:
+                want = z.argmax(-1)
+            else:
+                want_q = (z / temperature).softmax(-1)
+                torch.testing.assert_close(q[:, j].double(), want_q, rtol=1e-4, atol=1e-7)
+                cdf = q[:, j].double().cumsum(-1)
+                want = torch.searchsorted(cdf, u[:, j, None] * cdf[:, -1:], right=True)[:, 0]
+            assert torch.equal(tokens[:, j], want), (temperature, j)
+            last = tokens[:, j]
