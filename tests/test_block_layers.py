@@ -17,12 +17,12 @@ from codraft.spec.sampling import Sampler
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def _pair(layers: int, dtype: torch.dtype):
+def _pair(layers: int, dtype: torch.dtype, kv_heads: int = 2):
     """A target, a DSpark draft for it with random norms and weights larger than the init's (every term
     matters beside the residual), and the draft's kernel-enabled twin."""
     cfg = ModelConfig(vocab_size=61, hidden_size=48, intermediate_size=80, num_hidden_layers=4, num_attention_heads=4,
-                      num_key_value_heads=2, head_dim=16, rope_theta=1000.0, architectures=["Qwen3ForCausalLM"],
-                      max_position_embeddings=256)
+                      num_key_value_heads=kv_heads, head_dim=16, rope_theta=1000.0,
+                      architectures=["Qwen3ForCausalLM"], max_position_embeddings=256)
     torch.manual_seed(0)
     target = Transformer(cfg).eval()
     draft = dspark.build(cfg, num_layers=layers, block_size=4)
@@ -150,3 +150,36 @@ def test_markov_loop_shapes_and_vector_widths(portable, lanes, k, r):
                 want = torch.searchsorted(cdf, u[:, j, None] * cdf[:, -1:], right=True)[:, 0]
             assert torch.equal(tokens[:, j], want), (temperature, j)
             last = tokens[:, j]
+
+
+@pytest.mark.parametrize("layers,lengths,new,max_len,kv_heads", [(1, [9], 5, 24, 2), (2, [3, 16, 9], 3, 24, 1),
+                                                                  (2, [7, 16], 5, 14, 2)])
+def test_commit_in_one_call_equals_per_op(layers, lengths, new, max_len, kv_heads):
+    """A commit's context K/V (the taps' fc, the hidden norm, every layer's k/v projections, k norm and
+    RoPE) written by one C call equal the per-op commit's, rows at different lengths and accepted
+    counts; max_len 14: the last rows' junk slots fall past the buffer (the C code skips them, the
+    per-op commit clamps them to its last position, which holds no context). One KV head: keys and
+    values narrower than the hidden size."""
+    target, draft, fast = _pair(layers, torch.float32, kv_heads)
+    calls = []
+    real = fast.fused_commit
+    fast.fused_commit = lambda *a: (r := real(*a), calls.append(r))[0]
+    lengths = torch.tensor(lengths)
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, 61, (len(lengths), new), generator=g)
+    counts = torch.randint(1, new + 1, (len(lengths),), generator=g)
+    feats = {l: torch.randn(len(lengths), new, 48, generator=g) for l in draft.feature_layers}
+    states = {}
+    with torch.no_grad(), dispatch.forcing({"block-layer": "fused"}):
+        for name, d in (("per-op", draft), ("c", fast)):
+            states[name] = d.commit(_state(target, d, lengths, max_len=max_len), tokens, counts, feats)
+    assert calls == [True]
+    want, got = states["per-op"], states["c"]
+    assert torch.equal(got.ctx_len, want.ctx_len) and torch.equal(got.pending, want.pending)
+    m = want.k.shape[3] - 1  # (the per-op commit's clamped junk)
+    for a, b in ((got.k, want.k), (got.v, want.v)):
+        assert b[..., :m, :].abs().max() > 1
+        torch.testing.assert_close(a[..., :m, :], b[..., :m, :], rtol=1e-5, atol=1e-5 * float(b.abs().max()))
+    with torch.no_grad(), dispatch.forcing({"block-layer": "unfused"}):  # the measured path is followed
+        fast.commit(_state(target, fast, lengths, max_len=max_len), tokens, counts, feats)
+    assert calls == [True, False]

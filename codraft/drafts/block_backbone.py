@@ -314,6 +314,9 @@ class BlockDraftBase(nn.Module, Draft):
     # (layers, x, cos, sin, k, v, ctx_len) -> the layers' decode of one block per row, or None: run them
     # here. codraft.kernels.enable sets one that runs them in one C call where that is faster
     fused_block_decode = None
+    # (fc weight, hidden norm, layers, tapped features, cos, sin, k, v, ctx_len) -> whether it wrote the
+    # commit's context K/V into the cache (else: here). codraft.kernels.enable sets a C one
+    fused_commit = None
 
     def __init__(self, config: BlockDraftConfig):
         super().__init__()
@@ -449,13 +452,16 @@ class BlockDraftBase(nn.Module, Draft):
 
     # ---- the backbone ----
 
-    def context(self, features: Features) -> torch.Tensor:
-        """ctx = hidden_norm(fc(cat of tapped layers)): {layer: (B,T,H_t)} -> (B,T,H)."""
+    def tapped(self, features: Features) -> torch.Tensor:
+        """The tapped layers side by side: {layer: (B,T,H_t)} -> (B,T,m·H_t), detached, the draft's dtype."""
         missing = [l for l in self.feature_layers if l not in features]
         if missing:
             raise KeyError(f"features lack target layers {missing}; this draft taps {list(self.feature_layers)}")
-        x = torch.cat([features[l].detach().to(self.dtype) for l in self.feature_layers], dim=-1)
-        return self.hidden_norm(self.product(x, self.fc.weight))
+        return torch.cat([features[l].detach().to(self.dtype) for l in self.feature_layers], dim=-1)
+
+    def context(self, features: Features) -> torch.Tensor:
+        """ctx = hidden_norm(fc(cat of tapped layers)): {layer: (B,T,H_t)} -> (B,T,H)."""
+        return self.hidden_norm(self.product(self.tapped(features), self.fc.weight))
 
     def context_kv(self, ctx: torch.Tensor, positions: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per-layer injected K, V (B,Hkv,T,D) for ctx (B,T,H) at positions (B,T)."""
@@ -580,16 +586,23 @@ class BlockDraftBase(nn.Module, Draft):
     def commit(self, state: BlockDraftState, tokens, counts, features: Features) -> BlockDraftState:
         b, g1 = tokens.shape
         m = state.k.shape[3]
+        pending = tokens.gather(1, (counts - 1)[:, None])[:, 0]
+        after = BlockDraftState(state.k, state.v, state.ctx_len + counts, pending)
         # features[:, j] belong at position ctx_len + j (the old pending token, then accepted drafts)
         pos = state.ctx_len[:, None] + torch.arange(g1, device=tokens.device)  # (B,γ+1)
-        ctx = self.context({l: features[l][:, :g1] for l in self.feature_layers})  # (B,γ+1,H)
+        x = self.tapped({l: features[l][:, :g1] for l in self.feature_layers})  # (B,γ+1,m·H_t)
+        if self.fused_commit is not None:
+            cos, sin = rope_cos_sin(self.inv_freq, pos, x.dtype)
+            if self.fused_commit(self.fc.weight, self.hidden_norm, self.layers, x, cos, sin, state.k, state.v,
+                                 state.ctx_len):
+                return after
+        ctx = self.hidden_norm(self.product(x, self.fc.weight))  # (B,γ+1,H)
         idx = pos.clamp(max=m - 1)  # only junk slots (j >= counts) can exceed the buffer
         for i, (kc, vc) in enumerate(self.context_kv(ctx, pos)):
             gidx = idx[:, None, :, None].expand_as(kc)
             state.k[i].scatter_(2, gidx, kc)
             state.v[i].scatter_(2, gidx, vc)
-        pending = tokens.gather(1, (counts - 1)[:, None])[:, 0]
-        return BlockDraftState(state.k, state.v, state.ctx_len + counts, pending)
+        return after
 
     def select(self, state: BlockDraftState, rows) -> BlockDraftState:
         return BlockDraftState(state.k[:, rows], state.v[:, rows], state.ctx_len[rows], state.pending[rows])

@@ -8,8 +8,9 @@ RMSNorm, drafts' included) to its subclass in ``fast_layers``, which takes the C
 applies (CPU, fp32 activations, fp32 or bf16 weights, no autograd) and otherwise runs the
 reference forward; and fills the hooks other modules declare (``HOOKS``): ``product`` (block drafts:
 their product with the target's LM head, their layers' projections, DSpark's Markov bias) gets the
-fast product, ``fused_block_decode`` (block drafts) their layers' decode in one C call
-(``block_layers``), ``fused_markov`` (DSpark) its proposal loop in one (``markov``). Between
+fast product, ``fused_block_decode`` and ``fused_commit`` (block drafts) their layers' decode and their
+commit's context K/V in one C call each (``block_layers``), ``fused_markov`` (DSpark) its proposal loop
+in one (``markov``). Between
 paths that all apply (the kernel or torch's products; one C call per layer or one per op) the
 fastest for the shape and row count is chosen by timing them on this machine the first time
 (``dispatch``, cached on disk). Parameter
@@ -28,8 +29,10 @@ from codraft.kernels import block_layers, decode_ops, gemv, markov, products
 from codraft.kernels.fast_layers import SWAPS
 
 # hooks a module declares as class attributes (the reference code's own path, or None), set on it to
-# the fast ones: x @ wᵀ; a block draft's layers over one block per row in one C call; DSpark's Markov loop
-HOOKS = {"product": products.linear, "fused_block_decode": block_layers.decode, "fused_markov": markov.propose}
+# the fast ones: x @ wᵀ; a block draft's layers over one block per row, and its commit, in one C call each;
+# DSpark's Markov loop
+HOOKS = {"product": products.linear, "fused_block_decode": block_layers.decode, "fused_commit": block_layers.commit,
+         "fused_markov": markov.propose}
 
 M = TypeVar("M")
 

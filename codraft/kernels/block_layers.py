@@ -17,13 +17,14 @@ to ``decode``. Not here: the C code (``decode_ops.c``), the target's layers (``f
 from __future__ import annotations
 
 import copy
+import ctypes
 import itertools
 from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 
-from codraft.kernels import decode_ops, dispatch
+from codraft.kernels import cbuild, decode_ops, dispatch
 
 CONTEXT = 16  # cached positions per row while timing
 
@@ -46,6 +47,37 @@ def decode(layers: nn.ModuleList, x: torch.Tensor, cos, sin, k: torch.Tensor, v:
         return None
     done = decode_ops.decoder_stack(layers, 0, stack, x, cos, sin, _Cache(k, v, ctx_len), block=True)
     return None if done is None else done[0]
+
+
+def commit(fc: torch.Tensor, hidden_norm: nn.Module, layers: nn.ModuleList, x: torch.Tensor, cos, sin,
+           k: torch.Tensor, v: torch.Tensor, ctx_len: torch.Tensor) -> bool:
+    """A block draft's commit in one C call: the context c = hidden_norm(fc · x) of x (B,T,Din), the
+    tapped features of T new positions per row at ctx_len[b] + t (cos/sin (B,1,T,D)), projected by every
+    layer to keys (k-normed, roped) and values written into k, v (L,B,Hkv,M,D) (none past M − 1) ->
+    whether it ran. Where the block-layer table picks the per-op decode for B·T rows, so does this
+    (the same products and cache write, and the taps' fc), and it returns False: the caller runs it."""
+    stack = list(layers)
+    kd = decode_ops.kernels()
+    if kd is None or not stack or x.dim() != 3:
+        return False
+    b, t, _ = x.shape
+    a0 = stack[0].self_attn
+    weights = [fc, *(w for l in stack for w in (l.self_attn.k_proj.weight, l.self_attn.v_proj.weight))]
+    norms = [hidden_norm.weight, *(l.self_attn.k_norm.weight for l in stack)]
+    eps = hidden_norm.eps
+    if not (cbuild.fits(x, k, v, cos, sin, *norms) and cbuild.weight_fits(*weights)
+            and all(l.self_attn.k_norm.eps == eps for l in stack) and k.is_contiguous() and v.is_contiguous()
+            and k.shape == v.shape and tuple(k.shape[:3]) == (len(stack), b, a0.n_kv) and k.shape[4] == a0.head_dim
+            and cos.shape == (b, 1, t, a0.head_dim) and fc.shape[1] == x.shape[2]) \
+            or block_table(stack[0]).path(b * t) != "fused":
+        return False
+    x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+    lengths = ctx_len.to(torch.int64).contiguous()
+    kd.context_stack(x.data_ptr(), (ctypes.c_void_p * len(weights))(*(w.data_ptr() for w in weights)),
+                     (ctypes.c_void_p * len(norms))(*(w.data_ptr() for w in norms)), cos.data_ptr(), sin.data_ptr(),
+                     k.data_ptr(), v.data_ptr(), lengths.data_ptr(), len(stack), b, t, x.shape[2], fc.shape[0],
+                     a0.n_kv, a0.head_dim, k.shape[3], eps, decode_ops._kind(fc.dtype is torch.bfloat16, False))
+    return True
 
 
 def _candidates(layer: nn.Module) -> dict[str, dispatch.At]:

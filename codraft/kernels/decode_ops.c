@@ -123,6 +123,29 @@ static void attend(const float *q, const float *kb, const float *vb, int64_t n, 
     }
 }
 
+// Keys and values of T new tokens per row b into this layer's cache (B, Hkv, L, D) at positions
+// lengths[b] + t (none past L - 1: a block draft's commit has junk slots there): k normed per head
+// (kn: RMSNorm weights (D), or NULL) and roped, v as is. k and v (B*T, Hkv*D), cos and sin (B*T, D).
+static void cache_write(const float *k, const float *v, const float *cos, const float *sin, float *kc, float *vc,
+                        const int64_t *lengths, const float *kn, float eps, int64_t B, int64_t T, int64_t Hkv,
+                        int64_t D, int64_t L) {
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t bt = 0; bt < B * T; bt++)
+        for (int64_t g = 0; g < Hkv; g++) {
+            int64_t b = bt / T, pos = lengths[b] + bt % T;
+            if (pos >= L) continue;
+            float *kd = kc + ((b * Hkv + g) * L + pos) * D, *vd = vc + ((b * Hkv + g) * L + pos) * D;
+            const float *kh = k + (bt * Hkv + g) * D;
+            if (kn) {  // normed into a copy, roped from it into the cache slot
+                float normed[D];
+                rms_norm_rows(kh, kn, normed, 1, D, eps);
+                rope(normed, cos + bt * D, sin + bt * D, kd, D);
+            } else
+                rope(kh, cos + bt * D, sin + bt * D, kd, D);
+            memcpy(vd, v + (bt * Hkv + g) * D, D * sizeof(float));
+        }
+}
+
 // T new tokens per row b at positions lengths[b] + t: rope q and k, write k and v into this
 // layer's cache (B, Hkv, L, D), and attend each query head over keys 0..its own position
 // (grouped-query: head h reads KV head h / (H / Hkv)); with `block`, every query of row b over keys
@@ -133,20 +156,7 @@ void decode_attention(const float *q, const float *k, const float *v, const floa
                       float *kc, float *vc, const int64_t *lengths, float *out,
                       int64_t B, int64_t T, int64_t H, int64_t Hkv, int64_t D, int64_t L, float scale,
                       const float *qn, const float *kn, float eps, int block) {
-#pragma omp parallel for collapse(2) schedule(static)
-    for (int64_t bt = 0; bt < B * T; bt++)
-        for (int64_t g = 0; g < Hkv; g++) {
-            int64_t b = bt / T, pos = lengths[b] + bt % T;
-            float *kd = kc + ((b * Hkv + g) * L + pos) * D, *vd = vc + ((b * Hkv + g) * L + pos) * D;
-            const float *kh = k + (bt * Hkv + g) * D;
-            if (kn) {  // normed into a copy, roped from it into the cache slot
-                float normed[D];
-                rms_norm_rows(kh, kn, normed, 1, D, eps);
-                rope(normed, cos + bt * D, sin + bt * D, kd, D);
-            } else
-                rope(kh, cos + bt * D, sin + bt * D, kd, D);
-            for (int64_t i = 0; i < D; i++) vd[i] = v[(bt * Hkv + g) * D + i];
-        }
+    cache_write(k, v, cos, sin, kc, vc, lengths, kn, eps, B, T, Hkv, D, L);
     int64_t group = H / Hkv;
 #pragma omp parallel
     {
@@ -262,4 +272,25 @@ void decode_stack(const float *x, float *y, const void *const *w, const float *c
         in = out;
     }
     free(scratch);
+}
+
+// A block draft's commit (codraft/drafts/block_backbone.py) in one call: T new context positions per
+// row b, at lengths[b] + t, from their tapped target features x (B*T, Din), into every layer's cache:
+//   c = rms_norm(fc · x), then for layer l: k = k_norm(W_k · c) roped, v = W_v · c (cache_write)
+// w: fc, then each layer's W_k and W_v (products per `kind`, as decode_stack's); norms: the hidden
+// norm, then each layer's k norm (D = hd values); the caches as decode_stack's.
+void context_stack(const float *x, const void *const *w, const float *const *norms, const float *cos,
+                   const float *sin, float *kc, float *vc, const int64_t *lengths, int64_t n_layers, int64_t B,
+                   int64_t T, int64_t Din, int64_t D, int64_t Hkv, int64_t hd, int64_t L, float eps, int kind) {
+    int64_t m = B * T, nkv = Hkv * hd, per_layer = B * Hkv * L * hd;
+    float *c = malloc((m * D + 2 * m * nkv) * sizeof(float)), *k = c + m * D, *v = k + m * nkv;
+    product(x, w[0], kind, c, m, Din, D);
+    rms_norm_rows(c, norms[0], c, m, D, eps);  // (in place: a row's scale is read before it is written)
+    for (int64_t l = 0; l < n_layers; l++) {
+        product(c, w[1 + 2 * l], kind, k, m, D, nkv);
+        product(c, w[2 + 2 * l], kind, v, m, D, nkv);
+        cache_write(k, v, cos, sin, kc + l * per_layer, vc + l * per_layer, lengths, norms[1 + l], eps, B, T, Hkv,
+                    hd, L);
+    }
+    free(c);
 }

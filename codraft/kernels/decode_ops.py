@@ -41,6 +41,8 @@ def kernels():
     lib.rms_norm_rows.argtypes = [_P, _P, _P, _I, _I, _F]
     lib.decode_attention.argtypes = [_P] * 9 + [_I] * 6 + [_F, _P, _P, _F, ctypes.c_int]
     lib.decode_stack.argtypes = [_P] * 10 + [_I] * 9 + [_F, ctypes.c_int, ctypes.c_int]
+    lib.context_stack.restype = None
+    lib.context_stack.argtypes = [_P] * 8 + [_I] * 8 + [_F, ctypes.c_int]
     return lib
 
 
