@@ -31,6 +31,7 @@ from codraft.drafts.base import Draft
 from codraft.models import ModelConfig, Transformer
 from codraft.rollout import Engine
 import codraft.rollout.engine as engine_mod
+import codraft.spec.verify as verify_mod
 
 V, PROMPT = 8, [3, 1, 4, 1]
 ALPHA = 1e-4  # per (case, seed) test
@@ -243,12 +244,24 @@ class Harness:
         fractions of rows that accepted exactly 0..γ draft tokens in the first round."""
         first = []
         rule = engine_mod.verify_drafts  # whatever is installed (tests monkeypatch it with mutants)
+        # the engine's rule in C (codraft.kernels.verify) where it applies, unless a mutant is installed
+        saved_fast = engine_mod.fast_verify
+        fast = saved_fast if rule is verify_mod.verify_drafts else (lambda *args: None)
+
+        def note(n_accepted):
+            if not first:
+                first.append(torch.bincount(n_accepted, minlength=case.gamma + 1) / len(n_accepted))
 
         def spy(*args):
             verdict = rule(*args)
-            if not first:
-                first.append(torch.bincount(verdict.n_accepted, minlength=case.gamma + 1) / len(verdict.n_accepted))
+            note(verdict.n_accepted)
             return verdict
+
+        def fast_spy(*args):
+            out = fast(*args)
+            if out is not None:
+                note(out[0])
+            return out
 
         draft = draft or self.drafts[case.draft]
         if case.adaptive:
@@ -258,14 +271,14 @@ class Harness:
         else:
             engine = Engine(self.target, draft, gamma=case.gamma)
         choose = engine_mod.choose
-        engine_mod.verify_drafts = spy
+        engine_mod.verify_drafts, engine_mod.fast_verify = spy, fast_spy
         rounds = itertools.count()
         engine_mod.choose = (lambda rows, acceptance, cost: scrambled_length(next(rounds), acceptance)) \
             if case.adaptive else choose
         try:
             results = engine.generate([PROMPT] * (n or case.n), case.length, seed=seed, eos_id=[], **case.settings)
         finally:
-            engine_mod.verify_drafts, engine_mod.choose = rule, choose
+            engine_mod.verify_drafts, engine_mod.choose, engine_mod.fast_verify = rule, choose, saved_fast
         return histogram(results, case.length), first[0]
 
     def check(self, case: Case, seed: int, alpha: float = ALPHA, n: int | None = None,

@@ -23,6 +23,7 @@ import torch
 from codraft.drafts import build_draft
 from codraft.models import Transformer
 from codraft.rollout import Engine, Sampler, verify_drafts
+import codraft.rollout.engine as engine_mod
 import codraft.spec.verify as verify_mod
 
 import spec_harness
@@ -103,7 +104,12 @@ MODEL_CASES = [  # (settings, gamma): γ=1 exercises the bonus token within 3 ne
 
 
 @pytest.mark.parametrize("settings,gamma", MODEL_CASES, ids=["t1-g1", "t1-g2", "t0.7-p0.8-g2", "k3-g1"])
-def test_model_draft_is_lossless(target, exact, settings, gamma):
+@pytest.mark.parametrize("rule", ["engine", "torch"])
+def test_model_draft_is_lossless(target, exact, settings, gamma, rule, monkeypatch):
+    """rule: as the engine runs it (without top-k / top-p on CPU, in C: codraft.kernels.verify), or
+    ``verify_drafts`` in torch everywhere."""
+    if rule == "torch":
+        monkeypatch.setattr(engine_mod, "fast_verify", lambda *a: None)
     engine = Engine(target, _poor_draft(), gamma=gamma)
     results = engine.generate([PROMPT] * N, N_NEW, seed=123, eos_id=[], **settings)
     # the draft is poor: rejections happen at every position, and acceptances too
@@ -129,8 +135,10 @@ def test_negative_control_draft_samples_are_rejected(exact):
 
 
 def test_negative_control_biased_rule_is_rejected(target, exact, monkeypatch):
-    """A classic bug, resampling from p instead of norm(max(0, p - q)) after a rejection, is caught."""
+    """A classic bug, resampling from p instead of norm(max(0, p - q)) after a rejection, is caught (in
+    the torch rule; the C one equals it, test_verify_kernel)."""
     monkeypatch.setattr(verify_mod, "residual", lambda p, q: p)
+    monkeypatch.setattr(engine_mod, "fast_verify", lambda *a: None)
     results = Engine(target, _poor_draft(), gamma=2).generate([PROMPT] * N, N_NEW, temperature=1.0, seed=123,
                                                               eos_id=[])
     ok, stat, crit = chi2_fits(_histogram(results), exact())

@@ -30,11 +30,12 @@ from time import perf_counter
 import torch
 import torch.nn as nn
 
+from codraft.kernels.verify import run as fast_verify
 from codraft.models import KVCache
 from codraft.rollout.draft_length import AcceptanceEstimate, choose, load_or_calibrate
 from codraft.rollout.stats import SpecStats
 from codraft.spec.sampling import Sampler
-from codraft.spec.verify import verify_drafts
+from codraft.spec.verify import Verdict, verify_drafts
 
 
 @dataclass
@@ -238,7 +239,8 @@ class Rollout:
             self._lap("draft_s")
             logits, feats = self.model(torch.cat([self.last[:, None], x], 1), cache=self.cache,
                                        taps=self.taps)  # (B,g+1,V)
-            v = verify_drafts(logits, x, q, self.sampler)
+            fast = fast_verify(logits, x, q, self.sampler)  # the same rule in one C call, where it applies
+            v = Verdict(*fast) if fast is not None else verify_drafts(logits, x, q, self.sampler)
             self._lap("verify_s")
             # the forward advanced every row by g+1; keep [pending, x_1..x_n]
             self.cache.set_lengths(self.cache.lengths - g + v.n_accepted)
