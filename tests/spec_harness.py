@@ -244,7 +244,7 @@ class Harness:
         fractions of rows that accepted exactly 0..γ draft tokens in the first round."""
         first = []
         rule = engine_mod.verify_drafts  # whatever is installed (tests monkeypatch it with mutants)
-        # the engine's rule in C (codraft.kernels.verify) where it applies, unless a mutant is installed
+        # the engine's rule in C (codraft.kernels.sampling) where it applies, unless a mutant is installed
         saved_fast = engine_mod.fast_verify
         fast = saved_fast if rule is verify_mod.verify_drafts else (lambda *args: None)
 

@@ -106,10 +106,11 @@ MODEL_CASES = [  # (settings, gamma): γ=1 exercises the bonus token within 3 ne
 @pytest.mark.parametrize("settings,gamma", MODEL_CASES, ids=["t1-g1", "t1-g2", "t0.7-p0.8-g2", "k3-g1"])
 @pytest.mark.parametrize("rule", ["engine", "torch"])
 def test_model_draft_is_lossless(target, exact, settings, gamma, rule, monkeypatch):
-    """rule: as the engine runs it (without top-k / top-p on CPU, in C: codraft.kernels.verify), or
-    ``verify_drafts`` in torch everywhere."""
+    """rule: as the engine runs it (without top-k / top-p on CPU, in C: codraft.kernels.sampling), or
+    ``verify_drafts`` and ``Sampler.sample_logits`` in torch everywhere."""
     if rule == "torch":
         monkeypatch.setattr(engine_mod, "fast_verify", lambda *a: None)
+        monkeypatch.setattr(engine_mod, "fast_sample", lambda *a: None)
     engine = Engine(target, _poor_draft(), gamma=gamma)
     results = engine.generate([PROMPT] * N, N_NEW, seed=123, eos_id=[], **settings)
     # the draft is poor: rejections happen at every position, and acceptances too

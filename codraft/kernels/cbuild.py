@@ -25,7 +25,7 @@ import torch
 from codraft.cache import cache_root
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
-SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemv.c", "amx.c", "decode_ops.c", "markov.c", "verify.c"))
+SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemv.c", "amx.c", "decode_ops.c", "markov.c", "sampling.c"))
 HEADERS = (Path(__file__).with_name("vec.h"),)  # included by the sources: part of the build's key
 
 

@@ -30,7 +30,7 @@ from time import perf_counter
 import torch
 import torch.nn as nn
 
-from codraft.kernels.verify import run as fast_verify
+from codraft.kernels.sampling import sample as fast_sample, verify as fast_verify
 from codraft.models import KVCache
 from codraft.rollout.draft_length import AcceptanceEstimate, choose, load_or_calibrate
 from codraft.rollout.stats import SpecStats
@@ -195,7 +195,7 @@ class Rollout:
             self.cache.select(slot)
             logits, feats = logits[slot], {l: f[slot] for l, f in feats.items()}
         self.cache.set_lengths(lens, span=t)
-        self.last, logp = sampler.sample_logits(logits[:, 0])  # (B,) the pending token
+        self.last, logp = self._sample(logits[:, 0])  # (B,) the pending token
         self._lap("prefill_s")
         if self.draft is not None:
             ctx = torch.cat([ids, ids[:, :1]], 1).scatter(1, lens[:, None], self.last[:, None])  # (B,T+1)
@@ -226,7 +226,7 @@ class Rollout:
         g = self.draft_length(b)
         if self.draft is None or g == 0:
             logits, feats = self.model(self.last[:, None], cache=self.cache, taps=self.taps)  # (B,1,V)
-            self.last, logp = self.sampler.sample_logits(logits[:, 0])
+            self.last, logp = self._sample(logits[:, 0])
             self._lap("verify_s")
             ones = torch.ones_like(self.last)
             self._emit(self.last[:, None], logp[:, None], ones)
@@ -254,6 +254,11 @@ class Rollout:
         accepted = self._sync()
         self._count(b, g, accepted)
         self._lap("bookkeeping_s")
+
+    def _sample(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B,V) -> the tokens drawn and their logprobs: in one C call where it applies."""
+        fast = fast_sample(logits, self.sampler)
+        return fast if fast is not None else self.sampler.sample_logits(logits)
 
     def draft_length(self, rows: int) -> int:
         """g for the next round: fixed γ, or (gamma="auto") the rule over host-side numbers only."""

@@ -1,8 +1,9 @@
-// The speculative accept/reject rule (codraft/spec/verify.py, verify_drafts) over one verify forward,
-// sampled at a temperature without top-k / top-p, in one call. In torch it builds the target's whole
-// distribution for every slot (log-softmax, exp, an fp64 cumulative sum over the vocabulary), ~2 ms
-// a round at batch 1 and ~18 ms at batch 8 over SmolLM2's 49 152 tokens; here each row is read a
-// few times in place.
+// The target's side of rollout sampling at a temperature without top-k / top-p, in one call each: a
+// decode step's draw (codraft/spec/sampling.py, Sampler.sample_logits) and the speculative
+// accept/reject rule of a verify round (codraft/spec/verify.py, verify_drafts). In torch both build the
+// target's whole distribution (log-softmax, exp, an fp64 cumulative sum over the vocabulary): the
+// rule ~2 ms a round at batch 1 and ~10 ms at batch 8 over SmolLM2's 49 152 tokens on a 2-core Xeon.
+// Here each row is read a few times in place.
 #include <math.h>
 #include <stdint.h>
 #include <string.h>
@@ -86,5 +87,26 @@ void verify_sampled(const float *logits, const int64_t *x, const float *q, const
         tb[n] = y;
         for (int64_t j = 0; j <= G; j++) logprobs[b * (G + 1) + j] = lb[j * V + tb[j]] * inv_t - lse[j];
         n_out[b] = n;
+    }
+}
+
+// A decode step's draw for B rows of V logits at temperature t with fp64 uniforms u (B,): the token
+// from softmax(logits / t) by the inverse CDF (the same fp64 sums as the search) and its logprob.
+void sample_rows(const float *logits, const double *u, float t, int64_t *tokens, float *logprobs, float *scratch,
+                 int64_t B, int64_t V) {
+    float inv_t = 1.0f / t;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < B; b++) {
+        const float *l = logits + b * V;
+        float lse = log_normaliser(l, V, inv_t), *r = scratch + b * V;
+        double at = u[b] * residual(l, NULL, r, V, inv_t, lse), run = 0.0;
+        int64_t y = V - 1;
+        for (int64_t i = 0; i < V; i++)
+            if ((run += r[i]) > at) {
+                y = i;
+                break;
+            }
+        tokens[b] = y;
+        logprobs[b] = l[y] * inv_t - lse;
     }
 }
