@@ -72,6 +72,7 @@ def verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs:
     u2 = torch.rand(b, generator=sampler.generator, dtype=torch.float64)
     n, tokens = torch.empty(b, dtype=torch.int64), torch.empty(b, g + 1, dtype=torch.int64)
     logprobs, scratch = torch.empty(b, g + 1), torch.empty(b * v)
-    _kernels().verify_sampled(logits.data_ptr(), x.data_ptr(), q.data_ptr(), u.data_ptr(), u2.data_ptr(), sampler.temperature,
-              n.data_ptr(), tokens.data_ptr(), logprobs.data_ptr(), scratch.data_ptr(), b, g, v)
+    _kernels().verify_sampled(logits.data_ptr(), x.data_ptr(), q.data_ptr(), u.data_ptr(), u2.data_ptr(),
+                              sampler.temperature, n.data_ptr(), tokens.data_ptr(), logprobs.data_ptr(),
+                              scratch.data_ptr(), b, g, v)
     return n, tokens, logprobs
