@@ -183,3 +183,37 @@ def test_commit_in_one_call_equals_per_op(layers, lengths, new, max_len, kv_head
     with torch.no_grad(), dispatch.forcing({"block-layer": "unfused"}):  # the measured path is followed
         fast.commit(_state(target, fast, lengths, max_len=max_len), tokens, counts, feats)
     assert calls == [True, False]
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_plain_steps_commit_when_drafting_resumes(fused):
+    """Plain steps' one-token commits wait in the state and are written in one call before the next
+    proposal: the proposal, and the cache it leaves, equal those after writing every commit at once;
+    a row dropped in between drops its waiting features."""
+    target, draft, fast = _pair(2, torch.float32)
+    d = fast if fused else draft
+    lengths = torch.tensor([6, 9, 4])
+    g = torch.Generator().manual_seed(8)
+    steps = [(torch.randint(0, 61, (3, 1), generator=g), {l: torch.randn(3, 1, 48, generator=g)
+                                                         for l in d.feature_layers}) for _ in range(5)]
+    rows = torch.arange(3)
+    with torch.no_grad(), dispatch.forcing({"block-layer": "fused"}):
+        lazy, eager = _state(target, d, lengths), _state(target, d, lengths)
+        for i, (tok, feats) in enumerate(steps):
+            tok, feats = tok[rows], {l: f[rows] for l, f in feats.items()}
+            lazy = d.commit(lazy, tok, torch.ones_like(rows), feats)
+            eager = d.write_context(eager, torch.cat([feats[l] for l in d.feature_layers], -1), eager.ctx_len) or \
+                eager._replace(ctx_len=eager.ctx_len + 1, pending=tok[:, 0])
+            if i == 2:  # row 1 finishes
+                keep = torch.tensor([0, 2])
+                lazy, eager, rows = d.select(lazy, keep), d.select(eager, keep), rows[keep]
+        assert len(lazy.deferred) == 5 and not eager.deferred
+        assert not torch.equal(lazy.k, eager.k)  # nothing written yet
+        sampler = Sampler(1.0, generator=torch.Generator().manual_seed(9))
+        got = d.propose(lazy, 3, sampler, context_len=int(lazy.ctx_len.max()) + 1)
+        sampler = Sampler(1.0, generator=torch.Generator().manual_seed(9))
+        want = d.propose(eager, 3, sampler, context_len=int(eager.ctx_len.max()) + 1)
+    assert not lazy.deferred  # written, in the state the caller holds
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lazy.k, eager.k, rtol=1e-5, atol=1e-5)

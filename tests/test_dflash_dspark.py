@@ -450,3 +450,25 @@ def test_deepcopy_shares_the_bound_target():
     clone = copy.deepcopy(draft)
     assert clone._bound()[0].data_ptr() == target.embed_tokens.weight.data_ptr()
     assert clone.fc.weight.data_ptr() != draft.fc.weight.data_ptr()
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_greedy_spec_with_plain_rounds_between_equals_plain(kind, monkeypatch):
+    """Draft lengths that jump between 0 (plain steps: the draft's commits wait, then are written in one
+    call before the next proposal) and γ, rows finishing at different lengths (waiting commits of
+    dropped rows): the engine runs and gives the greedy tokens of plain decoding. (Whatever a draft
+    proposes, verification keeps them; that waiting commits are written right, as proposals show, is
+    test_block_layers.test_plain_steps_commit_when_drafting_resumes.)"""
+    import codraft.rollout.engine as engine_mod
+    target = _target(_cfg(), std=0.4)
+    draft = _draft(kind, target)
+    prompts = [[5, 17, 3, 44, 2, 9], [7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
+    plain = Engine(target).generate(prompts, 24, temperature=0.0, eos_id=[])
+    eos = [plain[1].tokens[9]]  # row 1 stops early (the others may too)
+    plain = Engine(target).generate(prompts, 24, temperature=0.0, eos_id=eos)
+    lengths = iter([0, 0, 3, 0, 0, 0, 2, 1, 0, 3] * 10)
+    monkeypatch.setattr(engine_mod, "choose", lambda rows, acceptance, cost: next(lengths))
+    engine = Engine(target, draft, gamma="auto", cost_model=object())
+    spec = engine.generate(prompts, 24, temperature=0.0, eos_id=eos)
+    assert [r.tokens for r in spec] == [r.tokens for r in plain]
+    assert engine.stats.gamma_chosen[0] > 0 and sum(engine.stats.gamma_chosen[1:]) > 0
