@@ -10,7 +10,8 @@ reference forward; and fills the hooks other modules declare (``HOOKS``): ``prod
 their product with the target's LM head, their layers' projections, DSpark's Markov bias) gets the
 fast product, ``fused_block_decode`` and ``fused_commit`` (block drafts) their layers' decode and their
 commit's context K/V in one C call each (``block_layers``), ``fused_markov`` (DSpark) its proposal loop
-in one (``markov``). Between
+in one (``markov``). The rollout engine draws the target's tokens through ``sampling`` (a decode
+step's draw, the verify rule) where that applies. Between
 paths that all apply (the kernel or torch's products; one C call per layer or one per op) the
 fastest for the shape and row count is chosen by timing them on this machine the first time
 (``dispatch``, cached on disk). Parameter
