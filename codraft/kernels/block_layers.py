@@ -1,7 +1,7 @@
 """A block draft's decode in one C call: its layers over one block of slots per row
 (``BlockDecoderLayer.decode`` in ``codraft.drafts.block_backbone``: q/k norms, every slot of a row sees
 the row's cached context and the whole block), where that is measured faster than the layers' own
-per-op decode.
+per-op decode; and its commit's context K/V in one call (``commit``), where the same choice holds.
 
 A DSpark/DFlash proposal runs one block of S slots per row through its layer(s). Per op, that is ~60
 torch calls a layer (norms, q/k norms, RoPE, two scatters into the cache, SDPA, views), which cost
@@ -11,8 +11,8 @@ count (B·S slots) is timed on this machine like the target's layers (``dispatch
 ``block-layer``), the candidates each call on the next of copies of the layer, m rows of one slot
 after ``CONTEXT`` cached positions.
 
-Installed from outside: ``codraft.kernels.enable`` sets a block draft's ``fused_block_decode`` hook
-to ``decode``. Not here: the C code (``decode_ops.c``), the target's layers (``fast_layers``).
+Installed from outside: ``codraft.kernels.enable`` sets a block draft's ``fused_block_decode`` and
+``fused_commit`` hooks to ``decode`` and ``commit``. Not here: the C code (``decode_ops.c``), the target's layers (``fast_layers``).
 """
 from __future__ import annotations
 
