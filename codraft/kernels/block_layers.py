@@ -12,7 +12,8 @@ count (B·S slots) is timed on this machine like the target's layers (``dispatch
 after ``CONTEXT`` cached positions.
 
 Installed from outside: ``codraft.kernels.enable`` sets a block draft's ``fused_block_decode`` and
-``fused_commit`` hooks to ``decode`` and ``commit``. Not here: the C code (``decode_ops.c``), the target's layers (``fast_layers``).
+``fused_commit`` hooks to ``decode`` and ``commit``. Not here: the C code (``decode_ops.c``), the
+target's layers (``fast_layers``).
 """
 from __future__ import annotations
 
