@@ -1,6 +1,9 @@
-"""A block draft's decode in one C call (``codraft.kernels.block_layers``) against its per-op decode on
-the plain draft: the hidden states of a proposal's block and the context cache after the block's write,
-for rows at different context lengths, fp32 and bf16 projection weights, one and two layers."""
+"""A block draft's round in C against the torch code on the plain draft: its decode in one call
+(``codraft.kernels.block_layers``; the hidden states of a proposal's block and the context cache after
+the block's write, for rows at different context lengths, fp32 and bf16 projection weights, one and two
+layers), its commit in one call, DSpark's Markov loop (``codraft.kernels.markov``; the same tokens for a
+seed, at this CPU's vector width and at 8 lanes), and plain steps' commits waiting for the next
+proposal."""
 import copy
 import ctypes
 
