@@ -24,7 +24,7 @@ def one_thread():
 @pytest.fixture
 def fresh_kernels():
     """The C kernels looked up again in the test (and after it): for tests that change how they build."""
-    caches = (cbuild.library, gemv.kernel, amx.kernel, decode_ops.kernels)
+    caches = (cbuild.library, cbuild.function, gemv.kernel, amx.kernel, decode_ops.kernels)
     for c in caches:
         c.cache_clear()
     yield

@@ -78,6 +78,18 @@ def library() -> ctypes.CDLL | None:
         return None
 
 
+@functools.cache
+def function(name: str, *argtypes):
+    """The built library's C function ``name``, typed: it takes ``argtypes`` and returns nothing; None
+    without a library."""
+    lib = library()
+    if lib is None:
+        return None
+    fn = getattr(lib, name)
+    fn.restype, fn.argtypes = None, list(argtypes)
+    return fn
+
+
 def fits(*tensors: torch.Tensor) -> bool:
     """What every kernel takes as activations (and norm weights): CPU fp32 tensors that need no autograd."""
     return (all(t.is_cpu and t.dtype is torch.float32 for t in tensors)

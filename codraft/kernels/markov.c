@@ -1,7 +1,6 @@
 // DSpark's proposal loop (codraft/drafts/dspark.py, propose) in one call, for the vanilla Markov head.
 // In torch it is ~10 small ops per slot (gather, product, add, softmax, cumsum, search), each a
 // dispatch, which together cost more than the draft's layer at batch 1.
-#include <math.h>
 #include <stdint.h>
 #include <string.h>
 
@@ -42,27 +41,15 @@ static int64_t argmax(const float *z, int64_t n) {
     return best;
 }
 
-// q = softmax(z / temperature) over n values, then the first i whose running fp64 sum of q exceeds
-// u times the total (codraft/spec/sampling.py's inverse_cdf; the last index if roundings leave none)
+// sampling.c: a draw's steps (softmax normaliser, the softmax with its fp64 total, inverse CDF)
+float softmax_lse(const float *x, int64_t n, float inv_t);
+double softmax_residual(const float *l, const float *q, float *r, int64_t n, float inv_t, float lse);
+int64_t inverse_cdf(const float *r, int64_t n, double total, double u);
+
+// q = softmax(z / temperature) over n values, then the token drawn from it with u (inverse_cdf)
 static int64_t draw(const float *z, float *q, int64_t n, float temperature, double u) {
-    float top = z[argmax(z, n)] / temperature, inv = 1.0f / temperature, lanes[LANES];
-    vf acc = {0};
-    int64_t i = 0;
-    for (; i + LANES <= n; i += LANES) {
-        vf x = vexp_neg(vload(z + i) * inv - top);
-        vstore(q + i, x);
-        acc += x;
-    }
-    vstore(lanes, acc);
-    float sum = 0.0f;
-    for (int j = 0; j < LANES; j++) sum += lanes[j];
-    for (; i < n; i++) sum += q[i] = expf(z[i] * inv - top);
-    double total = 0.0, run = 0.0;
-    for (i = 0; i < n; i++) total += q[i] /= sum;
-    double at = u * total;
-    for (i = 0; i < n; i++)
-        if ((run += q[i]) > at) return i;
-    return n - 1;
+    float inv = 1.0f / temperature;
+    return inverse_cdf(q, n, softmax_residual(z, NULL, q, n, inv, softmax_lse(z, n, inv)), u);
 }
 
 // B rows, G slots, the draft's K tokens, rank r. Slot k of row b, with prev the W1 row of the token

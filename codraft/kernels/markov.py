@@ -12,7 +12,6 @@ Installed from outside: ``codraft.kernels.enable`` sets a DSpark draft's ``fused
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -21,14 +20,8 @@ from codraft.kernels import cbuild
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
-@functools.cache
 def _kernel():
-    lib = cbuild.library()
-    if lib is None:
-        return None
-    fn = lib.markov_propose
-    fn.restype, fn.argtypes = None, [_P] * 5 + [ctypes.c_float] + [_P] * 3 + [_I] * 4
-    return fn
+    return cbuild.function("markov_propose", *[_P] * 5, ctypes.c_float, *[_P] * 3, *[_I] * 4)
 
 
 def propose(base: torch.Tensor, prev: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor, sampler

@@ -10,8 +10,9 @@
 
 #include "vec.h"
 
+// The three steps of a draw at temperature t, shared with markov.c's:
 // log Σ exp(x / t) over n values (the log-softmax's normaliser at temperature t)
-static float log_normaliser(const float *x, int64_t n, float inv_t) {
+float softmax_lse(const float *x, int64_t n, float inv_t) {
     float top = -INFINITY, lanes[LANES];
     vf vtop = (vf){0} - INFINITY;
     int64_t i = 0;
@@ -30,9 +31,9 @@ static float log_normaliser(const float *x, int64_t n, float inv_t) {
     return top + logf(sum);
 }
 
-// r = max(0, softmax(l / t) - q) over n values given the normaliser lse (q NULL: zero) -> its fp64
-// sum, in index order
-static double residual(const float *l, const float *q, float *r, int64_t n, float inv_t, float lse) {
+// r = max(0, softmax(l / t) - q) over n values given the normaliser lse (q NULL: zero, r the softmax) ->
+// its fp64 sum, in index order
+double softmax_residual(const float *l, const float *q, float *r, int64_t n, float inv_t, float lse) {
     int64_t i = 0;
     for (; i + LANES <= n; i += LANES) {
         vf p = vexp_neg(vload(l + i) * inv_t - lse);
@@ -47,6 +48,16 @@ static double residual(const float *l, const float *q, float *r, int64_t n, floa
     return total;
 }
 
+// the first index whose running fp64 sum of the n weights r exceeds u times their total (the sum
+// softmax_residual returned: the same sums in the same order, so the last index of positive weight is
+// always reached; n - 1 where roundings leave none), as codraft/spec/sampling.py's inverse_cdf
+int64_t inverse_cdf(const float *r, int64_t n, double total, double u) {
+    double at = u * total, run = 0.0;
+    for (int64_t i = 0; i < n; i++)
+        if ((run += r[i]) > at) return i;
+    return n - 1;
+}
+
 // B rows, G drafts x (B, G) drawn from q (B, G, V); the target's logits (B, G + 1, V) at temperature t;
 // uniforms u (B, G) float and u2 (B,) fp64 (what verify_drafts draws, in its order):
 //   p_k = softmax(logits_k / t); accept x_k while u_k q_k(x_k) < p_k(x_k); n = the accepted prefix;
@@ -59,7 +70,7 @@ void verify_sampled(const float *logits, const int64_t *x, const float *q, const
                     int64_t G, int64_t V) {
     float inv_t = 1.0f / t, lses[B * (G + 1)];
 #pragma omp parallel for schedule(static)
-    for (int64_t bk = 0; bk < B * (G + 1); bk++) lses[bk] = log_normaliser(logits + bk * V, V, inv_t);
+    for (int64_t bk = 0; bk < B * (G + 1); bk++) lses[bk] = softmax_lse(logits + bk * V, V, inv_t);
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < B; b++) {
         const float *lb = logits + b * (G + 1) * V, *qb = q + b * G * V, *lse = lses + b * (G + 1);
@@ -70,18 +81,9 @@ void verify_sampled(const float *logits, const int64_t *x, const float *q, const
         }
         // the residual max(0, p_n - q_n), unnormalised; an all-zero one (p = q up to round-off): p_n
         float *r = scratch + b * V;
-        double total = residual(lb + n * V, n < G ? qb + n * V : NULL, r, V, inv_t, lse[n]);
-        if (!(total > 0.0)) total = residual(lb + n * V, NULL, r, V, inv_t, lse[n]);
-        // the first index whose running sum exceeds u2 times the total: the same sums in the same order,
-        // so the last index of positive weight is always reached
-        double at = u2[b] * total, run = 0.0;
-        int64_t y = V - 1;
-        for (int64_t i = 0; i < V; i++)
-            if ((run += r[i]) > at) {
-                y = i;
-                break;
-            }
-        int64_t *tb = tokens + b * (G + 1);
+        double total = softmax_residual(lb + n * V, n < G ? qb + n * V : NULL, r, V, inv_t, lse[n]);
+        if (!(total > 0.0)) total = softmax_residual(lb + n * V, NULL, r, V, inv_t, lse[n]);
+        int64_t y = inverse_cdf(r, V, total, u2[b]), *tb = tokens + b * (G + 1);
         for (int64_t j = 0; j < G; j++) tb[j] = x[b * G + j];
         tb[G] = G ? x[b * G] : y;
         tb[n] = y;
@@ -98,14 +100,8 @@ void sample_rows(const float *logits, const double *u, float t, int64_t *tokens,
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < B; b++) {
         const float *l = logits + b * V;
-        float lse = log_normaliser(l, V, inv_t), *r = scratch + b * V;
-        double at = u[b] * residual(l, NULL, r, V, inv_t, lse), run = 0.0;
-        int64_t y = V - 1;
-        for (int64_t i = 0; i < V; i++)
-            if ((run += r[i]) > at) {
-                y = i;
-                break;
-            }
+        float lse = softmax_lse(l, V, inv_t), *r = scratch + b * V;
+        int64_t y = inverse_cdf(r, V, softmax_residual(l, NULL, r, V, inv_t, lse), u[b]);
         tokens[b] = y;
         logprobs[b] = l[y] * inv_t - lse;
     }

@@ -16,7 +16,6 @@ the rules and their proof (``codraft.spec``).
 from __future__ import annotations
 
 import ctypes
-import functools
 
 import torch
 
@@ -25,20 +24,17 @@ from codraft.kernels import cbuild
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
 
-@functools.cache
-def _kernels():
-    lib = cbuild.library()
-    if lib is None:
-        return None
-    lib.verify_sampled.restype, lib.sample_rows.restype = None, None
-    lib.verify_sampled.argtypes = [_P] * 5 + [ctypes.c_float] + [_P] * 4 + [_I] * 3
-    lib.sample_rows.argtypes = [_P] * 2 + [ctypes.c_float] + [_P] * 3 + [_I] * 2
-    return lib
+def _verify_sampled():
+    return cbuild.function("verify_sampled", *[_P] * 5, ctypes.c_float, *[_P] * 4, *[_I] * 3)
+
+
+def _sample_rows():
+    return cbuild.function("sample_rows", *[_P] * 2, ctypes.c_float, *[_P] * 3, *[_I] * 2)
 
 
 def _applies(sampler, *tensors: torch.Tensor) -> bool:
     return not (sampler.greedy or sampler.top_k or sampler.top_p < 1.0) and cbuild.fits(*tensors) \
-        and _kernels() is not None
+        and cbuild.library() is not None
 
 
 def sample(logits: torch.Tensor, sampler) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -50,7 +46,7 @@ def sample(logits: torch.Tensor, sampler) -> tuple[torch.Tensor, torch.Tensor] |
     logits = logits.contiguous()
     u = torch.rand(b, generator=sampler.generator, dtype=torch.float64)  # Sampler.sample's draw
     tokens, logprobs, scratch = torch.empty(b, dtype=torch.int64), torch.empty(b), torch.empty(b * v)
-    _kernels().sample_rows(logits.data_ptr(), u.data_ptr(), sampler.temperature, tokens.data_ptr(),
+    _sample_rows()(logits.data_ptr(), u.data_ptr(), sampler.temperature, tokens.data_ptr(),
                            logprobs.data_ptr(), scratch.data_ptr(), b, v)
     return tokens, logprobs
 
@@ -72,7 +68,7 @@ def verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs:
     u2 = torch.rand(b, generator=sampler.generator, dtype=torch.float64)
     n, tokens = torch.empty(b, dtype=torch.int64), torch.empty(b, g + 1, dtype=torch.int64)
     logprobs, scratch = torch.empty(b, g + 1), torch.empty(b * v)
-    _kernels().verify_sampled(logits.data_ptr(), x.data_ptr(), q.data_ptr(), u.data_ptr(), u2.data_ptr(),
+    _verify_sampled()(logits.data_ptr(), x.data_ptr(), q.data_ptr(), u.data_ptr(), u2.data_ptr(),
                               sampler.temperature, n.data_ptr(), tokens.data_ptr(), logprobs.data_ptr(),
                               scratch.data_ptr(), b, g, v)
     return n, tokens, logprobs
