@@ -17,6 +17,7 @@ from codraft.models import ModelConfig, Transformer, load_pretrained, save_pretr
 from codraft.rl.trainer import Trainer
 from codraft.rollout import Engine
 from codraft.rollout.weights import RolloutWeights, StaleRolloutWeights
+from codraft.spec.sampling import Sampler
 from test_cotrain import _cfg, tiny_policy_dir  # noqa: F401 (fixtures)
 from test_faults import varied_reward  # noqa: F401
 
@@ -60,21 +61,83 @@ def test_copy_is_weight_only_and_computes_the_rounded_model():
     assert [o.tokens for o in out] == [w.tokens for w in want]
 
 
-@pytest.mark.parametrize("kind", ["dflash", "eagle3"])
-def test_rollout_draft_shares_the_draft_and_reads_the_copy(kind):
+def test_a_draft_that_narrows_nothing_is_shared_and_reads_the_copy():
+    model = _model()
+    rw = RolloutWeights(model, BF16)
+    torch.manual_seed(2)
+    draft = init_draft("eagle3", model, gamma=3)
+    assert draft.rollout_narrowed == ()
+    rolling = rw.draft_for(draft)
+    assert rolling is not draft and rolling._target[0] is rw.policy.embed_tokens.weight  # what bind_target kept
+    assert draft._target[0] is model.embed_tokens.weight  # the trainer's draft is still bound to fp32
+    assert all(a is b for a, b in zip(rolling.parameters(), draft.parameters()))  # trained in place: never stale
+    _greedy_is_plain(rw.policy, rolling)
+
+
+def _greedy_is_plain(policy, draft):
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
+    spec = Engine(policy, draft, 3).generate(prompts, 16, temperature=0.0, eos_id=[])
+    plain = Engine(policy).generate(prompts, 16, temperature=0.0, eos_id=[])
+    assert [s.tokens for s in spec] == [p.tokens for p in plain]
+
+
+def _proposal(policy, draft, seed=3):
+    """A draft's proposal (tokens, q) of 3 tokens at T = 1 after a prefill of two prompts."""
+    ids = torch.randint(0, 40, (2, 9), generator=torch.Generator().manual_seed(seed))
+    with torch.no_grad():
+        _, feats = policy(ids, taps=tuple(draft.feature_layers))
+        pending = torch.tensor([[5], [7]])
+        state = draft.begin(torch.cat([ids, pending], 1), torch.full((2,), 10), feats, max_len=32)
+        return draft.propose(state, 3, Sampler(1.0, generator=torch.Generator().manual_seed(seed)), context_len=10)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_a_block_drafts_copy_narrows_its_backbone_and_computes_the_rounded_draft(kind):
     model = _model()
     rw = RolloutWeights(model, BF16)
     torch.manual_seed(2)
     draft = init_draft(kind, model, gamma=3)
     rolling = rw.draft_for(draft)
-    embed = (lambda d: d._target[0] if isinstance(d._target, tuple) else d._target.embed)  # what bind_target kept
-    assert rolling is not draft and embed(rolling) is rw.policy.embed_tokens.weight
-    assert embed(draft) is model.embed_tokens.weight  # the trainer's draft is still bound to fp32
-    assert all(a is b for a, b in zip(rolling.parameters(), draft.parameters()))  # trained in place: never stale
-    prompts = [[1, 2, 3], [4, 5, 6, 7, 8]]
-    spec = Engine(rw.policy, rolling, 3).generate(prompts, 16, temperature=0.0, eos_id=[])
-    plain = Engine(rw.policy).generate(prompts, 16, temperature=0.0, eos_id=[])
-    assert [s.tokens for s in spec] == [p.tokens for p in plain]
+    assert rw.draft_for(draft) is rolling  # one copy per draft, refreshed in place
+    narrowed = {n for n, p in rolling.named_parameters() if p.dtype == BF16}
+    assert narrowed and narrowed == {n for n, p in draft.named_parameters()
+                                     if p.dim() >= 2 and n.startswith(("fc.", "layers."))}
+    assert all(p.dtype == torch.float32 for p in draft.parameters()) and rolling.dtype == torch.float32
+    assert rolling._target.head is rw.policy.head_weight and draft._target.head is model.head_weight
+    # oracle: the fp32 draft whose narrowed matrices hold the bf16-rounded values, on the same bf16 target
+    oracle = copy.deepcopy(draft)
+    with torch.no_grad():
+        for n, p in oracle.named_parameters():
+            if n in narrowed:
+                p.copy_(p.to(BF16).float())
+    oracle.bind_target(rw.policy.embed_tokens.weight, rw.policy.head_weight)
+    (x, q), (x_ref, q_ref) = _proposal(rw.policy, rolling), _proposal(rw.policy, oracle)
+    assert torch.equal(x, x_ref)
+    torch.testing.assert_close(q, q_ref, rtol=1e-5, atol=1e-6)
+    _greedy_is_plain(rw.policy, rolling)
+
+
+def test_a_drafts_copy_follows_refresh_and_a_stale_one_is_loud():
+    model = _model()
+    rw = RolloutWeights(model, BF16)
+    torch.manual_seed(2)
+    draft = init_draft("dspark", model, gamma=3)
+    rolling = rw.draft_for(draft)
+    rw.check("step 0")
+    with torch.no_grad():  # the draft's optimiser step: a narrowed matrix, then every tensor
+        draft.fc.weight.add_(0.01)
+        with pytest.raises(StaleRolloutWeights, match=r"step 1: .*DSparkDraft draft's 'fc.weight'.*not refreshed"):
+            rw.check("step 1")
+        for p in draft.parameters():
+            p.add_(0.01)
+    rw.refresh()
+    rw.check("step 1")
+    for (n, p), r in zip(draft.state_dict().items(), rolling.state_dict().values()):
+        assert torch.equal(r, p.to(BF16) if r.dtype == BF16 else p), n
+    with torch.no_grad():  # a half-refreshed copy: one of the draft's tensors left behind
+        rolling.layers[0].mlp.up_proj.weight[0, 0] += 1.0
+    with pytest.raises(StaleRolloutWeights, match="draft's 'layers.0.mlp.up_proj.weight'"):
+        rw.check("step 2")
 
 
 def test_same_dtype_is_the_policy_itself():
@@ -147,8 +210,10 @@ def test_trainer_decodes_the_refreshed_bf16_copy(tiny_policy_dir, tmp_path, monk
     assert t.engine.model is t.rollout_weights.policy and t.plain_engine.model is t.rollout_weights.policy
     assert t.engine.draft._target.head is t.rollout_weights.policy.head_weight
     assert t.rollout_weights.policy.layers[0].mlp.up_proj.weight.dtype == BF16
+    assert t.engine.draft.layers[0].mlp.up_proj.weight.dtype == BF16  # the co-trained draft's copy narrows too
     m = t.step(0)
-    t.rollout_weights.check("after step 0")  # refreshed after the update
+    t.rollout_weights.check("after step 0")  # refreshed after the update (the policy and the draft)
+    assert torch.equal(t.engine.draft.fc.weight, t.draft.fc.weight.to(BF16))
     assert float(m["mismatch_kl"]) > 0 and "policy/is_weight_mean" in m  # bf16 logprobs differ; TIS is on
     monkeypatch.setattr(t.rollout_weights, "refresh", lambda: None)
     before = copy.deepcopy(t.policy.state_dict())

@@ -87,6 +87,9 @@ class Draft(ABC):
     # whether ``loss`` reads ``batch.teacher_logits``: offline training computes them (the target's whole
     # LM head over every supervised row, a step's dearest product) only for kinds that do
     reads_teacher: bool = True
+    # parameter-name prefixes whose matrices a weight-only rollout copy narrows (``RolloutWeights``:
+    # the products its decode streams, in C where it runs there); () keeps the draft's own weights
+    rollout_narrowed: tuple[str, ...] = ()
 
     def teacher_columns(self) -> torch.Tensor | None:
         """The target tokens whose teacher log-probabilities ``loss`` reads where that is a subset of the

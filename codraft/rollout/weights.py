@@ -19,10 +19,11 @@ A stale copy is the failure behind a "weights lost on refit" report (τ fell to 
 compares every tensor with the cast of the trainer's current one and raises
 ``StaleRolloutWeights`` naming the first that differs.
 
-Drafts keep their own weights in the trainer's dtype (small next to the target, and trained):
-``draft_for`` gives the engine a shallow copy sharing every draft parameter, bound to the copy's
-embedding and LM head where they are weight-only (a block draft's head product over the 49152-row
-vocabulary is most of its cost), so nothing of the draft can go stale either.
+A draft's copy (``draft_for``) is bound to the copy's embedding and LM head where they are
+weight-only (a block draft's head product over its vocabulary is a large part of its cost). Its own
+weights: the matrices the draft names (``Draft.rollout_narrowed``: a block draft's taps' fc and
+layers, ~0.7 ms of a DSpark round at batch 1) are cast, refreshed and checked with the policy's; a
+draft that names none (EAGLE-3) is shared as it is, trained in place, so it cannot go stale.
 Not here: the engine (``codraft.rollout.engine``).
 """
 from __future__ import annotations
@@ -56,6 +57,7 @@ class RolloutWeights:
         self.source, self.dtype = policy, dtype
         self.copies = dtype != policy.embed_tokens.weight.dtype
         self.policy = policy
+        self.drafts: dict[int, tuple] = {}  # id(draft) -> (draft, its rollout copy): see draft_for
         if self.copies:
             if policy.embed_tokens.weight.dtype != torch.float32:
                 raise ValueError(f"a {dtype} rollout copy is made from fp32 trainer weights, "
@@ -69,20 +71,40 @@ class RolloutWeights:
         self.huge_pages = hugepages.rehome(matrices)
 
     def draft_for(self, draft):
-        """The draft the engine runs with this policy: ``draft`` itself, or (weight-only copy) a shallow
-        copy sharing its parameters, bound to the copy's embedding and head."""
+        """The draft the engine runs with this policy: ``draft`` itself, or (weight-only copy) a copy bound
+        to the copy's embedding and head, holding ``draft.rollout_narrowed``'s matrices cast (made once per
+        draft, refreshed and checked with the policy), else sharing every draft parameter."""
         if not self.copies or not isinstance(draft, nn.Module) or self.policy.compute_dtype != torch.float32:
             return draft
-        return copy.copy(draft).bind_target(self.policy.embed_tokens.weight, self.policy.head_weight)
+        if not getattr(draft, "rollout_narrowed", ()):
+            return copy.copy(draft).bind_target(self.policy.embed_tokens.weight, self.policy.head_weight)
+        held = self.drafts.get(id(draft))
+        if held is None or held[0] is not draft:
+            rolling = copy.deepcopy(draft).requires_grad_(False).eval()  # (the target's tensors: shared)
+            for name, p in rolling.named_parameters():
+                p.grad = None
+                p.data = self._cast(draft, name, p)
+            held = self.drafts[id(draft)] = (draft, rolling.bind_target(self.policy.embed_tokens.weight,
+                                                                        self.policy.head_weight))
+        return held[1]
+
+    def _cast(self, draft, name: str, t: torch.Tensor) -> torch.Tensor:
+        """What a rollout copy holds for tensor ``name`` of ``draft`` (None: the policy)."""
+        if draft is None or name.startswith(draft.rollout_narrowed):
+            return cast_for_rollout(t, self.dtype)
+        return t.detach()
 
     def _pairs(self):
-        return zip(self.source.state_dict().items(), self.policy.state_dict().values())
+        """(draft or None, name, trainer tensor, rollout tensor) over the policy and every draft copy."""
+        for src, dst, draft in [(self.source, self.policy, None), *((d, c, d) for d, c in self.drafts.values())]:
+            for (name, a), b in zip(src.state_dict().items(), dst.state_dict().values()):
+                yield draft, name, a, b
 
     @torch.no_grad()
     def refresh(self) -> None:
-        """Copy the trainer's current weights (cast) into the rollout copy: after every optimiser step."""
+        """Copy the trainer's current weights (cast) into the rollout copies: after every optimiser step."""
         if self.copies:
-            for (_, src), dst in self._pairs():
+            for _, _, src, dst in self._pairs():
                 dst.copy_(src)
 
     @torch.no_grad()
@@ -90,9 +112,10 @@ class RolloutWeights:
         """Raise ``StaleRolloutWeights`` unless every rollout tensor equals the cast of the trainer's."""
         if not self.copies:
             return
-        for (name, src), dst in self._pairs():
-            want = cast_for_rollout(src, self.dtype)
+        for draft, name, src, dst in self._pairs():
+            want = self._cast(draft, name, src)
             if dst.dtype != want.dtype or not torch.equal(dst, want):
+                whose = "" if draft is None else f"{type(draft).__name__} draft's "
                 raise StaleRolloutWeights(
-                    f"{when}: the rollout engine's {self.dtype} copy of {name!r} differs from the trainer's "
-                    f"weights cast to {self.dtype}: the copy was not refreshed after the optimiser step")
+                    f"{when}: the rollout engine's {self.dtype} copy of the {whose}{name!r} differs from the "
+                    f"trainer's weights cast to {self.dtype}: the copy was not refreshed after the optimiser step")
