@@ -363,6 +363,18 @@ def test_decoder_layer_takes_the_chosen_path(made_up_times, monkeypatch):
         (1, 4, "fused"), (5, 128, "unfused"))
 
 
+def test_a_layer_with_qk_norms_has_a_table_of_its_own(made_up_times):
+    """A Qwen3-style layer (q/k RMSNorm) and a Llama-style one of the same widths are timed apart: the
+    norms are work the other's table never timed."""
+    made = made_up_times(_fixed)
+    tables = []
+    for arch in ("LlamaForCausalLM", "Qwen3ForCausalLM", "LlamaForCausalLM"):
+        cfg = ModelConfig(vocab_size=50, hidden_size=40, intermediate_size=72, num_hidden_layers=1,
+                          num_attention_heads=4, num_key_value_heads=2, architectures=[arch])
+        tables.append(fast_layers.layer_table(kernels.enable(Transformer(cfg).eval()).layers[0]))
+    assert len(made) == 2 and tables[0] is tables[2] and tables[1] is not tables[0]
+
+
 # ---- what a measurement times ------------------------------------------------------------------------
 
 

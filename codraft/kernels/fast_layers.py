@@ -187,8 +187,9 @@ def layer_path(layer: FastDecoderLayer, x: torch.Tensor) -> str:
 
 def layer_table(layer: FastDecoderLayer) -> dispatch.Table:
     """The measured choice per row count (B·T new tokens) between the one-call layer and the per-op
-    one, for layers shaped like ``layer`` with its weight dtype."""
+    one, for layers shaped like ``layer`` with its weight dtype and, where it has them, q/k norms (a
+    Qwen3-style layer's table is not a Llama-style one's of the same widths)."""
     a = layer.self_attn
     key = (a.q_proj.weight.shape[1], layer.mlp.gate_proj.weight.shape[0], a.n_heads, a.n_kv, a.head_dim,
-           a.q_proj.weight.dtype)
+           a.q_proj.weight.dtype, *(("qk-norm",) if a.q_norm is not None else ()))
     return dispatch.lookup(LAYER, key, layer)
