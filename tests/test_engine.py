@@ -183,6 +183,30 @@ def test_finished_rows_are_dropped(target):
     assert out[0].tokens == plain[0].tokens and out[2].tokens == plain[2].tokens
 
 
+@pytest.mark.parametrize("keep", [[0, 2, 3], [1], [4], [0, 1, 2, 3, 4], [3, 1], [0, 0, 2, 4, 4, 1]])
+def test_cache_select_keeps_each_rows_positions(keep):
+    """Rows that only drop compact in place (the same memory, contiguous, nothing allocated); other
+    selections (reordered, repeated: a prefill copying a prompt's row) gather. Either way every kept row
+    holds its positions below ``span`` as before, and the memory past it stays finite."""
+    cache = KVCache(num_layers=3, batch=5, max_len=9, num_kv_heads=2, head_dim=4, dtype=torch.float32, device="cpu")
+    cache.k.normal_(generator=torch.Generator().manual_seed(0))
+    cache.v.normal_(generator=torch.Generator().manual_seed(1))
+    cache.set_lengths(torch.tensor([6, 2, 5, 7, 1]), span=7)
+    k, v, ptr = cache.k.clone(), cache.v.clone(), cache.k.data_ptr()
+    rows = torch.tensor(keep)
+    cache.select(rows)
+    assert cache.k.shape == (3, len(keep), 2, 9, 4) and cache.k.is_contiguous() and cache.v.is_contiguous()
+    assert cache.lengths.tolist() == [[6, 2, 5, 7, 1][i] for i in keep]
+    in_place = keep == sorted(set(keep))
+    assert (cache.k.data_ptr() == ptr) == in_place
+    torch.testing.assert_close(cache.k[..., :7, :], k[:, rows, :, :7], rtol=0, atol=0)
+    torch.testing.assert_close(cache.v[..., :7, :], v[:, rows, :, :7], rtol=0, atol=0)
+    assert cache.k.isfinite().all() and cache.v.isfinite().all()
+    if in_place and len(keep) > 1:  # and again, from the compacted layout
+        cache.select(torch.tensor([len(keep) - 1]))
+        torch.testing.assert_close(cache.k[..., :7, :], k[:, rows[-1:], :, :7], rtol=0, atol=0)
+
+
 # --------------------------------------------------------------------------- drafts and stats
 def test_ngram_lookup_proposals():
     draft = build_draft("ngram", _config(), n=3)

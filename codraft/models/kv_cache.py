@@ -60,7 +60,31 @@ class KVCache:
         self.span = n
 
     def select(self, rows: torch.Tensor):
-        """Keep only the given rows (e.g. to drop finished sequences)."""
-        self.k = self.k[:, rows]
-        self.v = self.v[:, rows]
+        """Keep only the given rows, in that order (e.g. to drop finished sequences).
+
+        Rows that only drop (each kept once, in increasing order: what a rollout does as rows finish)
+        are compacted in place: each kept row's first ``span`` positions move down within the same
+        memory, which becomes a contiguous (L, kept, Hkv, M, D) tensor. A gather into new tensors of
+        the whole M positions cost ~34 ms a drop at 16 rows of SmolLM2 (~14 % of a GRPO rollout on a
+        2-core Xeon, session 27): fresh pages and every position copied. Positions past ``span`` then
+        hold other rows' earlier values, finite as every value this cache ever held; attention masks
+        them as it masks every position past a row's length. Other selections gather."""
+        n, b = rows.numel(), self.k.shape[1]
+        if 0 < n <= b and (n == 1 or bool((rows[1:] > rows[:-1]).all())):
+            if n < b:
+                self.k, self.v = (self._compacted(t, rows) for t in (self.k, self.v))
+        else:
+            self.k = self.k[:, rows]
+            self.v = self.v[:, rows]
         self.lengths = self.lengths[rows]
+
+    def _compacted(self, t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """t (L,B,H,M,D) with only ``rows`` (increasing), in t's own memory: layer l's kept rows go to
+        offset l·n·H·M·D, never above where they were, and layer l's new place overlaps only layers
+        ≤ l, each read (positions < span) into a small buffer before its place is written."""
+        layers, _, heads, m, d = t.shape
+        span = max(min(self.span, m), 1)
+        out = t.reshape(-1)[:layers * rows.numel() * heads * m * d].view(layers, rows.numel(), heads, m, d)
+        for layer in range(layers):
+            out[layer, :, :, :span] = t[layer, :, :, :span].index_select(0, rows)
+        return out
