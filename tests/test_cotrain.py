@@ -94,10 +94,13 @@ def _comparable(rows):
     return [{k: v for k, v in r.items() if not k.startswith(_TIMING) and "time" not in k} for r in rows]
 
 
-def test_resume_repeats_uninterrupted_run(tmp_path, tiny_policy_dir, monkeypatch):
+@pytest.mark.parametrize("rollout", [[], ["rollout.dtype=bfloat16"]], ids=["fp32", "bf16-copies"])
+def test_resume_repeats_uninterrupted_run(tmp_path, tiny_policy_dir, monkeypatch, rollout):
+    """Also with bf16 rollout copies: the draft's copy, made before the checkpoint's draft is restored,
+    is refreshed from it (else the first rollout after the resume refuses a stale copy)."""
     from codraft.rl.logger import read_metrics
     from codraft.rl.trainer import train
-    probe = ["log.frozen_probe_every=1"]  # the frozen copy must be the initial draft after a resume too
+    probe = ["log.frozen_probe_every=1", *rollout]  # the frozen copy must be the initial draft after a resume too
     train(_cfg(tiny_policy_dir, tmp_path / "full", 4, extra=probe), progress=False)
 
     real_step = Trainer.step

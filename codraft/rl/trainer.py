@@ -229,6 +229,7 @@ class Trainer:
             self._engine(None)
         if found is not None:  # (a "spec_pays" of checkpoints from before draft_length is ignored)
             state = ckpt.restore(found, draft=self.draft, optimizers=self._optimizers())
+            self.rollout_weights.refresh()  # the engines' draft copies were made from the draft before this
             self.start_step, self.prompts_used = state["step"], state["prompts_used"]
             estimates = self._estimates()  # (log.frozen_probe_every may have changed: no frozen probe now)
             for name, saved in state.get("acceptance", {}).items():
