@@ -227,19 +227,8 @@ class Trainer:
         # acceptance estimate (draft_length=auto), which checkpoints carry
         self.engine, self.val_engine, self.plain_engine = self._engine(self.draft), self._engine(self.draft), \
             self._engine(None)
-        if found is not None:  # (a "spec_pays" of checkpoints from before draft_length is ignored)
-            state = ckpt.restore(found, draft=self.draft, optimizers=self._optimizers())
-            self.rollout_weights.refresh()  # the engines' draft copies were made from the draft before this
-            self.start_step, self.prompts_used = state["step"], state["prompts_used"]
-            estimates = self._estimates()  # (log.frozen_probe_every may have changed: no frozen probe now)
-            for name, saved in state.get("acceptance", {}).items():
-                if name in estimates:
-                    estimates[name].load_state_dict(saved)
-            _follow_schedule(self.sched)  # `steps` may have changed on resume: the lr is the cosine's
-            if self.mesh is not None and self.mesh.pp > 1:  # a stage keeps the optimiser state of what it trains only
-                own, drafts = self._owned()
-                keep_state(self.opt, own)
-                keep_state(self.draft_opt, drafts)
+        if found is not None:
+            self._resume_from(found)
         # steps_done/_done_prompts/_done_acceptance: the last step whose update is fully applied (what
         # Ctrl-C saves); _saved: the last step on disk; nonfinite_streak: skipped updates in a row
         self.steps_done, self._done_prompts, self._saved = self.start_step, self.prompts_used, self.start_step
@@ -251,6 +240,23 @@ class Trainer:
         self.logger = MetricsLogger(self.run_dir, resume_step=self.start_step if found is not None else None) \
             if self.is_main else _NoLogger()
         self.plots: list[Path] = []
+
+    def _resume_from(self, found) -> None:
+        """Continue from checkpoint ``found``: the draft, optimisers and schedulers, the step and prompt
+        counters, the acceptance estimates (a "spec_pays" of checkpoints from before draft_length is
+        ignored)."""
+        state = ckpt.restore(found, draft=self.draft, optimizers=self._optimizers())
+        self.rollout_weights.refresh()  # the engines' draft copies were made from the draft before this
+        self.start_step, self.prompts_used = state["step"], state["prompts_used"]
+        estimates = self._estimates()  # (log.frozen_probe_every may have changed: no frozen probe now)
+        for name, saved in state.get("acceptance", {}).items():
+            if name in estimates:
+                estimates[name].load_state_dict(saved)
+        _follow_schedule(self.sched)  # `steps` may have changed on resume: the lr is the cosine's
+        if self.mesh is not None and self.mesh.pp > 1:  # a stage keeps the optimiser state of what it trains only
+            own, drafts = self._owned()
+            keep_state(self.opt, own)
+            keep_state(self.draft_opt, drafts)
 
     def _join_ranks(self, cfg: RunConfig) -> None:
         """parallel.pp · parallel.cp > 1: one process per rank (torchrun); every rank decodes its rollout
