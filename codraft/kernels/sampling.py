@@ -46,13 +46,13 @@ def sample(logits: torch.Tensor, sampler) -> tuple[torch.Tensor, torch.Tensor] |
     logits = logits.contiguous()
     u = torch.rand(b, generator=sampler.generator, dtype=torch.float64)  # Sampler.sample's draw
     tokens, logprobs, scratch = torch.empty(b, dtype=torch.int64), torch.empty(b), torch.empty(b * v)
-    _sample_rows()(logits.data_ptr(), u.data_ptr(), sampler.temperature, tokens.data_ptr(),
-                           logprobs.data_ptr(), scratch.data_ptr(), b, v)
+    _sample_rows()(logits.data_ptr(), u.data_ptr(), sampler.temperature, tokens.data_ptr(), logprobs.data_ptr(),
+                   scratch.data_ptr(), b, v)
     return tokens, logprobs
 
 
 def verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None, sampler
-        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
     """``verify_drafts``' arguments -> its Verdict's (n_accepted (B,), tokens (B,γ+1), logprobs (B,γ+1)),
     or None where this does not apply."""
     if draft_probs is None or not _applies(sampler, target_logits, draft_probs):
@@ -69,6 +69,6 @@ def verify(target_logits: torch.Tensor, draft_tokens: torch.Tensor, draft_probs:
     n, tokens = torch.empty(b, dtype=torch.int64), torch.empty(b, g + 1, dtype=torch.int64)
     logprobs, scratch = torch.empty(b, g + 1), torch.empty(b * v)
     _verify_sampled()(logits.data_ptr(), x.data_ptr(), q.data_ptr(), u.data_ptr(), u2.data_ptr(),
-                              sampler.temperature, n.data_ptr(), tokens.data_ptr(), logprobs.data_ptr(),
-                              scratch.data_ptr(), b, g, v)
+                      sampler.temperature, n.data_ptr(), tokens.data_ptr(), logprobs.data_ptr(), scratch.data_ptr(),
+                      b, g, v)
     return n, tokens, logprobs
