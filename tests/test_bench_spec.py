@@ -57,3 +57,33 @@ def test_hf_side_decodes_every_token_as_codraft_does(tiny_policy_dir):
     policy, _, _ = load_policy(str(tiny_policy_dir))
     ours = Engine(policy.eval()).generate([prompt], n, temperature=0.0, eos_id=[])
     assert tokens == [ours[0].tokens] and tokens[0][0] == first and len(tokens[0]) == n
+
+
+def test_rollout_calls_take_turns_across_sides(tiny_policy_dir, tmp_path, monkeypatch):
+    """Each T = 1 call of a repetition runs on every side before the next call starts, so a change in the
+    host's speed during the measure reaches every side alike (session 27's `auto` ran its whole share in
+    a slow spell)."""
+    from codraft.bench import spec
+
+    order, make = [], spec._codraft_side
+
+    def logged(name, *args, **kw):
+        side = make(name, *args, **kw)
+        run = side.run
+
+        def run_logged(prompts, n=8, temperature=0.0, **k):
+            order.append((name, temperature, tuple(map(tuple, prompts))))
+            return run(prompts, n, temperature=temperature, **k)
+        side.run = run_logged
+        return side
+
+    monkeypatch.setattr(spec, "_codraft_side", logged)
+    main(["bench", "spec", "--models", str(tiny_policy_dir), "--batches", "1", "--max-new-tokens", "4",
+          "--drafts", "ngram", "--gammas", "2,3", "--repeats", "2", "--no-hf", "--threads", "1",
+          "--t1-rows", "3", "--json", str(tmp_path / "spec.json")])
+    sampled = [(name, prompts) for name, t, prompts in order if t == 1.0]
+    names = sorted({name for name, _ in sampled})
+    assert len(names) == 3 and len(sampled) == 3 * 3 * 2  # plain, γ = 2, γ = 3; 3 calls; 2 repetitions
+    for i in range(0, len(sampled), 3):  # one call, every side in turn, then the next call
+        turn = sampled[i:i + 3]
+        assert sorted(n for n, _ in turn) == names and len({p for _, p in turn}) == 1

@@ -25,8 +25,8 @@ lot, so that measure covers ``t1_rows`` held-out prompts per repetition (B per c
 prompts and seeds on every side): its tokens/s and τ are pooled over all of them.
 
 Timing: one warm-up run per side, then ``repeats`` rounds in which the sides run
-interleaved (so load from other processes spreads evenly over them); the median is
-reported. tokens/s = new tokens of all rows / wall time of the whole call (prefill included).
+interleaved (so load from other processes spreads evenly over them): each greedy call, and each
+T = 1 call of a round, by every side in turn; the median is reported. tokens/s = new tokens of all rows / wall time of the whole call (prefill included).
 The memory-bandwidth bound of one decode step (``codraft.bench.bandwidth``) is shown next
 to codraft's and HF's plain decode time per step at batch 1.
 """
@@ -207,7 +207,12 @@ def bench_model(model_name: str, *, batches, max_new: int, drafts, gamma: int, r
                 t = perf_counter()
                 s.last = s.run(prompts)
                 s.times.append(perf_counter() - t)
-                for i, call in enumerate(t1_calls if s.sampled else []):  # as rollouts sample: T = 1, EOS on
+            # as rollouts sample (T = 1, EOS on), each call by every side in turn: a call takes ~1-5 s, so a
+            # change in the host's speed reaches every side alike
+            for i, call in enumerate(t1_calls):
+                for s in these:
+                    if not s.sampled:
+                        continue
                     t = perf_counter()
                     r = s.run(call, temperature=1.0, eos=[tok.eos_id], seed=1 + rep * len(t1_calls) + i)
                     s.times_t1.append(perf_counter() - t)
