@@ -26,7 +26,8 @@ prompts and seeds on every side): its tokens/s and τ are pooled over all of the
 
 Timing: one warm-up run per side, then ``repeats`` rounds in which the sides run
 interleaved (so load from other processes spreads evenly over them): each greedy call, and each
-T = 1 call of a round, by every side in turn; the median is reported. tokens/s = new tokens of all rows / wall time of the whole call (prefill included).
+T = 1 call of a round, by every side in turn; the median is reported. tokens/s = new tokens of
+all rows / wall time of the whole call (prefill included).
 The memory-bandwidth bound of one decode step (``codraft.bench.bandwidth``) is shown next
 to codraft's and HF's plain decode time per step at batch 1.
 """
