@@ -37,6 +37,7 @@ def main(batch: int = 8, repeats: int = 2) -> None:
             while not run.finished:
                 rows = run.rows.numel()
                 g = run.draft_length(rows)
+                priced = cost.at(run.cache.span)  # at the round's context, as the rule prices it
                 s = run.stats
                 before = s.verify_s, s.draft_s + s.bookkeeping_s
                 run.step()
@@ -44,8 +45,8 @@ def main(batch: int = 8, repeats: int = 2) -> None:
                 c[0] += 1
                 c[1] += s.verify_s - before[0]
                 c[2] += s.draft_s + s.bookkeeping_s - before[1]
-                c[3] += cost.target(rows, g + 1)
-                c[4] += cost.draft(rows, g)
+                c[3] += priced.target(rows, g + 1)
+                c[4] += priced.draft(rows, g)
     print(f"batch {batch}: ms a round, measured (cost model); acceptance estimate at the end "
           f"{[round(a, 2) for a in engine.acceptance.values()]}")
     print("rows  g  rounds  target        draft + bookkeeping")

@@ -25,7 +25,7 @@ from codraft.models import ModelConfig, Transformer
 from codraft.rl import trainer as trainer_mod
 from codraft.rl.logger import read_metrics
 from codraft.rl.trainer import Trainer, train
-from codraft.rollout import AcceptanceEstimate, CostModel, Engine, choose, load_or_calibrate
+from codraft.rollout import AcceptanceEstimate, ContextCosts, CostModel, Engine, choose, load_or_calibrate
 from spec_harness import ADAPTIVE_CASES, SEEDS, harness, scaled
 from test_cotrain import _cfg, _comparable, tiny_policy_dir  # noqa: F401 (tiny_policy_dir is a fixture)
 
@@ -43,6 +43,9 @@ class Cost:
 
     def draft(self, rows, g):
         return self.commit + self.per_draft * rows * g
+
+    def at(self, context):
+        return self
 
 
 # ---------------------------------------------------------------- the rule
@@ -182,11 +185,43 @@ def calibrations(monkeypatch):
 def test_calibration_times_the_grid_without_touching_the_global_rng(small, capsys):
     model, draft = small
     rng = torch.get_rng_state()
-    cost = dl.calibrate(model, draft, 2, 3, repeats=1)
+    cost = dl.calibrate(model, draft, 2, 3, repeats=1, contexts=(8, 40))
     assert torch.equal(torch.get_rng_state(), rng)
-    assert cost.rows == (1, 2, 4) and cost.max_gamma == 2
-    assert all(len(r) == 3 and min(r) > 0 for r in cost.target_s + cost.draft_s)
-    assert "calibrating draft length on cpu: 36/36 timings in" in capsys.readouterr().err
+    assert cost.rows == (1, 2, 4) and cost.max_gamma == 2 and cost.contexts == (8 + 9, 40 + 9)  # + half the growth
+    assert all(len(r) == 3 and min(r) > 0 for m in cost.models for r in m.target_s + m.draft_s)
+    assert "calibrating draft length on cpu: 36/36 rounds in" in capsys.readouterr().err  # 2 contexts x 3 rows x 3 g x 2
+    # the model allows 128 positions: the longer prompts are cut to leave room for the passes' tokens
+    assert dl.calibrate(model, draft, 2, 1, repeats=1, contexts=(8, 500)).contexts == (8 + 9, 128 - 18 + 9)
+
+
+def test_a_round_is_priced_at_its_context():
+    short = CostModel((1, 2), ((1.0, 2.0), (2.0, 4.0)), ((0.1, 0.2), (0.2, 0.4)))
+    long = CostModel((1, 2), ((2.0, 3.0), (4.0, 6.0)), ((0.1, 0.3), (0.2, 0.6)))
+    cost = ContextCosts((100, 300), (short, long))
+    assert cost.at(100).target(2, 2) == 4.0 and cost.at(300).target(2, 2) == 6.0
+    assert cost.at(200).target(1, 1) == 1.5 and cost.at(200).draft(2, 1) == pytest.approx(0.5)  # linear between
+    assert cost.at(500).target(1, 2) == 4.0 and cost.at(0).target(2, 1) == 1.0  # and beyond
+    assert short.at(1000) is short  # one context: flat
+
+
+def test_a_round_drafts_the_length_it_is_given(small):
+    """``Rollout.step(g)`` (what calibration times): each round drafts g, greedy tokens stay the plain
+    engine's whatever the sequence of g, and a g the engine cannot draft is refused."""
+    model, draft = small
+    plain = Engine(model).generate(PROMPTS, 30, temperature=0.0, eos_id=[])
+    run = Engine(model, draft, 2).start(PROMPTS, 30, temperature=0.0, eos_id=[])
+    lengths = [0, 2, 1, 0, 0, 2, 2, 1]  # at most 3 tokens a round: no row finishes within them
+    for g in lengths:
+        run.step(g)
+    assert run.stats.gamma_chosen == [3, 2, 3] and run.stats.drafted == 3 * sum(lengths)
+    while not run.finished:
+        run.step()
+    assert [r.tokens for r in run.results()] == [r.tokens for r in plain]
+    for bad in (3, -1):
+        with pytest.raises(ValueError, match="a round drafts 0..2 tokens here"):
+            Engine(model, draft, 2).start(PROMPTS, 4).step(bad)
+    with pytest.raises(ValueError, match="a round drafts 0..0 tokens here"):
+        Engine(model).start(PROMPTS, 4).step(1)
 
 
 def test_cache_is_reused_and_a_doctored_or_corrupt_file_is_recalibrated(small, calibrations, tmp_path):
@@ -201,11 +236,11 @@ def test_cache_is_reused_and_a_doctored_or_corrupt_file_is_recalibrated(small, c
     for field, value in (("threads", 999), ("processor", "another CPU"), ("device", "cuda:7")):
         doctored = json.loads(path.read_text())
         doctored["key"]["machine"][field] = value
-        doctored["target_s"] = [[1e9] * 3] * len(doctored["rows"])
+        doctored["models"][0]["target_s"] = [[1e9] * 3] * len(doctored["models"][0]["rows"])
         path.write_text(json.dumps(doctored))
         with pytest.warns(UserWarning, match="recorded for another setting"):
             cost = load_or_calibrate(model, draft, 2, 2, folder=tmp_path)
-        assert cost.target(1, 1) < 1e9 and json.loads(path.read_text())["key"] == saved["key"]  # rewritten
+        assert cost.models[0].target(1, 1) < 1e9 and json.loads(path.read_text())["key"] == saved["key"]  # rewritten
     assert len(calibrations) == 4
 
     for text in ("{not json", json.dumps({"key": saved["key"], "rows": [1], "target_s": [], "draft_s": []})):

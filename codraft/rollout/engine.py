@@ -218,12 +218,17 @@ class Rollout:
         return logits, {i: torch.cat([pre[i].expand(len(ids), -1, -1), f], 1) for i, f in feats.items()}
 
     @torch.inference_mode()
-    def step(self):
-        """One decode step (plain, or g = 0) or one draft-verify round of g drafts, then the host sync."""
+    def step(self, g: int | None = None):
+        """One decode step (plain, or g = 0) or one draft-verify round of g drafts, then the host sync.
+        g: this round's draft length, 0..gamma (calibration times each); default the engine's choice."""
         if self.finished:
             return
         b = self.rows.numel()
-        g = self.draft_length(b)
+        if g is None:
+            g = self.draft_length(b)
+        elif not 0 <= g <= self.gamma or (g and self.draft is None):
+            raise ValueError(f"a round drafts 0..{self.gamma if self.draft is not None else 0} tokens here, "
+                             f"got g={g}")
         if self.draft is None or g == 0:
             logits, feats = self.model(self.last[:, None], cache=self.cache, taps=self.taps)  # (B,1,V)
             self.last, logp = self._sample(logits[:, 0])
@@ -266,7 +271,7 @@ class Rollout:
             return 0
         if self.acceptance is None:
             return self.gamma
-        return choose(rows, self.acceptance.values(), self.cost_model)
+        return choose(rows, self.acceptance.values(), self.cost_model.at(self.cache.span))
 
     def _count(self, rows: int, g: int, accepted: list[int]):
         """The round in the stats and the acceptance estimate; accepted[k-1]: rows that accepted >= k."""
@@ -313,6 +318,11 @@ class Rollout:
             if self.draft is not None:
                 self.draft_state = self.draft.select(self.draft_state, keep)
         return flags[b + 1:]
+
+    def resume(self):
+        """Restart the phase clock: the time since this rollout's last step (a caller interleaving several
+        rollouts, as calibration does) is left out of its phases."""
+        self._t = perf_counter()
 
     def _lap(self, phase: str):
         if self.timing_sync and self.device.type != "cpu":
