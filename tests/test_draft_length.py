@@ -189,7 +189,8 @@ def test_calibration_times_the_grid_without_touching_the_global_rng(small, capsy
     assert torch.equal(torch.get_rng_state(), rng)
     assert cost.rows == (1, 2, 4) and cost.max_gamma == 2 and cost.contexts == (8 + 9, 40 + 9)  # + half the growth
     assert all(len(r) == 3 and min(r) > 0 for m in cost.models for r in m.target_s + m.draft_s)
-    assert "calibrating draft length on cpu: 36/36 rounds in" in capsys.readouterr().err  # 2 contexts x 3 rows x 3 g x 2
+    # 2 contexts x 3 row counts x 3 g x 2 passes
+    assert "calibrating draft length on cpu: 36/36 rounds in" in capsys.readouterr().err
     # the model allows 128 positions: the longer prompts are cut to leave room for the passes' tokens
     assert dl.calibrate(model, draft, 2, 1, repeats=1, contexts=(8, 500)).contexts == (8 + 9, 128 - 18 + 9)
 

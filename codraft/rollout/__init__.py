@@ -11,5 +11,5 @@ from codraft.spec.sampling import Sampler, filter_logits
 from codraft.rollout.stats import SpecStats
 from codraft.spec.verify import Verdict, verify_drafts
 
-__all__ = ["AcceptanceEstimate", "ContextCosts", "CostModel", "choose", "load_or_calibrate", "Engine", "GenerationResult", "Rollout",
-           "Sampler", "filter_logits", "SpecStats", "Verdict", "verify_drafts"]
+__all__ = ["AcceptanceEstimate", "ContextCosts", "CostModel", "choose", "load_or_calibrate", "Engine",
+           "GenerationResult", "Rollout", "Sampler", "filter_logits", "SpecStats", "Verdict", "verify_drafts"]

@@ -9,8 +9,10 @@ commits the new token) to maximise the expected tokens per second of the round:
 a_k = P(draft position k accepted), unconditional (non-increasing), estimated by
 ``AcceptanceEstimate`` from the rounds so far; T_target(rows, t) is one target forward of t tokens
 per row with its sampling or acceptance rule, T_draft(rows, g) the rest of the round: the draft's
-propose(g), its commit of g+1 tokens (g = 0: keeping the token for later), the bookkeeping. The rule reads only the past (row count, earlier verdicts), never a clock, so the emitted
-tokens keep exactly the target's distribution and a seed repeats a run.
+propose(g), its commit of g+1 tokens (g = 0: keeping the token for later), the bookkeeping; both
+priced at the round's context length. The rule reads only the past (row count, earlier verdicts,
+context length), never a clock, so the emitted tokens keep exactly the target's distribution and a
+seed repeats a run.
 
 ``CostModel`` holds those times measured on the device at hand (``calibrate``: the engine's own rounds
 at rows 1, 2, 4, … up to the batch, each g in 0..γ_max, best of a few repeats, linear in rows between
