@@ -14,7 +14,7 @@ import torch
 
 from codraft.bench.spec import _prompts
 from codraft.policy import load_policy
-from codraft.rollout import Engine, load_or_calibrate
+from codraft.rollout import Engine
 from codraft.rollout.weights import RolloutWeights
 from codraft.train.offline_draft import draft_for_command
 
@@ -25,8 +25,8 @@ def main(batch: int = 8, repeats: int = 2) -> None:
     weights = RolloutWeights(policy, torch.bfloat16)
     target = weights.policy
     draft = weights.draft_for(draft_for_command("dspark", policy, tok, folder, gamma=4, init="offline"))
-    cost = load_or_calibrate(target, draft, draft.default_gamma, batch)
-    engine = Engine(target, draft, "auto", cost_model=cost)
+    engine = Engine(target, draft, "auto")
+    cost = engine.calibrate(batch)
     prompts = _prompts(tok, 16)
     engine.generate(prompts[:batch], 16, temperature=1.0, eos_id=[tok.eos_id], seed=0)  # warm-up
     cells = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0])  # (rows, g) -> rounds, verify, draft, their predictions

@@ -35,7 +35,7 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 import torch.nn as nn
@@ -183,29 +183,27 @@ def row_grid(rows: int) -> list[int]:
     return grid
 
 
-def calibrate(model: nn.Module, draft, max_gamma: int, rows: int, *, repeats: int = 3,
+def calibrate(model: nn.Module, max_gamma: int, rows: int, *, start: Callable, repeats: int = 3,
               contexts: Sequence[int] = CONTEXTS) -> ContextCosts:
     """Time the engine's own rounds on the model's device: per context length c and grid row count b, a
-    rollout of b random prompts of c tokens at T = 1 (EOS off), stepped with each g in 0..max_gamma in
-    turn. A round's target part is its ``verify_s`` (the forward with its sampling or acceptance rule), its
+    rollout of b random prompts of c tokens, ``start(prompts, max_new)`` (the engine's: T = 1, EOS off,
+    a fixed γ = max_gamma so that no estimate is touched), stepped with each g in 0..max_gamma in turn.
+    A round's target part is its ``verify_s`` (the forward with its sampling or acceptance rule), its
     draft part the rest (propose, commit, bookkeeping, the host sync): what the rule prices is what a
     rollout pays, not bare calls. Best of ``repeats`` passes over all cells after a warm-up pass
     (interleaved, so a slow spell of the machine spreads over all cells instead of skewing a few), each
     part's minimum on its own; a progress line on stderr. Prompts and samples come from private
     generators: the global RNG is untouched. Contexts longer than the model allows are cut to fit."""
-    from codraft.rollout.engine import Engine  # (the engine imports this module)
-
     dev = next(model.parameters()).device
-    engine = Engine(model, draft, max_gamma)
     room = (repeats + 1) * (max_gamma + 1) ** 2  # the most tokens the passes emit per row
-    if room >= engine.max_len:
-        raise ValueError(f"calibrating {max_gamma} drafts a round needs more than the {engine.max_len} "
-                         f"positions the model allows")
-    prompt_lens = sorted({max(1, min(c, engine.max_len - room)) for c in contexts})
+    max_len = model.config.max_position_embeddings
+    if room >= max_len:
+        raise ValueError(f"calibrating {max_gamma} drafts a round needs more than the {max_len} positions the "
+                         f"model allows")
+    prompt_lens = sorted({max(1, min(c, max_len - room)) for c in contexts})
     gen = torch.Generator(device=dev).manual_seed(0)
     grid = row_grid(rows)
-    runs = {(c, b): engine.start(torch.randint(model.config.vocab_size, (b, c), generator=gen,
-                                               device=dev).tolist(), room, temperature=1.0, seed=0, eos_id=[])
+    runs = {(c, b): start(torch.randint(model.config.vocab_size, (b, c), generator=gen, device=dev).tolist(), room)
             for c in prompt_lens for b in grid}
     cells = [(c, b, g) for c in prompt_lens for b in grid for g in range(max_gamma + 1)]
     best = {cell: [math.inf, math.inf] for cell in cells}  # -> [target s, draft s]
@@ -275,18 +273,19 @@ def signature(model: nn.Module, draft, max_gamma: int) -> dict:
     }
 
 
-def load_or_calibrate(model: nn.Module, draft, max_gamma: int, rows: int, *,
+def load_or_calibrate(model: nn.Module, draft, max_gamma: int, rows: int, *, start: Callable,
                       folder: str | os.PathLike | None = None) -> ContextCosts:
     """The cached cost model of (model, draft, this machine) covering ``rows`` rows, else a fresh
-    calibration (written back). A file recorded for another key, with a grid too small, or
-    unreadable (warned) is recalibrated."""
+    calibration (written back) of the rollouts ``start`` begins (``calibrate``; ``Engine.calibrate``
+    passes its own). A file recorded for another key, with a grid too small, or unreadable (warned) is
+    recalibrated."""
     key = json.loads(json.dumps(signature(model, draft, max_gamma), default=str))  # as JSON reads it back
     folder = Path(folder) if folder is not None else cache_root() / "calibration"
     path = folder / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]}.json"
     cached = _read(path, key)
     if cached is not None and cached.rows[-1] >= rows:
         return cached
-    cost = calibrate(model, draft, max_gamma, max(rows, cached.rows[-1] if cached else 1))
+    cost = calibrate(model, max_gamma, max(rows, cached.rows[-1] if cached else 1), start=start)
     folder.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps({"key": key, **dataclasses.asdict(cost)}, indent=1))  # contexts, models

@@ -105,13 +105,25 @@ class Engine:
         self._check(prompts, max_new_tokens)
         _check_sampling(temperature, top_p, top_k, seed)
         if self._calibrates and (self.cost_model is None or self.cost_model.rows[-1] < len(prompts)):
-            self.cost_model = load_or_calibrate(self.model, self.draft, self.gamma, len(prompts))
+            self.calibrate(len(prompts))
         gen = torch.Generator(device=self.device)
         gen.manual_seed(int(torch.randint(2**62, (1,))) if seed is None else seed)
         sampler = Sampler(temperature, top_p, top_k, gen)
         eos = self.model.config.eos_token_id if eos_id is None else eos_id
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         return Rollout(self, [list(p) for p in prompts], max_new_tokens, sampler, eos)
+
+    def calibrate(self, rows: int):
+        """``gamma="auto"``'s cost model for up to ``rows`` rows, set and returned: from the cache, else
+        timed now on rounds of this engine's model and draft (``draft_length.load_or_calibrate``)."""
+        if self.acceptance is None:
+            raise ValueError(f'calibrate() is for gamma="auto", this engine drafts {self.gamma} a round')
+        fixed = Engine(self.model, self.draft, self.gamma, max_len=self.max_len)  # no estimate to disturb
+
+        def start(prompts, max_new):
+            return fixed.start(prompts, max_new, temperature=1.0, seed=0, eos_id=[])
+        self.cost_model = load_or_calibrate(self.model, self.draft, self.gamma, rows, start=start)
+        return self.cost_model
 
     def _check(self, prompts, max_new_tokens):
         if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
