@@ -1,0 +1,78 @@
+"""Same-process A/B of two draft-length cost models (docs/real-preset.md, session 28): SmolLM2's bf16
+rollout copy with its offline DSpark draft, plain decoding and ``gamma="auto"`` under each model, every
+call of B held-out prompts run by each side in turn, T = 1 (as rollouts sample) or 0. A model is a
+calibration file from ``$CODRAFT_CACHE/calibration/`` (format 1: one context, as sessions 10-27 timed
+bare calls; format 2: engine rounds at two contexts), or ``new`` for this checkout's own calibration.
+
+The two auto sides sample different completions once their g's differ (the same seeds draw other
+tokens), so a ratio over few prompts mixes the model with the samples' lengths: use 64 prompts or more.
+
+Usage: python scripts/draft_length_ab.py MODEL_A MODEL_B [--batch 8] [--prompts 64] [--offset 0]
+       [--repeats 2] [--temperature 1.0]
+"""
+import argparse
+import json
+from time import perf_counter
+
+import torch
+
+from codraft.bench.spec import _prompts
+from codraft.policy import load_policy
+from codraft.rollout import ContextCosts, CostModel, Engine
+from codraft.rollout.weights import RolloutWeights
+from codraft.train.offline_draft import draft_for_command
+
+
+def _table(d: dict) -> CostModel:
+    return CostModel(tuple(d["rows"]), tuple(map(tuple, d["target_s"])), tuple(map(tuple, d["draft_s"])))
+
+
+def read_model(path: str):
+    d = json.loads(open(path).read())
+    if "models" in d:
+        return ContextCosts(tuple(d["contexts"]), tuple(map(_table, d["models"])))
+    return _table(d)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("models", nargs=2, help="calibration files, or new")
+    ap.add_argument("--batch", type=int, default=8)
+    ap.add_argument("--prompts", type=int, default=64)
+    ap.add_argument("--offset", type=int, default=0, help="skip this many held-out prompts")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    a = ap.parse_args()
+    torch.set_num_threads(2)
+    policy, tok, folder = load_policy("smollm2-135m")
+    policy.eval()
+    weights = RolloutWeights(policy, torch.bfloat16)
+    target = weights.policy
+    draft = weights.draft_for(draft_for_command("dspark", policy, tok, folder, gamma=4, init="offline"))
+    sides = {"plain": Engine(target)}
+    for i, m in enumerate(a.models):
+        cost = Engine(target, draft, "auto").calibrate(16) if m == "new" else read_model(m)
+        sides[f"auto {'AB'[i]}"] = Engine(target, draft, "auto", cost_model=cost)
+    prompts = _prompts(tok, a.prompts + a.offset)[a.offset:]
+    for e in sides.values():  # warm-up
+        e.generate(prompts[:a.batch], 16, temperature=1.0, eos_id=[tok.eos_id], seed=0)
+    seconds, tokens, chosen = {k: 0.0 for k in sides}, {k: 0 for k in sides}, {k: None for k in sides}
+    for rep in range(a.repeats):
+        for i in range(0, len(prompts), a.batch):
+            for k, e in sides.items():
+                t = perf_counter()
+                res = e.generate(prompts[i:i + a.batch], 128, temperature=a.temperature, eos_id=[tok.eos_id],
+                                 seed=1 + i + len(prompts) * rep)
+                seconds[k] += perf_counter() - t
+                tokens[k] += sum(len(r.tokens) for r in res)
+                g = e.stats.gamma_chosen
+                chosen[k] = g if chosen[k] is None else [x + y for x, y in zip(chosen[k], g)]
+    plain = tokens["plain"] / seconds["plain"]
+    for k in sides:
+        rate = tokens[k] / seconds[k]
+        print(f"T={a.temperature} batch {a.batch}, {len(prompts)} prompts x {a.repeats}: {k}: {tokens[k]} tokens, "
+              f"{rate:.1f} tok/s, {rate / plain:.3f}x plain, rounds by g {chosen[k] or '-'}")
+
+
+if __name__ == "__main__":
+    main()
