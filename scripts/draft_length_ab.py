@@ -1,11 +1,12 @@
 """Same-process A/B of two draft-length cost models (docs/real-preset.md, session 28): SmolLM2's bf16
 rollout copy with its offline DSpark draft, plain decoding and ``gamma="auto"`` under each model, every
 call of B held-out prompts run by each side in turn, T = 1 (as rollouts sample) or 0. A model is a
-calibration file from ``$CODRAFT_CACHE/calibration/`` (format 1: one context, as sessions 10-27 timed
-bare calls; format 2: engine rounds at two contexts), or ``new`` for this checkout's own calibration.
+calibration file (``{"rows", "target_s", "draft_s"}``, as ``$CODRAFT_CACHE/calibration/`` holds them), or
+``new`` for this checkout's own calibration of the pair (``load_or_calibrate``).
 
 The two auto sides sample different completions once their g's differ (the same seeds draw other
-tokens), so a ratio over few prompts mixes the model with the samples' lengths: use 64 prompts or more.
+tokens), so a ratio over few prompts mixes the model with the samples' lengths: use 64 prompts or more,
+and several offsets.
 
 Usage: python scripts/draft_length_ab.py MODEL_A MODEL_B [--batch 8] [--prompts 64] [--offset 0]
        [--repeats 2] [--temperature 1.0]
@@ -18,20 +19,14 @@ import torch
 
 from codraft.bench.spec import _prompts
 from codraft.policy import load_policy
-from codraft.rollout import ContextCosts, CostModel, Engine
+from codraft.rollout import CostModel, Engine, load_or_calibrate
 from codraft.rollout.weights import RolloutWeights
 from codraft.train.offline_draft import draft_for_command
 
 
-def _table(d: dict) -> CostModel:
-    return CostModel(tuple(d["rows"]), tuple(map(tuple, d["target_s"])), tuple(map(tuple, d["draft_s"])))
-
-
-def read_model(path: str):
+def read_model(path: str) -> CostModel:
     d = json.loads(open(path).read())
-    if "models" in d:
-        return ContextCosts(tuple(d["contexts"]), tuple(map(_table, d["models"])))
-    return _table(d)
+    return CostModel(tuple(d["rows"]), tuple(map(tuple, d["target_s"])), tuple(map(tuple, d["draft_s"])))
 
 
 def main():
@@ -51,7 +46,7 @@ def main():
     draft = weights.draft_for(draft_for_command("dspark", policy, tok, folder, gamma=4, init="offline"))
     sides = {"plain": Engine(target)}
     for i, m in enumerate(a.models):
-        cost = Engine(target, draft, "auto").calibrate(16) if m == "new" else read_model(m)
+        cost = load_or_calibrate(target, draft, draft.default_gamma, a.batch) if m == "new" else read_model(m)
         sides[f"auto {'AB'[i]}"] = Engine(target, draft, "auto", cost_model=cost)
     prompts = _prompts(tok, a.prompts + a.offset)[a.offset:]
     for e in sides.values():  # warm-up

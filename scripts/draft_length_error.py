@@ -14,7 +14,7 @@ import torch
 
 from codraft.bench.spec import _prompts
 from codraft.policy import load_policy
-from codraft.rollout import Engine
+from codraft.rollout import Engine, load_or_calibrate
 from codraft.rollout.weights import RolloutWeights
 from codraft.train.offline_draft import draft_for_command
 
@@ -25,8 +25,8 @@ def main(batch: int = 8, repeats: int = 2) -> None:
     weights = RolloutWeights(policy, torch.bfloat16)
     target = weights.policy
     draft = weights.draft_for(draft_for_command("dspark", policy, tok, folder, gamma=4, init="offline"))
-    engine = Engine(target, draft, "auto")
-    cost = engine.calibrate(batch)
+    cost = load_or_calibrate(target, draft, draft.default_gamma, batch)
+    engine = Engine(target, draft, "auto", cost_model=cost)
     prompts = _prompts(tok, 16)
     engine.generate(prompts[:batch], 16, temperature=1.0, eos_id=[tok.eos_id], seed=0)  # warm-up
     cells = defaultdict(lambda: [0, 0.0, 0.0, 0.0, 0.0])  # (rows, g) -> rounds, verify, draft, their predictions
@@ -37,7 +37,6 @@ def main(batch: int = 8, repeats: int = 2) -> None:
             while not run.finished:
                 rows = run.rows.numel()
                 g = run.draft_length(rows)
-                priced = cost.at(run.cache.span)  # at the round's context, as the rule prices it
                 s = run.stats
                 before = s.verify_s, s.draft_s + s.bookkeeping_s
                 run.step()
@@ -45,8 +44,8 @@ def main(batch: int = 8, repeats: int = 2) -> None:
                 c[0] += 1
                 c[1] += s.verify_s - before[0]
                 c[2] += s.draft_s + s.bookkeeping_s - before[1]
-                c[3] += priced.target(rows, g + 1)
-                c[4] += priced.draft(rows, g)
+                c[3] += cost.target(rows, g + 1)
+                c[4] += cost.draft(rows, g)
     print(f"batch {batch}: ms a round, measured (cost model); acceptance estimate at the end "
           f"{[round(a, 2) for a in engine.acceptance.values()]}")
     print("rows  g  rounds  target        draft + bookkeeping")

@@ -29,12 +29,9 @@ import torch
 
 from codraft.drafts.base import Draft
 from codraft.models import ModelConfig, Transformer
-from codraft.rollout import CostModel, Engine
+from codraft.rollout import Engine
 import codraft.rollout.engine as engine_mod
 import codraft.spec.verify as verify_mod
-
-# for an engine whose draft-length rule a test replaces: the rule reads no costs
-UNUSED_COST = CostModel((1,), ((0.0,),), ((0.0,),))
 
 V, PROMPT = 8, [3, 1, 4, 1]
 ALPHA = 1e-4  # per (case, seed) test
@@ -270,7 +267,7 @@ class Harness:
         if case.adaptive:
             draft = copy.copy(draft)
             draft.default_gamma = case.gamma  # the most a round drafts
-            engine = Engine(self.target, draft, gamma="auto", cost_model=UNUSED_COST)
+            engine = Engine(self.target, draft, gamma="auto", cost_model=object())  # the rule ignores costs
         else:
             engine = Engine(self.target, draft, gamma=case.gamma)
         choose = engine_mod.choose

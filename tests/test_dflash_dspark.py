@@ -20,7 +20,6 @@ from codraft.kernels import dispatch
 from codraft.models import ModelConfig, Transformer
 from codraft.rollout import Engine, Sampler
 
-from spec_harness import UNUSED_COST
 from test_spec_sampling import (  # noqa: F401  (target, exact are fixtures)
     N, N_NEW, PROMPT, _histogram, _scaled, chi2_fits, exact, target,
 )
@@ -469,7 +468,7 @@ def test_greedy_spec_with_plain_rounds_between_equals_plain(kind, monkeypatch):
     plain = Engine(target).generate(prompts, 24, temperature=0.0, eos_id=eos)
     lengths = iter([0, 0, 3, 0, 0, 0, 2, 1, 0, 3] * 10)
     monkeypatch.setattr(engine_mod, "choose", lambda rows, acceptance, cost: next(lengths))
-    engine = Engine(target, draft, gamma="auto", cost_model=UNUSED_COST)
+    engine = Engine(target, draft, gamma="auto", cost_model=object())
     spec = engine.generate(prompts, 24, temperature=0.0, eos_id=eos)
     assert [r.tokens for r in spec] == [r.tokens for r in plain]
     assert engine.stats.gamma_chosen[0] > 0 and sum(engine.stats.gamma_chosen[1:]) > 0

@@ -22,9 +22,10 @@ from codraft import kernels
 from codraft.drafts import build_draft
 from codraft.kernels import dispatch, fast_layers
 from codraft.models import ModelConfig, Transformer
+from codraft.rl import trainer as trainer_mod
 from codraft.rl.logger import read_metrics
 from codraft.rl.trainer import Trainer, train
-from codraft.rollout import AcceptanceEstimate, ContextCosts, CostModel, Engine, choose
+from codraft.rollout import AcceptanceEstimate, CostModel, Engine, choose, load_or_calibrate
 from spec_harness import ADAPTIVE_CASES, SEEDS, harness, scaled
 from test_cotrain import _cfg, _comparable, tiny_policy_dir  # noqa: F401 (tiny_policy_dir is a fixture)
 
@@ -42,9 +43,6 @@ class Cost:
 
     def draft(self, rows, g):
         return self.commit + self.per_draft * rows * g
-
-    def at(self, context):
-        return self
 
 
 # ---------------------------------------------------------------- the rule
@@ -174,76 +172,28 @@ def calibrations(monkeypatch):
     calls = []
     real = dl.calibrate
 
-    def counted(model, max_gamma, rows, *, start):
+    def counted(model, draft, max_gamma, rows):
         calls.append(rows)
-        return real(model, max_gamma, rows, start=start, repeats=1)
+        return real(model, draft, max_gamma, rows, repeats=1)
     monkeypatch.setattr(dl, "calibrate", counted)
     return calls
-
-
-@pytest.fixture
-def folder(tmp_path, monkeypatch):
-    """Where ``Engine.calibrate`` caches its files: a fresh ``$CODRAFT_CACHE``."""
-    monkeypatch.setenv("CODRAFT_CACHE", str(tmp_path))
-    return tmp_path / "calibration"
-
-
-def calibrated(model, draft, rows):
-    return Engine(model, draft, "auto").calibrate(rows)
 
 
 def test_calibration_times_the_grid_without_touching_the_global_rng(small, capsys):
     model, draft = small
     rng = torch.get_rng_state()
-    fixed = Engine(model, draft, 2)
-
-    def start(prompts, max_new):
-        return fixed.start(prompts, max_new, temperature=1.0, seed=0, eos_id=[])
-    cost = dl.calibrate(model, 2, 3, start=start, repeats=1, contexts=(8, 40))
+    cost = dl.calibrate(model, draft, 2, 3, repeats=1)
     assert torch.equal(torch.get_rng_state(), rng)
-    assert cost.rows == (1, 2, 4) and cost.max_gamma == 2 and cost.contexts == (8 + 9, 40 + 9)  # + half the growth
-    assert all(len(r) == 3 and min(r) > 0 for m in cost.models for r in m.target_s + m.draft_s)
-    # 2 contexts x 3 row counts x 3 g x 2 passes
-    assert "calibrating draft length on cpu: 36/36 rounds in" in capsys.readouterr().err
-    # the model allows 128 positions: the longer prompts are cut to leave room for the passes' tokens
-    assert dl.calibrate(model, 2, 1, start=start, repeats=1, contexts=(8, 500)).contexts == (8 + 9, 128 - 18 + 9)
+    assert cost.rows == (1, 2, 4) and cost.max_gamma == 2
+    assert all(len(r) == 3 and min(r) > 0 for r in cost.target_s + cost.draft_s)
+    assert "calibrating draft length on cpu: 36/36 timings in" in capsys.readouterr().err
 
 
-def test_a_round_is_priced_at_its_context():
-    short = CostModel((1, 2), ((1.0, 2.0), (2.0, 4.0)), ((0.1, 0.2), (0.2, 0.4)))
-    long = CostModel((1, 2), ((2.0, 3.0), (4.0, 6.0)), ((0.1, 0.3), (0.2, 0.6)))
-    cost = ContextCosts((100, 300), (short, long))
-    assert cost.at(100).target(2, 2) == 4.0 and cost.at(300).target(2, 2) == 6.0
-    assert cost.at(200).target(1, 1) == 1.5 and cost.at(200).draft(2, 1) == pytest.approx(0.5)  # linear between
-    assert cost.at(500).target(1, 2) == 4.0 and cost.at(0).target(2, 1) == 1.0  # and beyond
-    assert short.at(1000) is short  # one context: flat
-
-
-def test_a_round_drafts_the_length_it_is_given(small):
-    """``Rollout.step(g)`` (what calibration times): each round drafts g, greedy tokens stay the plain
-    engine's whatever the sequence of g, and a g the engine cannot draft is refused."""
+def test_cache_is_reused_and_a_doctored_or_corrupt_file_is_recalibrated(small, calibrations, tmp_path):
     model, draft = small
-    plain = Engine(model).generate(PROMPTS, 30, temperature=0.0, eos_id=[])
-    run = Engine(model, draft, 2).start(PROMPTS, 30, temperature=0.0, eos_id=[])
-    lengths = [0, 2, 1, 0, 0, 2, 2, 1]  # at most 3 tokens a round: no row finishes within them
-    for g in lengths:
-        run.step(g)
-    assert run.stats.gamma_chosen == [3, 2, 3] and run.stats.drafted == 3 * sum(lengths)
-    while not run.finished:
-        run.step()
-    assert [r.tokens for r in run.results()] == [r.tokens for r in plain]
-    for bad in (3, -1):
-        with pytest.raises(ValueError, match="a round drafts 0..2 tokens here"):
-            Engine(model, draft, 2).start(PROMPTS, 4).step(bad)
-    with pytest.raises(ValueError, match="a round drafts 0..0 tokens here"):
-        Engine(model).start(PROMPTS, 4).step(1)
-
-
-def test_cache_is_reused_and_a_doctored_or_corrupt_file_is_recalibrated(small, calibrations, folder):
-    model, draft = small
-    first = calibrated(model, draft, 2)
-    (path,) = folder.glob("*.json")
-    assert calibrated(model, draft, 2) == first and calibrations == [2]
+    first = load_or_calibrate(model, draft, 2, 2, folder=tmp_path)
+    (path,) = tmp_path.glob("*.json")
+    assert load_or_calibrate(model, draft, 2, 2, folder=tmp_path) == first and calibrations == [2]
     saved = json.loads(path.read_text())
     assert saved["key"]["machine"] == dl.machine_key(torch.device("cpu"))
     assert saved["key"]["machine"]["threads"] == torch.get_num_threads()
@@ -251,69 +201,64 @@ def test_cache_is_reused_and_a_doctored_or_corrupt_file_is_recalibrated(small, c
     for field, value in (("threads", 999), ("processor", "another CPU"), ("device", "cuda:7")):
         doctored = json.loads(path.read_text())
         doctored["key"]["machine"][field] = value
-        doctored["models"][0]["target_s"] = [[1e9] * 3] * len(doctored["models"][0]["rows"])
+        doctored["target_s"] = [[1e9] * 3] * len(doctored["rows"])
         path.write_text(json.dumps(doctored))
         with pytest.warns(UserWarning, match="recorded for another setting"):
-            cost = calibrated(model, draft, 2)
-        assert cost.models[0].target(1, 1) < 1e9 and json.loads(path.read_text())["key"] == saved["key"]  # rewritten
+            cost = load_or_calibrate(model, draft, 2, 2, folder=tmp_path)
+        assert cost.target(1, 1) < 1e9 and json.loads(path.read_text())["key"] == saved["key"]  # rewritten
     assert len(calibrations) == 4
 
     for text in ("{not json", json.dumps({"key": saved["key"], "rows": [1], "target_s": [], "draft_s": []})):
         path.write_text(text)
         with pytest.warns(UserWarning, match="unreadable draft-length calibration"):
-            calibrated(model, draft, 2)
+            load_or_calibrate(model, draft, 2, 2, folder=tmp_path)
         assert json.loads(path.read_text())["key"] == saved["key"]
     assert len(calibrations) == 6
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert calibrated(model, draft, 5).rows == (1, 2, 4, 8)  # a bigger batch
-        assert calibrated(model, draft, 3).rows == (1, 2, 4, 8)  # covered
-    assert calibrations[-1] == 5 and len(calibrations) == 7 and len(list(folder.glob("*.json"))) == 1
+        assert load_or_calibrate(model, draft, 2, 5, folder=tmp_path).rows == (1, 2, 4, 8)  # a bigger batch
+        assert load_or_calibrate(model, draft, 2, 3, folder=tmp_path).rows == (1, 2, 4, 8)  # covered
+    assert calibrations[-1] == 5 and len(calibrations) == 7 and len(list(tmp_path.glob("*.json"))) == 1
 
 
-def test_cache_key_follows_the_model_draft_and_threads(small, calibrations, folder):
+def test_cache_key_follows_the_model_draft_and_threads(small, calibrations, tmp_path):
     model, draft = small
-    calibrated(model, draft, 1)
-    calibrated(model, build_draft("ngram", model.config, n=4, gamma=2), 1)
-    calibrated(model, build_draft("ngram", model.config, gamma=1), 1)  # γ
+    load_or_calibrate(model, draft, 2, 1, folder=tmp_path)
+    load_or_calibrate(model, build_draft("ngram", model.config, n=4, gamma=2), 2, 1, folder=tmp_path)
+    load_or_calibrate(model, draft, 1, 1, folder=tmp_path)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(threads + 1)
-        calibrated(model, draft, 1)
+        load_or_calibrate(model, draft, 2, 1, folder=tmp_path)
     finally:
         torch.set_num_threads(threads)
-    assert len(calibrations) == 4 and len(list(folder.glob("*.json"))) == 4
+    assert len(calibrations) == 4 and len(list(tmp_path.glob("*.json"))) == 4
 
 
-def test_cache_key_follows_the_kernels_build(small, calibrations, folder, monkeypatch):
+def test_cache_key_follows_the_kernels_build(small, calibrations, tmp_path, monkeypatch):
     """A calibration timed on another build of the C kernels (they changed, or were turned off) is not
     reused: the decode path is part of the key."""
     model, draft = small
     fast = kernels.enable(copy.deepcopy(model))
     assert isinstance(fast, fast_layers.FastTransformer)  # (the suite needs the C compiler: test_gemv)
-    calibrated(fast, draft, 1)
-    calibrated(fast, draft, 1)
+    load_or_calibrate(fast, draft, 2, 1, folder=tmp_path)
+    load_or_calibrate(fast, draft, 2, 1, folder=tmp_path)
     assert len(calibrations) == 1
     monkeypatch.setattr(fast_layers.FastTransformer, "decode_path", property(lambda self: "kernels-rebuilt.so"))
-    calibrated(fast, draft, 1)
-    assert len(calibrations) == 2 and len(list(folder.glob("*.json"))) == 2
-    keys = [json.loads(p.read_text())["key"]["model"]["decode_path"] for p in folder.glob("*.json")]
+    load_or_calibrate(fast, draft, 2, 1, folder=tmp_path)
+    assert len(calibrations) == 2 and len(list(tmp_path.glob("*.json"))) == 2
+    keys = [json.loads(p.read_text())["key"]["model"]["decode_path"] for p in tmp_path.glob("*.json")]
     assert sorted(keys) == sorted([dispatch.machine()["kernels"], "kernels-rebuilt.so"])
 
 
-def test_engine_calibrates_once_into_the_cache_folder(small, calibrations, folder):
+def test_engine_calibrates_once_into_the_cache_folder(small, calibrations, tmp_path, monkeypatch):
     model, draft = small
-    auto = Engine(model, draft, gamma="auto")
-    before = auto.acceptance.state_dict()
-    assert auto.calibrate(1) is auto.cost_model and auto.acceptance.state_dict() == before  # rounds of a fixed γ
-    with pytest.raises(ValueError, match='calibrate\\(\\) is for gamma="auto", this engine drafts 2 a round'):
-        Engine(model, draft, 2).calibrate(1)
-    calibrations.clear()
+    monkeypatch.setenv("CODRAFT_CACHE", str(tmp_path))
     engine = Engine(model, draft, gamma="auto")
     assert engine.cost_model is None  # calibrated at the first call, for its batch
     out = engine.generate(PROMPTS, 6, seed=0, eos_id=[])
-    assert len(list(folder.glob("*.json"))) == 1 and calibrations == [3]
+    assert len(list((tmp_path / "calibration").glob("*.json"))) == 1 and calibrations == [3]
     assert all(len(r.tokens) == 6 for r in out) and sum(engine.stats.gamma_chosen) == engine.stats.rounds
     engine.generate(PROMPTS[:2], 6, seed=0, eos_id=[])
     Engine(model, draft, gamma="auto").generate(PROMPTS, 6, seed=0, eos_id=[])  # from the file
@@ -328,7 +273,7 @@ def test_trainer_auto_logs_the_histogram_and_resumes_exactly(tmp_path, tiny_poli
     acceptance estimates (rollout and frozen probe) are checkpointed, so a run cut at step 2 and
     resumed repeats the uninterrupted one (a fixed cost model: timing plays no part)."""
     cost = CostModel((1,), ((1.0, 1.0, 1.0, 1.0),), ((0.0, 0.1, 0.2, 0.3),))
-    monkeypatch.setattr(Engine, "calibrate", lambda self, rows: cost)
+    monkeypatch.setattr(trainer_mod, "load_or_calibrate", lambda policy, draft, gamma, rows: cost)
     extra = ["rollout.draft_length=auto", "log.frozen_probe_every=1", "log.val_every=0"]
     train(_cfg(tiny_policy_dir, tmp_path / "full", 4, extra=extra), progress=False)
     real_step = Trainer.step

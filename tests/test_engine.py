@@ -13,7 +13,7 @@ import codraft.rollout.engine as engine_mod
 from codraft.drafts import available_drafts, build_draft
 from codraft.models import KVCache, ModelConfig, Transformer
 from codraft.rollout import Engine, Sampler
-from spec_harness import UNUSED_COST, scaled
+from spec_harness import scaled
 
 V = 61
 PROMPTS = [[5, 17, 3], [9, 9, 40, 2, 33, 7, 1, 12, 60], [4]]  # different lengths: right-padded prefill
@@ -423,7 +423,7 @@ def test_greedy_with_varying_draft_lengths_equals_plain(target, kind, scheduled)
     eos = plain[0].tokens[9]
     expect = [r.tokens[:r.tokens.index(eos) + 1] if eos in r.tokens else r.tokens for r in plain]
     scheduled()
-    engine = Engine(target, _draft_of(kind, target), gamma="auto", cost_model=UNUSED_COST)
+    engine = Engine(target, _draft_of(kind, target), gamma="auto", cost_model=object())
     out = engine.generate(PROMPTS, 20, temperature=0, eos_id=eos)
     assert [r.tokens for r in out] == expect
     s = engine.stats
@@ -441,7 +441,7 @@ def test_draft_state_after_varying_rounds_equals_a_fresh_begin(target, kind, sch
     target forward's features: every commit, of width 1 too, left the state as begin would."""
     scheduled()
     draft = _draft_of(kind, target)
-    run = Engine(target, draft, gamma="auto", cost_model=UNUSED_COST).start(PROMPTS, 40, seed=3, eos_id=[])
+    run = Engine(target, draft, gamma="auto", cost_model=object()).start(PROMPTS, 40, seed=3, eos_id=[])
     for _ in range(2 * len(SCHEDULE)):
         run.step()
     assert run.rows.tolist() == [0, 1, 2]  # no row finished

@@ -47,7 +47,7 @@ import torch
 from codraft.bench import CpuMeter, format_table, machine_info, median
 from codraft.bench.bandwidth import decode_bound_s, measure_bandwidth, weight_bytes
 from codraft.policy import load_policy
-from codraft.rollout import Engine
+from codraft.rollout import Engine, load_or_calibrate
 from codraft.rollout.stats import SpecStats
 from codraft.rollout.weights import RolloutWeights
 from codraft.tasks import make_task
@@ -284,7 +284,7 @@ def _codraft_sides(policy, drafts: dict, dtype: str, gammas: list, named_gammas:
     for spec, draft in drafts.items():
         draft = weights.draft_for(draft)
         for g in gammas:
-            cost = Engine(target, draft, "auto").calibrate(rows) if g == "auto" else None
+            cost = load_or_calibrate(target, draft, draft.default_gamma, rows) if g == "auto" else None
             sides.append(_codraft_side(f"codraft spec/{spec}" + (f" γ={g}" if named_gammas else "") + tag, target,
                                        draft, g, max_new, cost, dtype))
     return sides

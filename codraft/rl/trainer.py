@@ -76,7 +76,7 @@ from codraft.rl.microbatch import split_microbatches
 from codraft.rl.pipelined import (ConsolidatedState, build_pipeline, clip_gradients, keep_state, pipeline_cotrain,
                                   reduce_gradients, stage_parameters, sync_weights)
 from codraft.rl.plots import plot_run
-from codraft.rollout import Engine, SpecStats
+from codraft.rollout import Engine, SpecStats, load_or_calibrate
 from codraft.rollout.weights import RolloutWeights
 from codraft.tasks import make_task
 from codraft.train import checkpoint as ckpt
@@ -202,8 +202,9 @@ class Trainer:
         # draft_length=auto: one cost model for every engine, timed now (or read from the cache) for the
         # largest batch any of them decodes
         rows = max(r.prompts_per_step * r.group_size, cfg.log.val_size if cfg.log.val_every else 1)
-        self.cost_model = Engine(self.rollout_weights.policy, self.rollout_weights.draft_for(self.draft),
-                                 "auto").calibrate(rows) if self.draft is not None and r.draft_length == "auto" else None
+        self.cost_model = load_or_calibrate(self.rollout_weights.policy, self.rollout_weights.draft_for(self.draft),
+                                            self.draft.default_gamma, rows) \
+            if self.draft is not None and r.draft_length == "auto" else None
         # log.frozen_probe_every: the initial draft, kept frozen and run on the same prompts as the
         # co-trained one, so staleness is measured against the very same policy (copied before a resume
         # restores the trained draft)

@@ -8,23 +8,21 @@ commits the new token) to maximise the expected tokens per second of the round:
 
 a_k = P(draft position k accepted), unconditional (non-increasing), estimated by
 ``AcceptanceEstimate`` from the rounds so far; T_target(rows, t) is one target forward of t tokens
-per row with its sampling or acceptance rule, T_draft(rows, g) the rest of the round: the draft's
-propose(g), its commit of g+1 tokens (g = 0: keeping the token for later), the bookkeeping; both
-priced at the round's context length. The rule reads only the past (row count, earlier verdicts,
-context length), never a clock, so the emitted tokens keep exactly the target's distribution and a
-seed repeats a run.
+per row, T_draft(rows, g) the draft's propose(g) plus its commit of g+1 tokens (g = 0: the commit
+alone). The rule reads only the past (row count, earlier verdicts), never a clock, so the emitted
+tokens keep exactly the target's distribution and a seed repeats a run.
 
-``CostModel`` holds those times measured on the device at hand (``calibrate``: the engine's own rounds
-at rows 1, 2, 4, … up to the batch, each g in 0..γ_max, best of a few repeats, linear in rows between
-grid points; a round's target part is its forward with the sampling or acceptance rule, its draft part
-everything else it pays). ``load_or_calibrate`` caches it as JSON under ``cache_root()/calibration/``,
-keyed by the model (config, dtype, class), the draft (kind, shapes), the device, torch's thread count,
-the CPU or GPU name and ``CODRAFT_KERNELS``; a file recorded elsewhere, or unreadable, is recalibrated.
+``CostModel`` holds those times measured on the device at hand (``calibrate``: real forwards over
+rows 1, 2, 4, … up to the batch × tokens 1..γ_max+1, best of a few repeats, linear in rows between
+grid points). ``load_or_calibrate`` caches it as JSON under ``cache_root()/calibration/``, keyed by
+the model (config, dtype, class), the draft (kind, shapes), the device, torch's thread count, the
+CPU or GPU name and ``CODRAFT_KERNELS``; a file recorded elsewhere, or unreadable, is recalibrated.
 docs/draft-length.md has the details.
 """
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import math
@@ -35,18 +33,17 @@ import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from time import perf_counter
-from typing import Callable, Sequence
+from typing import Sequence
 
 import torch
 import torch.nn as nn
 
 from codraft.cache import cache_root
+from codraft.models import KVCache
+from codraft.spec.sampling import Sampler
 
-FORMAT = 2  # bump when the file layout or what is timed changes: old files are recalibrated (2: engine
-# rounds at two context lengths)
-# prompt tokens per row of the two calibrations (the rounds then grow each by up to ~100): a rollout's
-# context runs from its prompt (~100 tokens for the real preset) to prompt + completion
-CONTEXTS = (64, 256)
+FORMAT = 1  # bump when the file layout or what is timed changes: old files are recalibrated
+CONTEXT = 64  # context tokens per row while timing (cost is taken as flat in the context length)
 
 
 # ---- the rule ----------------------------------------------------------------------------------
@@ -114,8 +111,8 @@ class AcceptanceEstimate:
 class CostModel:
     """Seconds of one round's parts at the calibrated row counts, linear in rows in between."""
     rows: tuple[int, ...]                  # ascending row counts of the grid
-    target_s: tuple[tuple[float, ...], ...]  # [i][t-1]: a round's target forward of rows[i] x t tokens + its rule
-    draft_s: tuple[tuple[float, ...], ...]   # [i][g]: the rest of a round drafting g at rows[i]
+    target_s: tuple[tuple[float, ...], ...]  # [i][t-1]: target forward of rows[i] rows x t tokens
+    draft_s: tuple[tuple[float, ...], ...]   # [i][g]: draft propose(g) + commit(g+1) at rows[i]
 
     @property
     def max_gamma(self) -> int:
@@ -126,42 +123,6 @@ class CostModel:
 
     def draft(self, rows: int, g: int) -> float:
         return _interpolate(self.rows, [r[g] for r in self.draft_s], rows)
-
-    def at(self, context: int) -> "CostModel":
-        return self  # timed at one context length: flat in it
-
-
-@dataclass(frozen=True)
-class ContextCosts:
-    """Cost models timed at increasing context lengths (``contexts``, tokens per row); ``at(context)``
-    prices a round at that context, linear in between and beyond. A round's attention reads every row's
-    context: SmolLM2's bf16 forwards cost 9-21 % more at 256 tokens than at 64 (session 28), and the
-    rounds where the choice is close (2-4 rows left) come late in a rollout."""
-    contexts: tuple[int, ...]
-    models: tuple[CostModel, ...]
-
-    @property
-    def rows(self) -> tuple[int, ...]:
-        return self.models[0].rows
-
-    @property
-    def max_gamma(self) -> int:
-        return self.models[0].max_gamma
-
-    def at(self, context: int) -> "_AtContext":
-        return _AtContext(self, context)
-
-
-@dataclass(frozen=True)
-class _AtContext:
-    costs: ContextCosts
-    context: int
-
-    def target(self, rows: int, tokens: int) -> float:
-        return _interpolate(self.costs.contexts, [m.target(rows, tokens) for m in self.costs.models], self.context)
-
-    def draft(self, rows: int, g: int) -> float:
-        return _interpolate(self.costs.contexts, [m.draft(rows, g) for m in self.costs.models], self.context)
 
 
 def _interpolate(xs: Sequence[int], ys: Sequence[float], x: float) -> float:
@@ -183,51 +144,89 @@ def row_grid(rows: int) -> list[int]:
     return grid
 
 
-def calibrate(model: nn.Module, max_gamma: int, rows: int, *, start: Callable, repeats: int = 3,
-              contexts: Sequence[int] = CONTEXTS) -> ContextCosts:
-    """Time the engine's own rounds on the model's device: per context length c and grid row count b, a
-    rollout of b random prompts of c tokens, ``start(prompts, max_new)`` (the engine's: T = 1, EOS off,
-    a fixed γ = max_gamma so that no estimate is touched), stepped with each g in 0..max_gamma in turn.
-    A round's target part is its ``verify_s`` (the forward with its sampling or acceptance rule), its
-    draft part the rest (propose, commit, bookkeeping, the host sync): what the rule prices is what a
-    rollout pays, not bare calls. Best of ``repeats`` passes over all cells after a warm-up pass
-    (interleaved, so a slow spell of the machine spreads over all cells instead of skewing a few), each
-    part's minimum on its own; a progress line on stderr. Prompts and samples come from private
-    generators: the global RNG is untouched. Contexts longer than the model allows are cut to fit."""
+@torch.inference_mode()
+def calibrate(model: nn.Module, draft, max_gamma: int, rows: int, *, repeats: int = 3,
+              context: int = CONTEXT) -> CostModel:
+    """Time real target forwards and draft propose+commit rounds on the model's device, best of
+    ``repeats`` passes over the whole grid after a warm-up pass (interleaved, so a slow spell of the
+    machine spreads over all cells instead of skewing a few), with a progress line on stderr.
+    Random tokens and features come from a private generator: the global RNG is untouched."""
     dev = next(model.parameters()).device
-    room = (repeats + 1) * (max_gamma + 1) ** 2  # the most tokens the passes emit per row
-    max_len = model.config.max_position_embeddings
-    if room >= max_len:
-        raise ValueError(f"calibrating {max_gamma} drafts a round needs more than the {max_len} positions the "
-                         f"model allows")
-    prompt_lens = sorted({max(1, min(c, max_len - room)) for c in contexts})
-    gen = torch.Generator(device=dev).manual_seed(0)
+    rand = _Random(model, draft.feature_layers, dev)
     grid = row_grid(rows)
-    runs = {(c, b): start(torch.randint(model.config.vocab_size, (b, c), generator=gen, device=dev).tolist(), room)
-            for c in prompt_lens for b in grid}
-    cells = [(c, b, g) for c in prompt_lens for b in grid for g in range(max_gamma + 1)]
-    best = {cell: [math.inf, math.inf] for cell in cells}  # -> [target s, draft s]
+    target_cells, draft_cells = [], []  # [row index][tokens - 1], [row index][g]: calls to time
+    for b in grid:
+        cache = KVCache.for_model(model, b, context + max_gamma + 1)
+        target_cells.append([_target_forward(model, draft, cache, rand.ids(b, t), context)
+                             for t in range(1, max_gamma + 2)])
+        rounds = _DraftRounds(draft, rand, b, context, room=(max_gamma + 1) * (repeats + 1) + max_gamma + 2)
+        draft_cells.append([functools.partial(rounds.run, rand.ids(b, g + 1), rand.features(b, g + 1))
+                            for g in range(max_gamma + 1)])
+    cells = [fn for row in target_cells + draft_cells for fn in row]
+    best = [math.inf] * len(cells)
     start, n = perf_counter(), len(cells) * (repeats + 1)
     for p in range(repeats + 1):  # pass 0 warms up
-        for j, (c, b, g) in enumerate(cells):
-            run = runs[c, b]
-            s = run.stats
-            before = s.verify_s, s.draft_s + s.bookkeeping_s
-            run.resume()  # other cells ran since this rollout's last round
-            run.step(g)
+        for i, fn in enumerate(cells):
+            _sync(dev)
+            t0 = perf_counter()
+            fn()
+            _sync(dev)
             if p:
-                part = best[c, b, g]
-                part[0] = min(part[0], s.verify_s - before[0])
-                part[1] = min(part[1], s.draft_s + s.bookkeeping_s - before[1])
+                best[i] = min(best[i], perf_counter() - t0)
             if sys.stderr.isatty():
-                print(f"\rcalibrating draft length on {dev}: {p * len(cells) + j + 1}/{n} rounds", end="",
+                print(f"\rcalibrating draft length on {dev}: {p * len(cells) + i + 1}/{n} timings", end="",
                       file=sys.stderr, flush=True)
-    print(f"\rcalibrating draft length on {dev}: {n}/{n} rounds in {perf_counter() - start:.1f} s",
+    print(f"\rcalibrating draft length on {dev}: {n}/{n} timings in {perf_counter() - start:.1f} s",
           file=sys.stderr, flush=True)
-    models = tuple(CostModel(tuple(grid), *(tuple(tuple(best[c, b, g][part] for g in range(max_gamma + 1))
-                                                  for b in grid) for part in (0, 1)))
-                   for c in prompt_lens)
-    return ContextCosts(tuple(c + room // 2 for c in prompt_lens), models)  # a cell's context, on average
+    width = max_gamma + 1
+    table = [tuple(best[i:i + width]) for i in range(0, len(best), width)]
+    return CostModel(tuple(grid), tuple(table[:len(grid)]), tuple(table[len(grid):]))
+
+
+class _Random:
+    """Token ids and target features of the right shapes, from a private generator."""
+
+    def __init__(self, model: nn.Module, layers, device: torch.device):
+        self.vocab, self.hidden = model.config.vocab_size, model.config.hidden_size
+        self.dtype, self.layers, self.device = next(model.parameters()).dtype, tuple(layers), device
+        self.gen = torch.Generator(device=device).manual_seed(0)
+
+    def ids(self, b: int, t: int) -> torch.Tensor:
+        return torch.randint(self.vocab, (b, t), generator=self.gen, device=self.device)
+
+    def features(self, b: int, t: int) -> dict:
+        return {l: torch.randn(b, t, self.hidden, generator=self.gen, device=self.device, dtype=self.dtype)
+                for l in self.layers}
+
+
+def _target_forward(model: nn.Module, draft, cache: KVCache, ids: torch.Tensor, context: int):
+    """A call running the verify forward of ids (B,t) over ``cache`` holding ``context`` tokens per row."""
+    start = torch.full((ids.shape[0],), context, device=ids.device)
+    taps = tuple(draft.feature_layers)
+
+    def run():
+        cache.set_lengths(start, span=context)
+        model(ids, cache=cache, taps=taps)
+    return run
+
+
+class _DraftRounds:
+    """A draft state of b rows begun through the public interface; ``run`` is one round: propose g
+    tokens (none when g = 0), then commit g + 1, of which 1 counts, so the context grows by one."""
+
+    def __init__(self, draft, rand: _Random, b: int, context: int, room: int):
+        self.draft, self.length = draft, context + 1
+        self.state = draft.begin(rand.ids(b, context + 1), torch.full((b,), context + 1, device=rand.device),
+                                 rand.features(b, context), max_len=context + room)
+        self.ones = torch.ones(b, dtype=torch.long, device=rand.device)
+        self.sampler = Sampler(1.0, generator=torch.Generator(device=rand.device).manual_seed(0))  # RL: sampling
+
+    def run(self, tokens: torch.Tensor, features: dict):
+        g = tokens.shape[1] - 1
+        if g:
+            self.draft.propose(self.state, g, self.sampler, context_len=self.length)
+        self.state = self.draft.commit(self.state, tokens, self.ones, features)
+        self.length += 1
 
 
 def _sync(device: torch.device):
@@ -273,27 +272,26 @@ def signature(model: nn.Module, draft, max_gamma: int) -> dict:
     }
 
 
-def load_or_calibrate(model: nn.Module, draft, max_gamma: int, rows: int, *, start: Callable,
-                      folder: str | os.PathLike | None = None) -> ContextCosts:
+def load_or_calibrate(model: nn.Module, draft, max_gamma: int, rows: int, *,
+                      folder: str | os.PathLike | None = None) -> CostModel:
     """The cached cost model of (model, draft, this machine) covering ``rows`` rows, else a fresh
-    calibration (written back) of the rollouts ``start`` begins (``calibrate``; ``Engine.calibrate``
-    passes its own). A file recorded for another key, with a grid too small, or unreadable (warned) is
-    recalibrated."""
+    calibration (written back). A file recorded for another key, with a grid too small, or
+    unreadable (warned) is recalibrated."""
     key = json.loads(json.dumps(signature(model, draft, max_gamma), default=str))  # as JSON reads it back
     folder = Path(folder) if folder is not None else cache_root() / "calibration"
     path = folder / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]}.json"
     cached = _read(path, key)
     if cached is not None and cached.rows[-1] >= rows:
         return cached
-    cost = calibrate(model, max_gamma, max(rows, cached.rows[-1] if cached else 1), start=start)
+    cost = calibrate(model, draft, max_gamma, max(rows, cached.rows[-1] if cached else 1))
     folder.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"key": key, **dataclasses.asdict(cost)}, indent=1))  # contexts, models
+    tmp.write_text(json.dumps({"key": key, **dataclasses.asdict(cost)}, indent=1))
     os.replace(tmp, path)  # atomic: a reader sees the old file or the new one
     return cost
 
 
-def _read(path: Path, key: dict) -> ContextCosts | None:
+def _read(path: Path, key: dict) -> CostModel | None:
     if not path.is_file():
         return None
     try:
@@ -302,12 +300,9 @@ def _read(path: Path, key: dict) -> ContextCosts | None:
             warnings.warn(f"{path} was recorded for another setting (machine {d['key'].get('machine')}; this one "
                           f"is {key['machine']}): recalibrating", stacklevel=3)
             return None
-        models = tuple(CostModel(tuple(m["rows"]), tuple(map(tuple, m["target_s"])), tuple(map(tuple, m["draft_s"])))
-                       for m in d["models"])
-        cost = ContextCosts(tuple(d["contexts"]), models)
-        if not (models and len(cost.contexts) == len(models) and all(
-                m.rows == cost.rows and len(m.target_s) == len(m.draft_s) == len(m.rows) and all(
-                    len(r) == key["max_gamma"] + 1 for r in m.target_s + m.draft_s) for m in models)):
+        cost = CostModel(tuple(d["rows"]), tuple(map(tuple, d["target_s"])), tuple(map(tuple, d["draft_s"])))
+        if not (len(cost.target_s) == len(cost.draft_s) == len(cost.rows) and cost.max_gamma == key["max_gamma"]
+                and all(len(r) == key["max_gamma"] + 1 for r in cost.target_s + cost.draft_s)):
             raise ValueError("grid shapes do not match")
         return cost
     except (ValueError, KeyError, TypeError, AttributeError) as e:

@@ -105,25 +105,13 @@ class Engine:
         self._check(prompts, max_new_tokens)
         _check_sampling(temperature, top_p, top_k, seed)
         if self._calibrates and (self.cost_model is None or self.cost_model.rows[-1] < len(prompts)):
-            self.calibrate(len(prompts))
+            self.cost_model = load_or_calibrate(self.model, self.draft, self.gamma, len(prompts))
         gen = torch.Generator(device=self.device)
         gen.manual_seed(int(torch.randint(2**62, (1,))) if seed is None else seed)
         sampler = Sampler(temperature, top_p, top_k, gen)
         eos = self.model.config.eos_token_id if eos_id is None else eos_id
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
         return Rollout(self, [list(p) for p in prompts], max_new_tokens, sampler, eos)
-
-    def calibrate(self, rows: int):
-        """``gamma="auto"``'s cost model for up to ``rows`` rows, set and returned: from the cache, else
-        timed now on rounds of this engine's model and draft (``draft_length.load_or_calibrate``)."""
-        if self.acceptance is None:
-            raise ValueError(f'calibrate() is for gamma="auto", this engine drafts {self.gamma} a round')
-        fixed = Engine(self.model, self.draft, self.gamma, max_len=self.max_len)  # no estimate to disturb
-
-        def start(prompts, max_new):
-            return fixed.start(prompts, max_new, temperature=1.0, seed=0, eos_id=[])
-        self.cost_model = load_or_calibrate(self.model, self.draft, self.gamma, rows, start=start)
-        return self.cost_model
 
     def _check(self, prompts, max_new_tokens):
         if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
@@ -230,17 +218,12 @@ class Rollout:
         return logits, {i: torch.cat([pre[i].expand(len(ids), -1, -1), f], 1) for i, f in feats.items()}
 
     @torch.inference_mode()
-    def step(self, g: int | None = None):
-        """One decode step (plain, or g = 0) or one draft-verify round of g drafts, then the host sync.
-        g: this round's draft length, 0..gamma (calibration times each); default the engine's choice."""
+    def step(self):
+        """One decode step (plain, or g = 0) or one draft-verify round of g drafts, then the host sync."""
         if self.finished:
             return
         b = self.rows.numel()
-        if g is None:
-            g = self.draft_length(b)
-        elif not 0 <= g <= self.gamma or (g and self.draft is None):
-            raise ValueError(f"a round drafts 0..{self.gamma if self.draft is not None else 0} tokens here, "
-                             f"got g={g}")
+        g = self.draft_length(b)
         if self.draft is None or g == 0:
             logits, feats = self.model(self.last[:, None], cache=self.cache, taps=self.taps)  # (B,1,V)
             self.last, logp = self._sample(logits[:, 0])
@@ -283,7 +266,7 @@ class Rollout:
             return 0
         if self.acceptance is None:
             return self.gamma
-        return choose(rows, self.acceptance.values(), self.cost_model.at(self.cache.span))
+        return choose(rows, self.acceptance.values(), self.cost_model)
 
     def _count(self, rows: int, g: int, accepted: list[int]):
         """The round in the stats and the acceptance estimate; accepted[k-1]: rows that accepted >= k."""
@@ -330,11 +313,6 @@ class Rollout:
             if self.draft is not None:
                 self.draft_state = self.draft.select(self.draft_state, keep)
         return flags[b + 1:]
-
-    def resume(self):
-        """Restart the phase clock: the time since this rollout's last step (a caller interleaving several
-        rollouts, as calibration does) is left out of its phases."""
-        self._t = perf_counter()
 
     def _lap(self, phase: str):
         if self.timing_sync and self.device.type != "cpu":
