@@ -13,6 +13,7 @@ Usage: python scripts/draft_length_ab.py MODEL_A MODEL_B [--batch 8] [--prompts 
 """
 import argparse
 import json
+from pathlib import Path
 from time import perf_counter
 
 import torch
@@ -25,7 +26,7 @@ from codraft.train.offline_draft import draft_for_command
 
 
 def read_model(path: str) -> CostModel:
-    d = json.loads(open(path).read())
+    d = json.loads(Path(path).read_text())
     return CostModel(tuple(d["rows"]), tuple(map(tuple, d["target_s"])), tuple(map(tuple, d["draft_s"])))
 
 

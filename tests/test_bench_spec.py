@@ -71,9 +71,9 @@ def test_rollout_calls_take_turns_across_sides(tiny_policy_dir, tmp_path, monkey
         side = make(name, *args, **kw)
         run = side.run
 
-        def run_logged(prompts, n=8, temperature=0.0, **k):
+        def run_logged(prompts, *a, temperature=0.0, **k):
             order.append((name, temperature, tuple(map(tuple, prompts))))
-            return run(prompts, n, temperature=temperature, **k)
+            return run(prompts, *a, temperature=temperature, **k)
         side.run = run_logged
         return side
 
