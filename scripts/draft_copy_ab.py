@@ -10,48 +10,30 @@ Usage: python scripts/draft_copy_ab.py [BATCH] [REPEATS] [GAMMA]   (default 1 2 
 """
 import copy
 import sys
-from collections import defaultdict
-from time import perf_counter
 
 import torch
 
 from codraft.bench import machine_info
 from codraft.bench.spec import _prompts
-from codraft.policy import load_policy
 from codraft.rollout import Engine
-from codraft.rollout.weights import RolloutWeights
-from codraft.train.offline_draft import draft_for_command
+
+from rollout_ab import interleaved, smollm2_dspark  # (this folder)
 
 
 def main(batch: int = 1, repeats: int = 2, gamma: int = 4) -> None:
-    policy, tok, folder = load_policy("smollm2-135m")
-    policy.eval()
-    draft = draft_for_command("dspark", policy, tok, folder, gamma=gamma, init="offline")
-    weights = RolloutWeights(policy, torch.bfloat16)
+    tok, weights, draft = smollm2_dspark(gamma)
     target = weights.policy
     shared = copy.copy(draft).bind_target(target.embed_tokens.weight, target.head_weight)  # fp32 draft weights
     sides = {"plain": Engine(target), "draft fp32": Engine(target, shared, gamma),
              "draft bf16 copy": Engine(target, weights.draft_for(draft), gamma)}
     prompts = _prompts(tok, 16)
-    for e in sides.values():  # warm-up: dispatch tables, allocator
-        e.generate(prompts[:batch], 16, temperature=1.0, eos_id=[tok.eos_id], seed=0)
-    seconds, tokens, stats = defaultdict(float), defaultdict(int), defaultdict(lambda: defaultdict(float))
-    for rep in range(repeats):
-        for i in range(0, len(prompts), batch):
-            for name, e in sides.items():
-                t = perf_counter()
-                out = e.generate(prompts[i:i + batch], 128, temperature=1.0, eos_id=[tok.eos_id],
-                                 seed=1 + i + len(prompts) * rep)
-                seconds[name] += perf_counter() - t
-                tokens[name] += sum(len(o.tokens) for o in out)
-                for k in ("rounds", "row_rounds", "emitted_tokens", "draft_s", "verify_s"):
-                    stats[name][k] += getattr(e.stats, k)
+    out = interleaved(sides, prompts, batch, repeats, tok.eos_id)
     cpu = machine_info(kernels=False)["processor"]
     print(f"batch {batch}, γ = {gamma}, {repeats} x {len(prompts)} prompts, T = 1; {cpu}, "
           f"{torch.get_num_threads()} threads")
-    plain = tokens["plain"] / seconds["plain"]
-    for name in sides:
-        s, rate = stats[name], tokens[name] / seconds[name]
+    plain = out["plain"]["tokens"] / out["plain"]["seconds"]
+    for name, s in out.items():
+        rate = s["tokens"] / s["seconds"]
         r, tau = max(s["rounds"], 1), s["emitted_tokens"] / s["row_rounds"]
         print(f"  {name:16s} {rate:7.1f} tok/s  {rate / plain:.3f}x plain  τ {tau:.2f}"
               f"  draft {1e3 * s['draft_s'] / r:.2f} / verify {1e3 * s['verify_s'] / r:.2f} ms a round")

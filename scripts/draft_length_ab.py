@@ -14,15 +14,13 @@ Usage: python scripts/draft_length_ab.py MODEL_A MODEL_B [--batch 8] [--prompts 
 import argparse
 import json
 from pathlib import Path
-from time import perf_counter
 
 import torch
 
 from codraft.bench.spec import _prompts
-from codraft.policy import load_policy
 from codraft.rollout import CostModel, Engine, load_or_calibrate
-from codraft.rollout.weights import RolloutWeights
-from codraft.train.offline_draft import draft_for_command
+
+from rollout_ab import interleaved, smollm2_dspark  # (this folder)
 
 
 def read_model(path: str) -> CostModel:
@@ -40,34 +38,19 @@ def main():
     ap.add_argument("--temperature", type=float, default=1.0)
     a = ap.parse_args()
     torch.set_num_threads(2)
-    policy, tok, folder = load_policy("smollm2-135m")
-    policy.eval()
-    weights = RolloutWeights(policy, torch.bfloat16)
-    target = weights.policy
-    draft = weights.draft_for(draft_for_command("dspark", policy, tok, folder, gamma=4, init="offline"))
+    tok, weights, draft = smollm2_dspark()
+    target, draft = weights.policy, weights.draft_for(draft)
     sides = {"plain": Engine(target)}
     for i, m in enumerate(a.models):
         cost = load_or_calibrate(target, draft, draft.default_gamma, a.batch) if m == "new" else read_model(m)
         sides[f"auto {'AB'[i]}"] = Engine(target, draft, "auto", cost_model=cost)
     prompts = _prompts(tok, a.prompts + a.offset)[a.offset:]
-    for e in sides.values():  # warm-up
-        e.generate(prompts[:a.batch], 16, temperature=1.0, eos_id=[tok.eos_id], seed=0)
-    seconds, tokens, chosen = {k: 0.0 for k in sides}, {k: 0 for k in sides}, {k: None for k in sides}
-    for rep in range(a.repeats):
-        for i in range(0, len(prompts), a.batch):
-            for k, e in sides.items():
-                t = perf_counter()
-                res = e.generate(prompts[i:i + a.batch], 128, temperature=a.temperature, eos_id=[tok.eos_id],
-                                 seed=1 + i + len(prompts) * rep)
-                seconds[k] += perf_counter() - t
-                tokens[k] += sum(len(r.tokens) for r in res)
-                g = e.stats.gamma_chosen
-                chosen[k] = g if chosen[k] is None else [x + y for x, y in zip(chosen[k], g)]
-    plain = tokens["plain"] / seconds["plain"]
-    for k in sides:
-        rate = tokens[k] / seconds[k]
-        print(f"T={a.temperature} batch {a.batch}, {len(prompts)} prompts x {a.repeats}: {k}: {tokens[k]} tokens, "
-              f"{rate:.1f} tok/s, {rate / plain:.3f}x plain, rounds by g {chosen[k] or '-'}")
+    out = interleaved(sides, prompts, a.batch, a.repeats, tok.eos_id, a.temperature)
+    plain = out["plain"]["tokens"] / out["plain"]["seconds"]
+    for k, s in out.items():
+        rate = s["tokens"] / s["seconds"]
+        print(f"T={a.temperature} batch {a.batch}, {len(prompts)} prompts x {a.repeats}: {k}: {s['tokens']} tokens, "
+              f"{rate:.1f} tok/s, {rate / plain:.3f}x plain, rounds by g {s['gamma_chosen'] or '-'}")
 
 
 if __name__ == "__main__":

@@ -10,21 +10,15 @@ Usage: python scripts/draft_length_error.py [BATCH] [REPEATS]   (default 8 2; ~2
 import sys
 from collections import defaultdict
 
-import torch
-
 from codraft.bench.spec import _prompts
-from codraft.policy import load_policy
 from codraft.rollout import Engine, load_or_calibrate
-from codraft.rollout.weights import RolloutWeights
-from codraft.train.offline_draft import draft_for_command
+
+from rollout_ab import smollm2_dspark  # (this folder)
 
 
 def main(batch: int = 8, repeats: int = 2) -> None:
-    policy, tok, folder = load_policy("smollm2-135m")
-    policy.eval()
-    weights = RolloutWeights(policy, torch.bfloat16)
-    target = weights.policy
-    draft = weights.draft_for(draft_for_command("dspark", policy, tok, folder, gamma=4, init="offline"))
+    tok, weights, draft = smollm2_dspark()
+    target, draft = weights.policy, weights.draft_for(draft)
     cost = load_or_calibrate(target, draft, draft.default_gamma, batch)
     engine = Engine(target, draft, "auto", cost_model=cost)
     prompts = _prompts(tok, 16)

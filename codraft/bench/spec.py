@@ -199,6 +199,7 @@ def bench_model(model_name: str, *, batches, max_new: int, drafts, gamma: int, r
         # a lot, so one call of b rows is too few tokens for a ratio
         t1_calls = [all_prompts[i:i + b] for i in range(0, max(t1_rows, b), b)]
         these = sides + ([pld] if hf and b == 1 else [])
+        sampled = [s for s in these if s.sampled]
         for s in these:
             s.times, s.times_t1, s.tokens_t1, s.stats_t1 = [], [], [], []
             s.run(prompts, n=min(max_new, 16))  # warm-up: allocator, thread pool, kernels
@@ -211,9 +212,7 @@ def bench_model(model_name: str, *, batches, max_new: int, drafts, gamma: int, r
             # as rollouts sample (T = 1, EOS on), each call by every side in turn: a call takes ~1-5 s, so a
             # change in the host's speed reaches every side alike
             for i, call in enumerate(t1_calls):
-                for s in these:
-                    if not s.sampled:
-                        continue
+                for s in sampled:
                     t = perf_counter()
                     r = s.run(call, temperature=1.0, eos=[tok.eos_id], seed=1 + rep * len(t1_calls) + i)
                     s.times_t1.append(perf_counter() - t)
