@@ -121,7 +121,8 @@ def _cmd_train_draft(args):
         features = offline_features(model, tok, task, policy_dir=folder, layers=draft.feature_layers, seed=args.seed,
                                     n_prompts=args.prompts, max_new_tokens=args.max_new_tokens)
         report = train_offline(model, tok, task, draft, out_dir=out, steps=args.steps, lr=args.lr, seed=args.seed,
-                               n_prompts=args.prompts, max_new_tokens=args.max_new_tokens, features=features)
+                               n_prompts=args.prompts, max_new_tokens=args.max_new_tokens, features=features,
+                               precision=args.precision)
         write_target_record(out / "draft", model, folder, draft.feature_layers)
     except BaseException:  # an error or Ctrl-C before anything was saved: leave no empty folder behind
         _remove_empty_folders(out, created)
@@ -432,6 +433,8 @@ def _tool_commands(sub):
     s.add_argument("--prompts", type=int, default=512, help="prompts sampled from the target as training data")
     s.add_argument("--max-new-tokens", type=int, default=64)
     s.add_argument("--seed", type=int, default=0)
+    s.add_argument("--precision", choices=("float32", "bfloat16", "auto"), default="float32",
+                   help="the draft's products: fp32, bf16 autocast, or auto (timed once on this machine)")
     s.set_defaults(fn=_cmd_train_draft)
 
     s = sub.add_parser("plot", help="PNG plots of a run folder, or overlays of several")

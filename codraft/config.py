@@ -77,6 +77,7 @@ class DraftConfig:
     gamma: int = 7
     lam: float = 1.0                # λ in L = L_RL + λ·L_draft
     num_anchors: int = 0            # dflash/dspark: blocks per sequence in the draft loss (0 = the draft's own); others ignore it
+    precision: str = "float32"      # the draft loss's products: float32, bfloat16 (autocast) or auto (measured)
     lr: float = 3e-4
     warmup_steps: int = 10          # a fresh Adam's first steps are sign-sized: they would knock an offline-trained draft back
     grad_clip: float = 1.0
@@ -244,6 +245,7 @@ RULES: dict[str, Range | OneOf | Text | Device | Flag] = {
                                  "builds blocks of gamma + 1 >= 2 slots, dspark blocks of gamma >= 1 slots"),
     "draft.lam": NON_NEGATIVE,
     "draft.num_anchors": Range(0, note="0 = the draft's own"),
+    "draft.precision": OneOf(("float32", "bfloat16", "auto")),
     "draft.lr": NON_NEGATIVE,
     "draft.warmup_steps": Range(0, note="0 = no warm-up"),
     "draft.grad_clip": Range(0, lo_open=True, note="the largest gradient norm"),

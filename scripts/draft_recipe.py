@@ -7,6 +7,7 @@ DFlash's ``acc_k`` (top-1 agreement).
 
 Usage: python scripts/draft_recipe.py [--kind dspark] [--steps 150] [--lr 1e-3] [--layers 1]
        [--taps 1,14,26,29] [--vocab 8192] [--batch 8] [--init-layer 29] [--train-seqs 224]
+       [--precision float32|bfloat16|auto]
 (--taps: target layers to read, 29 = the cached last-layer output; default: the kind's own taps.
 --init-layer: start every draft layer from that target layer's weights instead of random ones.
 --train-seqs: train on only the first N of the 448 sequences, to see whether more data would help.)
@@ -50,6 +51,7 @@ def main():
     ap.add_argument("--init-layer", type=int, default=-1,
                     help="copy this target layer's weights into every draft layer (q/k norms stay 1)")
     ap.add_argument("--train-seqs", type=int, default=0, help="train on only the first N held-in sequences")
+    ap.add_argument("--precision", default="float32", help="the draft's products: float32, bfloat16 (autocast), auto")
     a = ap.parse_args()
     torch.set_num_threads(2)
     policy, tok, folder = load_policy("smollm2-135m")
@@ -73,7 +75,7 @@ def main():
         draft.set_vocabulary(draft_vocabulary(seen, policy.config.vocab_size, a.vocab)[0])
     with tempfile.TemporaryDirectory() as out:  # the offline recipe's own loop, on the seen sequences
         report = train_offline(policy, tok, None, draft, out_dir=out, steps=a.steps, batch_sequences=a.batch,
-                               lr=a.lr, features=seen)
+                               lr=a.lr, features=seen, precision=a.precision)
     layers = tuple(draft.feature_layers)
     draft.eval()
     with torch.no_grad():

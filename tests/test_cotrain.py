@@ -7,6 +7,7 @@ import torch
 from codraft.config import ConfigError, load_config
 from codraft.drafts import init_draft
 from codraft.models import Transformer
+from codraft.rl import cotrain
 from codraft.rl.cotrain import cotrain_loss
 from codraft.train.packing import pack
 from codraft.rl.trainer import Trainer
@@ -223,3 +224,21 @@ def test_drift_experiment_per_seed(tmp_path, tiny_policy_dir):
     summary = (tmp_path / "drift.md").read_text()
     assert summary.count("| dflash |") == 6 and "same run (same policy): dflash" in summary
     assert (tmp_path / "drift-plots" / "compare_acceptance.png").is_file()
+
+
+def test_draft_precision_reaches_the_draft_loss(tmp_path, tiny_policy_dir, monkeypatch):
+    """draft.precision: the trainer's draft loss runs under the chosen dtype (recorded by the loss's
+    autocast), "auto" is measured into the cache, and an unknown name is a config error."""
+    used, real = [], cotrain.autocast
+    monkeypatch.setattr(cotrain, "autocast", lambda dtype, device: used.append(dtype) or real(dtype, device))
+    for name in ("float32", "bfloat16"):
+        t = Trainer(_cfg(tiny_policy_dir, tmp_path / name, 1, extra=[f"draft.precision={name}"]), progress=False)
+        assert t.draft_dtype == getattr(torch, name)
+        m = t.step(0)
+        assert used[-1] == getattr(torch, name) and torch.isfinite(torch.as_tensor(m["draft/loss"]))
+    monkeypatch.setenv("CODRAFT_CACHE", str(tmp_path / "cache"))
+    t = Trainer(_cfg(tiny_policy_dir, tmp_path / "auto", 1, extra=["draft.precision=auto"]), progress=False)
+    saved = [json.loads(p.read_text()) for p in (tmp_path / "cache" / "precision").glob("*.json")]
+    assert len(saved) == 1 and t.draft_dtype == getattr(torch, saved[0]["choice"])
+    with pytest.raises(ConfigError, match="draft.precision"):
+        _cfg(tiny_policy_dir, tmp_path / "bad", 1, extra=["draft.precision=fp16"])

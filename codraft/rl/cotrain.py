@@ -37,6 +37,7 @@ from codraft.parallel.comm import CPGroup
 from codraft.parallel.context import ShardedRow
 from codraft.rl.grpo import entropy_from_logits, grpo_loss, token_logprobs
 from codraft.train.packing import Packed
+from codraft.train.precision import autocast
 
 
 class PackedRow:
@@ -89,7 +90,7 @@ def draft_taps(draft, train_draft: bool = True) -> tuple[int, ...] | None:
 def cotrain_loss(policy, draft, batch: Packed, advantages: torch.Tensor, *, temperature: float, lam: float,
                  eps_low: float, eps_high: float, norm: str, kl_coef: float = 0.0, reference=None,
                  tis_cap: float | None = None, train_draft: bool = True, phase=None, cp: CPGroup | None = None,
-                 totals=None) -> tuple[torch.Tensor, dict]:
+                 totals=None, draft_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, dict]:
     """Total loss and metrics for one packed batch (the caller runs backward and the optimisers).
 
     phase: optional timing hook, a callable returning a context manager (e.g. the trainer's
@@ -100,18 +101,21 @@ def cotrain_loss(policy, draft, batch: Packed, advantages: torch.Tensor, *, temp
     totals: this batch as one micro-batch of a larger step (``codraft.rl.microbatch``).
     tis_cap: weigh each token's policy gradient by min(π_train/π_rollout, tis_cap) against the
     batch's rollout logprobs (truncated importance sampling, ``grpo.grpo_loss``); None = off.
+    draft_dtype: the draft loss's products, fp32 or bf16 autocast (``codraft.train.precision``); the
+    policy's forward and loss stay in its own dtype.
     """
     row = packed_row(batch, cp)
     hidden, feats = row.forward(policy, draft_taps(draft, train_draft))
     return loss_from_hidden(policy, draft, batch, row, hidden, feats, advantages, temperature=temperature, lam=lam,
                             eps_low=eps_low, eps_high=eps_high, norm=norm, kl_coef=kl_coef, reference=reference,
-                            tis_cap=tis_cap, train_draft=train_draft, phase=phase, totals=totals)
+                            tis_cap=tis_cap, train_draft=train_draft, phase=phase, totals=totals,
+                            draft_dtype=draft_dtype)
 
 
 def loss_from_hidden(policy, draft, batch: Packed, row, hidden: torch.Tensor, feats: dict, advantages: torch.Tensor,
                      *, temperature: float, lam: float, eps_low: float, eps_high: float, norm: str,
                      kl_coef: float = 0.0, reference=None, tis_cap: float | None = None, train_draft: bool = True,
-                     phase=None, totals=None) -> tuple[torch.Tensor, dict]:
+                     phase=None, totals=None, draft_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, dict]:
     """The two losses from the policy's last-layer output ``hidden`` (row's layout) and the detached
     taps ``feats`` (drafts' layout): what the last pipeline stage runs (see ``cotrain_loss``).
 
@@ -151,7 +155,7 @@ def loss_from_hidden(policy, draft, batch: Packed, row, hidden: torch.Tensor, fe
         db = DraftBatch(input_ids=batch.input_ids, cu_seqlens=batch.cu_seqlens, loss_mask=batch.completion,
                         features=feats, teacher_logits=row.assemble(logits.detach(), live), teacher_rows=rows,
                         main=row.main)
-        with phase("draft_loss") if phase is not None else contextlib.nullcontext():
+        with phase("draft_loss") if phase is not None else contextlib.nullcontext(), autocast(draft_dtype, ids.device):
             draft_loss, dm = draft.loss(db)
         metrics.update({f"draft/{k}": v for k, v in dm.items()})
         metrics["draft/loss"] = draft_loss.detach()

@@ -81,6 +81,7 @@ from codraft.rollout.weights import RolloutWeights
 from codraft.tasks import make_task
 from codraft.train import checkpoint as ckpt
 from codraft.train.offline_draft import starting_draft
+from codraft.train.precision import resolve as resolve_precision
 from codraft.train.packing import pack
 from codraft.train.schedule import warmup, warmup_cosine
 from codraft.train.seeding import step_seed
@@ -199,6 +200,11 @@ class Trainer:
             d.kind, d.init, policy=self.policy, tok=self.tok, task=self.task, policy_dir=self.policy_dir,
             gamma=d.gamma, seed=cfg.seed, progress=self.progress, num_anchors=d.num_anchors)
         self.trains_draft = d.mode == "cotrain" and self.draft is not None and bool(self.draft.trainable_parameters())
+        # draft.precision: the draft loss's products, fp32 or bf16 autocast ("auto": measured here); every rank
+        # takes rank 0's choice, so the ranks of a step compute one loss
+        self.draft_dtype = resolve_precision(d.precision, self.draft) if self.trains_draft else torch.float32
+        if self.world is not None:
+            self.draft_dtype = self.world.all_gather_object(self.draft_dtype, "the draft training precision")[0]
         # draft_length=auto: one cost model for every engine, timed now (or read from the cache) for the
         # largest batch any of them decodes
         rows = max(r.prompts_per_step * r.group_size, cfg.log.val_size if cfg.log.val_every else 1)
@@ -408,7 +414,7 @@ class Trainer:
         self.policy.train()
         loss_kw = dict(temperature=cfg.rollout.temperature, lam=cfg.draft.lam, eps_low=g.eps_low, eps_high=g.eps_high,
                        norm=g.norm, kl_coef=g.kl_coef, reference=self.reference, tis_cap=g.tis_cap or None,
-                       train_draft=self.trains_draft,
+                       train_draft=self.trains_draft, draft_dtype=self.draft_dtype,
                        phase=timer)
         if self.pipelined:
             loss, lm, policy_norm, draft_norm = self._pipelined_backward(step, rollout, scored, timer, loss_kw)

@@ -16,7 +16,8 @@ tokens keep exactly the target's distribution and a seed repeats a run.
 rows 1, 2, 4, … up to the batch × tokens 1..γ_max+1, best of a few repeats, linear in rows between
 grid points). ``load_or_calibrate`` caches it as JSON under ``cache_root()/calibration/``, keyed by
 the model (config, dtype, class), the draft (kind, shapes), the device, torch's thread count, the
-CPU or GPU name and ``CODRAFT_KERNELS``; a file recorded elsewhere, or unreadable, is recalibrated.
+CPU or GPU name, the CPU's feature flags and ``CODRAFT_KERNELS``; a file recorded elsewhere, or
+unreadable, is recalibrated.
 docs/draft-length.md has the details.
 """
 from __future__ import annotations
@@ -27,7 +28,6 @@ import hashlib
 import json
 import math
 import os
-import platform
 import sys
 import warnings
 from dataclasses import dataclass
@@ -38,6 +38,7 @@ from typing import Sequence
 import torch
 import torch.nn as nn
 
+from codraft import cache
 from codraft.cache import cache_root
 from codraft.models import KVCache
 from codraft.spec.sampling import Sampler
@@ -238,21 +239,9 @@ def _sync(device: torch.device):
 
 
 def machine_key(device: torch.device) -> dict:
-    """What a timing depends on besides the model and draft: device, threads, processor, kernels."""
-    return {"device": str(device), "threads": torch.get_num_threads(), "processor": _processor(device),
-            "kernels": os.environ.get("CODRAFT_KERNELS")}
-
-
-def _processor(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    """What a timing depends on besides the model and draft: the machine (``cache.machine_key``) and
+    whether the decode kernels are on."""
+    return {**cache.machine_key(device), "kernels": os.environ.get("CODRAFT_KERNELS")}
 
 
 def signature(model: nn.Module, draft, max_gamma: int) -> dict:

@@ -31,6 +31,7 @@ from codraft.tasks import make_task
 from codraft.tokenizer import CharTokenizer
 from codraft.train import feature_cache
 from codraft.train.feature_cache import FeatureCache
+from codraft.train.precision import autocast, resolve as resolve_precision
 from codraft.train.schedule import warmup_cosine
 from codraft.train.seeding import step_seed
 
@@ -43,16 +44,18 @@ CACHE_VERSION = 3  # bump when the offline recipe changes: cached drafts of olde
 def train_offline(policy, tok, task, draft: Draft, *, out_dir: str | os.PathLike, steps: int = 200,
                   batch_sequences: int = 16, lr: float = 1e-3, n_prompts: int = 512, max_new_tokens: int = 64,
                   seed: int = 0, checkpoint_every: int = 50, progress: bool = True,
-                  features: FeatureCache | None = None, notes: dict | None = None) -> dict:
+                  features: FeatureCache | None = None, notes: dict | None = None, precision: str = "float32") -> dict:
     """Train ``draft`` on target samples; resumes from ``out_dir/resume``; saves ``out_dir/draft``.
 
     features: the cached target data to train from (``feature_cache.cached``); None builds it here,
-    in memory, from ``n_prompts`` completions of up to ``max_new_tokens``. notes: added to the report."""
+    in memory, from ``n_prompts`` completions of up to ``max_new_tokens``. notes: added to the report.
+    precision: the draft's products, "float32", "bfloat16" (autocast) or "auto" (``precision.resolve``)."""
     _check_arguments(steps=steps, batch_sequences=batch_sequences, n_prompts=n_prompts,
                      max_new_tokens=max_new_tokens, checkpoint_every=checkpoint_every, lr=lr)
     params = draft.trainable_parameters()
     if not params:
         raise ValueError(f"draft {type(draft).__name__} has no trainable parameters")
+    dtype = resolve_precision(precision, draft)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     opt = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
@@ -72,7 +75,8 @@ def train_offline(policy, tok, task, draft: Draft, *, out_dir: str | os.PathLike
         batch = features.batch(policy, random.Random(s).sample(range(len(features)), min(batch_sequences, len(features))),
                                layers, teacher=draft.reads_teacher, columns=draft.teacher_columns())
         torch.manual_seed(s)
-        loss, _ = draft.loss(batch)
+        with autocast(dtype, params[0].device):
+            loss, _ = draft.loss(batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -87,7 +91,7 @@ def train_offline(policy, tok, task, draft: Draft, *, out_dir: str | os.PathLike
     draft.save(out_dir / "draft")
     report = {"steps": steps, "final_loss": history[-1] if history else None, "data_seconds": t_data,
               "train_seconds": time.perf_counter() - t0 - t_data, "sequences": len(features),
-              "features": features.identity, **(notes or {})}
+              "features": features.identity, "precision": str(dtype).removeprefix("torch."), **(notes or {})}
     (out_dir / "report.json").write_text(json.dumps(report, indent=2))  # written last: marks complete
     shutil.rmtree(out_dir / "resume", ignore_errors=True)
     return report
@@ -131,6 +135,7 @@ class Recipe:
     n_prompts: int
     max_new_tokens: int
     draft_vocab: int = 0  # predict this many tokens (``draft_vocabulary``); 0: all
+    precision: str = "float32"  # the draft's products (``precision.resolve``): "auto" measures fp32 against bf16
 
 
 BLOCK_KINDS = ("dflash", "dspark")  # take a draft vocabulary after they are built (EAGLE-3: when built)
@@ -148,9 +153,10 @@ def recipe_for(tok, kind: str) -> Recipe:
         return Recipe(steps=200, batch_sequences=16, lr=1e-3, n_prompts=512, max_new_tokens=64)
     if kind in BLOCK_KINDS and tok.vocab_size > 8192:
         return Recipe(steps={"dflash": 800, "dspark": 700}[kind], batch_sequences=8, lr=2e-3, n_prompts=512,
-                      max_new_tokens=128, draft_vocab=8192)
+                      max_new_tokens=128, draft_vocab=8192, precision="auto")
     if kind == "eagle3" and tok.vocab_size > 8192:
-        return Recipe(steps=100, batch_sequences=8, lr=1e-3, n_prompts=512, max_new_tokens=128, draft_vocab=8192)
+        return Recipe(steps=100, batch_sequences=8, lr=1e-3, n_prompts=512, max_new_tokens=128, draft_vocab=8192,
+                      precision="auto")
     steps = {"eagle3": 100, "dflash": 200, "dspark": 150}.get(kind, 150)
     return Recipe(steps=steps, batch_sequences=8, lr=1e-3, n_prompts=512, max_new_tokens=128)
 
@@ -231,8 +237,9 @@ def offline_draft_dir(kind: str, *, policy, tok, task, policy_dir: Path, gamma: 
     r = recipe or recipe_for(tok, kind)
     knobs = hashlib.sha256(json.dumps(task.problem_knobs, sort_keys=True).encode()).hexdigest()[:6]
     vocab = f"-dv{r.draft_vocab}" if r.draft_vocab else ""
+    precision = f"-{r.precision}" if r.precision != "float32" else ""  # the setting; report.json has what it chose
     key = (f"{kind}-g{gamma}-{task.name}.{knobs}-s{r.steps}x{r.batch_sequences}-p{r.n_prompts}x{r.max_new_tokens}"
-           f"{vocab}-lr{r.lr:g}-seed{seed}-{_policy_key(Path(policy_dir))}-v{CACHE_VERSION}")
+           f"{vocab}-lr{r.lr:g}{precision}-seed{seed}-{_policy_key(Path(policy_dir))}-v{CACHE_VERSION}")
     folder = cache_root() / "drafts" / key
     if not (folder / "report.json").is_file():
         features = offline_features(policy, tok, task, policy_dir=policy_dir, layers=shared_layers(policy.config),
@@ -250,7 +257,7 @@ def offline_draft_dir(kind: str, *, policy, tok, task, policy_dir: Path, gamma: 
         if tokens is not None and kind in BLOCK_KINDS:
             draft.set_vocabulary(tokens)
         train_offline(policy, tok, task, draft, out_dir=folder, steps=r.steps, batch_sequences=r.batch_sequences,
-                      lr=r.lr, seed=seed, progress=progress, features=features, notes=notes)
+                      lr=r.lr, seed=seed, progress=progress, features=features, notes=notes, precision=r.precision)
         write_target_record(folder / "draft", policy, policy_dir, draft.feature_layers)
     return folder / "draft"
 

@@ -1,0 +1,100 @@
+"""What bf16 autocast saves a draft's training on this machine (docs/real-preset.md, session 29), same
+process, sides interleaved with the order alternating:
+
+1. offline steps: a DSpark and a DFlash step on SmolLM2's cached features (the recipe's batch: packing,
+   teacher, the loss's forward and backward), fp32 against bf16 autocast, 6 batches a round;
+2. the GRPO step's train part: ``cotrain_loss`` and its backward on one real rollout batch of the
+   real preset (2 prompts × 8, up to 128 tokens, T = 1) with no draft, and the preset's offline DSpark
+   draft (16 blocks a sequence) in fp32 and in bf16; the draft's share is each side minus the no-draft side.
+
+Usage: python scripts/draft_precision_ab.py [ROUNDS]   (default 3; ~4 minutes once the feature cache exists)
+"""
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from codraft.drafts import build_draft
+from codraft.policy import load_policy
+from codraft.rl.cotrain import cotrain_loss
+from codraft.rollout import Engine
+from codraft.tasks import make_task
+from codraft.train.offline_draft import draft_vocabulary, offline_features, recipe_for, starting_draft
+from codraft.train.packing import pack
+from codraft.train.precision import autocast
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def offline_steps(policy, tok, folder, kind: str, rounds: int) -> dict:
+    recipe = recipe_for(tok, kind)
+    torch.manual_seed(0)
+    draft = build_draft(kind, policy.config, target=policy, gamma=4, draft_vocab_size=recipe.draft_vocab)
+    features = offline_features(policy, tok, make_task("chain_sum"), policy_dir=Path(folder), seed=0,
+                                layers=draft.feature_layers, n_prompts=recipe.n_prompts,
+                                max_new_tokens=recipe.max_new_tokens)
+    draft.set_vocabulary(draft_vocabulary(features, policy.config.vocab_size, recipe.draft_vocab)[0])
+    columns = draft.teacher_columns()
+    if columns is not None:
+        features.teacher_lse(policy)
+    picks = [random.Random(s).sample(range(len(features)), recipe.batch_sequences) for s in range(6)]
+    seconds = dict.fromkeys(DTYPES, 0.0)
+    for r in range(rounds + 1):  # round 0 warms up
+        for name in (list(DTYPES) if r % 2 else list(DTYPES)[::-1]):
+            for pick in picks:
+                t = time.perf_counter()
+                batch = features.batch(policy, pick, tuple(draft.feature_layers), teacher=draft.reads_teacher,
+                                       columns=columns)
+                draft.zero_grad()
+                with autocast(DTYPES[name], torch.device("cpu")):
+                    loss = draft.loss(batch, generator=torch.Generator().manual_seed(0))[0]
+                loss.backward()
+                if r:
+                    seconds[name] += time.perf_counter() - t
+    return {k: v / (rounds * len(picks)) for k, v in seconds.items()}
+
+
+def train_parts(policy, tok, folder, rounds: int) -> dict:
+    task = make_task("chain_sum")
+    prompts = [tok.prompt_ids(p.prompt) for p in task.sample("train", 2, seed=0) for _ in range(8)]
+    out = Engine(policy).generate(prompts, 128, temperature=1.0, seed=0, eos_id=tok.eos_id)
+    batch = pack(prompts, [o.tokens for o in out], [o.logprobs for o in out])
+    adv = torch.randn(len(prompts), generator=torch.Generator().manual_seed(0))
+    draft = starting_draft("dspark", "offline", policy=policy, tok=tok, task=task, policy_dir=Path(folder), gamma=4,
+                           seed=0, num_anchors=16)  # the preset's draft (draft.init=offline, draft.num_anchors=16)
+    sides = {"no draft": (None, torch.float32), "DSpark fp32": (draft, torch.float32),
+             "DSpark bf16": (draft, torch.bfloat16)}
+    seconds = dict.fromkeys(sides, 0.0)
+    for r in range(rounds + 1):
+        for name in (list(sides) if r % 2 else list(sides)[::-1]):
+            d, dtype = sides[name]
+            policy.zero_grad(set_to_none=True)
+            draft.zero_grad(set_to_none=True)
+            torch.manual_seed(1)
+            t = time.perf_counter()
+            loss, _ = cotrain_loss(policy, d, batch, adv, temperature=1.0, lam=1.0, eps_low=0.2, eps_high=0.28,
+                                   norm="token", draft_dtype=dtype)
+            loss.backward()
+            if r:
+                seconds[name] += time.perf_counter() - t
+    print(f"GRPO batch: {len(prompts)} sequences, {sum(len(o.tokens) for o in out)} completion tokens")
+    return {k: v / rounds for k, v in seconds.items()}
+
+
+def main(rounds: int = 3):
+    torch.set_num_threads(2)
+    policy, tok, folder = load_policy("smollm2-135m")
+    policy.eval()
+    for kind in ("dspark", "dflash"):
+        s = offline_steps(policy, tok, folder, kind, rounds)
+        print(f"offline {kind} step: fp32 {s['fp32']:.3f} s, bf16 {s['bf16']:.3f} s, {s['fp32'] / s['bf16']:.2f}x")
+    s = train_parts(policy, tok, folder, rounds)
+    base = s["no draft"]
+    print("train part (loss forward + backward): " + ", ".join(
+        f"{k} {v:.2f} s" + (f" (draft +{v - base:.2f} s)" if k != "no draft" else "") for k, v in s.items()))
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 3)

@@ -1,0 +1,190 @@
+"""The precision a draft trains in (``codraft.train.precision``): bf16 autocast really runs the draft's
+products in bf16, stays close to fp32 (loss, every gradient tensor), never reaches the policy, and
+"auto" is chosen by a measurement that is cached per machine and shapes and taken again elsewhere."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from codraft.drafts import init_draft
+from codraft.models import Transformer
+from codraft.policy.warmstart import tiny_model_config
+from codraft.rl.cotrain import cotrain_loss
+from codraft.rollout import Engine
+from codraft.tasks import make_task
+from codraft.tokenizer import CharTokenizer
+from codraft.train import precision
+from codraft.train.offline_draft import Recipe, recipe_for, starting_draft, train_offline
+from codraft.train.packing import pack
+
+
+def _policy_and_batch():
+    tok = CharTokenizer()
+    cfg = tiny_model_config(tok)
+    cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers, cfg.head_dim = 64, 128, 4, 16
+    torch.manual_seed(0)
+    policy = Transformer(cfg)
+    prompts = [tok.prompt_ids(s) for s in ["12+3=", "7*8-1=", "5+5=", "99-9*2="]]
+    out = Engine(policy).generate(prompts, 12, temperature=1.0, seed=0, eos_id=tok.eos_id)
+    return policy, pack(prompts, [o.tokens for o in out], [o.logprobs for o in out])
+
+
+class _ProductDtypes(torch.overrides.TorchFunctionMode):
+    """Records the dtype of every matrix product's result (F.linear, matmul and @)."""
+    PRODUCTS = {torch.nn.functional.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm,
+                torch.bmm, torch.einsum}
+
+    def __init__(self):
+        super().__init__()
+        self.seen = set()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func in self.PRODUCTS and isinstance(out, torch.Tensor):
+            self.seen.add(out.dtype)
+        return out
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash", "dspark", "model"])
+def test_bf16_draft_loss_is_close_to_fp32_and_leaves_the_policy_alone(kind):
+    policy, batch = _policy_and_batch()
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    torch.manual_seed(1)
+    draft = init_draft(kind, policy, gamma=3)
+    losses, policy_grads, draft_grads, dtypes = {}, {}, {}, {}
+    for dtype in (torch.float32, torch.bfloat16):
+        policy.zero_grad(set_to_none=True)
+        draft.zero_grad(set_to_none=True)
+        torch.manual_seed(2)  # same anchors for the block drafts
+        with _ProductDtypes() as products:
+            loss, m = cotrain_loss(policy, draft, batch, adv, temperature=1.0, lam=1.0, eps_low=0.2, eps_high=0.28,
+                                   norm="token", draft_dtype=dtype)
+        loss.backward()
+        dtypes[dtype] = products.seen
+        losses[dtype] = float(m["draft/loss"])
+        policy_grads[dtype] = {n: p.grad.clone() for n, p in policy.named_parameters()}
+        draft_grads[dtype] = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
+    assert dtypes[torch.float32] == {torch.float32}
+    assert torch.bfloat16 in dtypes[torch.bfloat16]  # autocast is on: the draft's products ran in bf16
+    # (the policy's ran in fp32 on both sides: it is outside the autocast)
+    for name, g in policy_grads[torch.float32].items():  # the draft sees detached features only
+        assert torch.equal(g, policy_grads[torch.bfloat16][name]), name
+    assert losses[torch.bfloat16] == pytest.approx(losses[torch.float32], rel=2e-2)
+    assert draft_grads[torch.float32].keys() == draft_grads[torch.bfloat16].keys()
+    for name, g in draft_grads[torch.float32].items():
+        b = draft_grads[torch.bfloat16][name]
+        assert b.dtype == g.dtype == torch.float32, name  # master weights and their gradients stay fp32
+        if g.norm() > 1e-6:
+            cos = float((g * b).sum() / (g.norm() * b.norm()))
+            assert cos > 0.97, (name, cos)
+
+
+def test_explicit_precisions_and_bad_input():
+    draft = torch.nn.Linear(4, 4)
+    assert precision.resolve("float32", draft) == torch.float32
+    assert precision.resolve("bfloat16", draft) == torch.bfloat16
+    with pytest.raises(ValueError, match="auto, float32, bfloat16.*'fp16'"):
+        precision.resolve("fp16", draft)
+    frozen = torch.nn.Linear(4, 4).requires_grad_(False)  # nothing trains: nothing to measure
+    assert precision.resolve("auto", frozen, timer=lambda *a: pytest.fail("measured")) == torch.float32
+
+
+def test_auto_is_measured_once_per_machine_and_shapes(tmp_path):
+    calls = []
+
+    def timer(seconds: dict):
+        def run(dtype, shapes, device):
+            calls.append((dtype, tuple(map(tuple, shapes)), device.type))
+            return seconds[dtype]
+        return run
+    bf16_wins = timer({torch.float32: 1.0, torch.bfloat16: 0.5})
+    fp32_wins = timer({torch.float32: 1.0, torch.bfloat16: 0.95})  # within the margin: not worth bf16's rounding
+    draft = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 8))
+    assert precision.resolve("auto", draft, folder=tmp_path, timer=bf16_wins) == torch.bfloat16
+    assert calls == [(d, ((8, 16), (16, 8)), "cpu") for d in (torch.float32, torch.bfloat16)]  # the weights' shapes
+    # cached: the same shapes on the same machine are not measured again
+    assert precision.resolve("auto", draft, folder=tmp_path, timer=fp32_wins) == torch.bfloat16
+    assert len(calls) == 2
+    # other shapes: another measurement, another file
+    other = torch.nn.Linear(8, 32)
+    assert precision.resolve("auto", other, folder=tmp_path, timer=fp32_wins) == torch.float32
+    assert len(calls) == 4 and len(list(tmp_path.glob("*.json"))) == 2
+    # a file recorded on another machine (same name, other key) or unreadable is measured again
+    path = next(p for p in tmp_path.glob("*.json") if json.loads(p.read_text())["choice"] == "bfloat16")
+    saved = json.loads(path.read_text())
+    saved["key"]["machine"]["threads"] += 1
+    path.write_text(json.dumps(saved))
+    assert precision.resolve("auto", draft, folder=tmp_path, timer=fp32_wins) == torch.float32
+    path.write_text("{not json")
+    assert precision.resolve("auto", draft, folder=tmp_path, timer=bf16_wins) == torch.bfloat16
+    assert len(calls) == 8
+
+
+def test_the_measurement_times_both_precisions():
+    for dtype in (torch.float32, torch.bfloat16):
+        s = precision._time_products(dtype, [(32, 16)], torch.device("cpu"), repeats=1)
+        assert 0 < s < 5
+
+
+def test_offline_training_in_bf16(tmp_path):
+    tok = CharTokenizer()
+    torch.manual_seed(0)
+    policy = Transformer(tiny_model_config(tok)).eval()
+    task = make_task("arith")
+    runs = {}
+    for name in ("float32", "bfloat16"):
+        torch.manual_seed(1)
+        draft = starting_draft("dspark", "random", policy=policy, tok=tok, task=None, policy_dir=None, gamma=3, seed=0)
+        runs[name] = train_offline(policy, tok, task, draft, out_dir=tmp_path / name, steps=3, n_prompts=6,
+                                   max_new_tokens=8, batch_sequences=3, progress=False, precision=name)
+    assert runs["float32"]["precision"] == "float32" and runs["bfloat16"]["precision"] == "bfloat16"
+    # the same data and seeds: the losses differ by bf16's rounding only
+    assert runs["bfloat16"]["final_loss"] == pytest.approx(runs["float32"]["final_loss"], rel=2e-2)
+    assert runs["bfloat16"]["final_loss"] != runs["float32"]["final_loss"]
+
+
+def test_recipes_measure_on_real_models_only():
+    assert recipe_for(CharTokenizer(), "dspark").precision == "float32"  # the tiny preset: exact, reproducible
+    assert Recipe(steps=1, batch_sequences=1, lr=1.0, n_prompts=1, max_new_tokens=1).precision == "float32"
+
+    class Big:
+        vocab_size = 49152
+    assert {recipe_for(Big(), k).precision for k in ("dflash", "dspark", "eagle3")} == {"auto"}
+
+
+class _LinearInputs(torch.overrides.TorchFunctionMode):
+    """Records the shape of every input F.linear receives (entered first: it sees what the modes above pass on)."""
+
+    def __init__(self):
+        super().__init__()
+        self.shapes = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.nn.functional.linear:
+            self.shapes.append(tuple(args[0].shape))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("rows", [1, 63, 64, 65, 130])
+def test_bf16_products_see_bucketed_rows_and_give_the_unpadded_result(rows):
+    """Under bf16 autocast every F.linear gets a multiple of ROW_BUCKET rows (oneDNN compiles a kernel per
+    shape); the rows kept, and the gradients, are the unpadded product's."""
+    gen = torch.Generator().manual_seed(rows)
+    x0, w0 = torch.randn(rows, 3, 48, generator=gen), torch.randn(40, 48, generator=gen)
+    b0 = torch.randn(40, generator=gen)
+    out, grads, seen = {}, {}, {}
+    for bucketed in (False, True):
+        x, w, b = (t.clone().requires_grad_() for t in (x0, w0, b0))
+        with _LinearInputs() as inputs, (precision.autocast(torch.bfloat16, x.device) if bucketed
+                                         else torch.autocast("cpu", dtype=torch.bfloat16)):
+            y = torch.nn.functional.linear(x, w, b)
+        y.float().square().sum().backward()
+        out[bucketed], grads[bucketed], seen[bucketed] = y, (x.grad, w.grad, b.grad), inputs.shapes
+    padded = -(-3 * rows // precision.ROW_BUCKET) * precision.ROW_BUCKET
+    assert seen == {False: [(rows, 3, 48)], True: [(rows, 3, 48) if padded == 3 * rows else (padded, 48)]}
+    assert out[True].shape == (rows, 3, 40) and out[True].dtype == torch.bfloat16
+    assert torch.allclose(out[True].float(), out[False].float(), rtol=1e-2, atol=1e-2)
+    for a, b in zip(grads[True], grads[False]):
+        assert a.shape == b.shape and torch.allclose(a, b, rtol=2e-2, atol=1e-1)
