@@ -9,37 +9,28 @@ process, sides interleaved with the order alternating:
 
 Usage: python scripts/draft_precision_ab.py [ROUNDS]   (default 3; ~4 minutes once the feature cache exists)
 """
-import random
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from codraft.drafts import build_draft
 from codraft.policy import load_policy
 from codraft.rl.cotrain import cotrain_loss
 from codraft.rollout import Engine
 from codraft.tasks import make_task
-from codraft.train.offline_draft import draft_vocabulary, offline_features, recipe_for, starting_draft
+from codraft.train.offline_draft import starting_draft
 from codraft.train.packing import pack
 from codraft.train.precision import autocast
+
+from draft_step_ab import offline_setup  # (this folder)
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def offline_steps(policy, tok, folder, kind: str, rounds: int) -> dict:
-    recipe = recipe_for(tok, kind)
-    torch.manual_seed(0)
-    draft = build_draft(kind, policy.config, target=policy, gamma=4, draft_vocab_size=recipe.draft_vocab)
-    features = offline_features(policy, tok, make_task("chain_sum"), policy_dir=Path(folder), seed=0,
-                                layers=draft.feature_layers, n_prompts=recipe.n_prompts,
-                                max_new_tokens=recipe.max_new_tokens)
-    draft.set_vocabulary(draft_vocabulary(features, policy.config.vocab_size, recipe.draft_vocab)[0])
+    draft, features, picks = offline_setup(policy, tok, folder, kind)
     columns = draft.teacher_columns()
-    if columns is not None:
-        features.teacher_lse(policy)
-    picks = [random.Random(s).sample(range(len(features)), recipe.batch_sequences) for s in range(6)]
     seconds = dict.fromkeys(DTYPES, 0.0)
     for r in range(rounds + 1):  # round 0 warms up
         for name in (list(DTYPES) if r % 2 else list(DTYPES)[::-1]):

@@ -34,9 +34,9 @@ def autograd_slot_losses(z, labels, teacher_logp, outside):
     return -logp.gather(-1, labels[..., None])[..., 0], l1
 
 
-def main(kind: str = "dspark", rounds: int = 3):
-    policy, tok, folder = load_policy("smollm2-135m")
-    policy.eval()
+def offline_setup(policy, tok, folder, kind: str):
+    """A fresh ``kind`` draft with the recipe's vocabulary, SmolLM2's feature cache (each row's logsumexp
+    computed) and 6 of the recipe's batches of sequence indices. Also used by draft_precision_ab.py."""
     recipe = recipe_for(tok, kind)
     torch.manual_seed(0)
     draft = build_draft(kind, policy.config, target=policy, gamma=4, draft_vocab_size=recipe.draft_vocab)
@@ -44,10 +44,17 @@ def main(kind: str = "dspark", rounds: int = 3):
                                 layers=draft.feature_layers, n_prompts=recipe.n_prompts,
                                 max_new_tokens=recipe.max_new_tokens)
     draft.set_vocabulary(draft_vocabulary(features, policy.config.vocab_size, recipe.draft_vocab)[0])
-    picks = [random.Random(s).sample(range(len(features)), recipe.batch_sequences) for s in range(6)]
-    columns = draft.teacher_columns()
-    if columns is not None:
+    if draft.teacher_columns() is not None:
         features.teacher_lse(policy)
+    picks = [random.Random(s).sample(range(len(features)), recipe.batch_sequences) for s in range(6)]
+    return draft, features, picks
+
+
+def main(kind: str = "dspark", rounds: int = 3):
+    policy, tok, folder = load_policy("smollm2-135m")
+    policy.eval()
+    draft, features, picks = offline_setup(policy, tok, folder, kind)
+    columns = draft.teacher_columns()
     sides = {"now": (slot_losses, block_backbone.KEPT_LOSS_BYTES, draft.reads_teacher, columns),
              "before": (autograd_slot_losses, 0, True, None)}
     seconds = dict.fromkeys(sides, 0.0)
