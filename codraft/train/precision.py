@@ -70,13 +70,14 @@ def resolve(precision: str, draft: nn.Module, *, folder: str | Path | None = Non
 
 
 def autocast(dtype: torch.dtype, device: torch.device):
-    """The context a draft's forward (its loss) runs in at ``dtype``: nothing for fp32; for bf16, autocast
-    with every ``F.linear`` input padded to a multiple of ``ROW_BUCKET`` rows (``_BucketedRows``)."""
+    """The context a draft's forward (its loss) runs in at ``dtype``: nothing for fp32; for bf16, autocast,
+    on CPU with every ``F.linear`` input padded to a multiple of ``ROW_BUCKET`` rows (``_BucketedRows``)."""
     if dtype == torch.float32:
         return contextlib.nullcontext()
     stack = contextlib.ExitStack()
     stack.enter_context(torch.autocast(device.type, dtype=dtype))
-    stack.enter_context(_BucketedRows())
+    if device.type == "cpu":  # oneDNN's per-shape kernels; GPU libraries need no padding
+        stack.enter_context(_BucketedRows())
     return stack
 
 
