@@ -120,6 +120,10 @@ def test_auto_is_measured_once_per_machine_and_shapes(tmp_path):
     path.write_text("{not json")
     assert precision.resolve("auto", draft, folder=tmp_path, timer=bf16_wins) == torch.bfloat16
     assert len(calls) == 8
+    saved = json.loads(path.read_text())
+    path.write_text(json.dumps({**saved, "choice": "float16"}))  # not a choice resolve makes
+    assert precision.resolve("auto", draft, folder=tmp_path, timer=fp32_wins) == torch.float32
+    assert len(calls) == 10
 
 
 def test_the_measurement_times_both_precisions():

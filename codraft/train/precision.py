@@ -55,7 +55,7 @@ def resolve(precision: str, draft: nn.Module, *, folder: str | Path | None = Non
     path = folder / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]}.json"
     try:
         saved = json.loads(path.read_text())
-        if saved["key"] == key:
+        if saved["key"] == key and saved["choice"] in ("float32", "bfloat16"):
             return getattr(torch, saved["choice"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass  # absent or unreadable: measure again
@@ -110,7 +110,8 @@ class _BucketedRows(torch.overrides.TorchFunctionMode):
 def _time_products(dtype: torch.dtype, shapes, device: torch.device, repeats: int = 3) -> float:
     """Best of ``repeats`` passes (after a warm-up) of a forward and backward of x @ wᵀ for every shape,
     at ``dtype`` under ``autocast``; fp32 inputs and weights, as the draft keeps them. Each pass has a
-    few rows fewer than the last, as a draft's batches differ, so what a new shape costs counts too."""
+    few rows fewer than the last, as a draft's batches differ; under bf16 they pad to one bucket, which
+    the warm-up compiles, as a training run compiles its few buckets in its first steps."""
     gen = torch.Generator(device=device).manual_seed(0)
     weights = [torch.randn(o, i, generator=gen, device=device, requires_grad=True) for o, i in shapes]
     best = float("inf")
