@@ -2,13 +2,16 @@
 process, sides interleaved with the order alternating:
 
 1. offline steps: a DSpark and a DFlash step on SmolLM2's cached features (the recipe's batch: packing,
-   teacher, the loss's forward and backward), fp32 against bf16 autocast, 6 batches a round;
+   teacher, the loss's forward and backward), fp32 against bf16 autocast, 4 fresh batches a round after
+   2 rounds of warm-up;
 2. the GRPO step's train part: ``cotrain_loss`` and its backward on one real rollout batch of the
    real preset (2 prompts × 8, up to 128 tokens, T = 1) with no draft, and the preset's offline DSpark
-   draft (16 blocks a sequence) in fp32 and in bf16; the draft's share is each side minus the no-draft side.
+   draft (16 blocks a sequence) in fp32 and in bf16, 3 rounds after a warm-up; the draft's share is each
+   side minus the no-draft side.
 
-Usage: python scripts/draft_precision_ab.py [ROUNDS]   (default 3; ~4 minutes once the feature cache exists)
+Usage: python scripts/draft_precision_ab.py [ROUNDS]   (default 10; ~6 minutes once the feature cache exists)
 """
+import random
 import sys
 import time
 from pathlib import Path
@@ -19,7 +22,7 @@ from codraft.policy import load_policy
 from codraft.rl.cotrain import cotrain_loss
 from codraft.rollout import Engine
 from codraft.tasks import make_task
-from codraft.train.offline_draft import starting_draft
+from codraft.train.offline_draft import recipe_for, starting_draft
 from codraft.train.packing import pack
 from codraft.train.precision import autocast
 
@@ -28,23 +31,27 @@ from draft_step_ab import offline_setup  # (this folder)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
-def offline_steps(policy, tok, folder, kind: str, rounds: int) -> dict:
-    draft, features, picks = offline_setup(policy, tok, folder, kind)
-    columns = draft.teacher_columns()
+def offline_steps(policy, tok, folder, kind: str, rounds: int, warmup: int = 2) -> dict:
+    """Seconds per offline step by side, over rounds after ``warmup`` (the bf16 side compiles its
+    buckets' kernels there, as a run does in its first steps). Every step has its own batch and
+    anchors, the same on both sides of a round, so row counts change as in a run."""
+    draft, features, _ = offline_setup(policy, tok, folder, kind)
+    columns, n = draft.teacher_columns(), recipe_for(tok, kind).batch_sequences
     seconds = dict.fromkeys(DTYPES, 0.0)
-    for r in range(rounds + 1):  # round 0 warms up
+    for r in range(warmup + rounds):
         for name in (list(DTYPES) if r % 2 else list(DTYPES)[::-1]):
-            for pick in picks:
+            for step in range(4):
+                seed = 4 * r + step
                 t = time.perf_counter()
-                batch = features.batch(policy, pick, tuple(draft.feature_layers), teacher=draft.reads_teacher,
-                                       columns=columns)
+                batch = features.batch(policy, random.Random(seed).sample(range(len(features)), n),
+                                       tuple(draft.feature_layers), teacher=draft.reads_teacher, columns=columns)
                 draft.zero_grad()
                 with autocast(DTYPES[name], torch.device("cpu")):
-                    loss = draft.loss(batch, generator=torch.Generator().manual_seed(0))[0]
+                    loss = draft.loss(batch, generator=torch.Generator().manual_seed(seed))[0]
                 loss.backward()
-                if r:
+                if r >= warmup:
                     seconds[name] += time.perf_counter() - t
-    return {k: v / (rounds * len(picks)) for k, v in seconds.items()}
+    return {k: v / (4 * rounds) for k, v in seconds.items()}
 
 
 def train_parts(policy, tok, folder, rounds: int) -> dict:
@@ -74,18 +81,18 @@ def train_parts(policy, tok, folder, rounds: int) -> dict:
     return {k: v / rounds for k, v in seconds.items()}
 
 
-def main(rounds: int = 3):
+def main(rounds: int = 10):
     torch.set_num_threads(2)
     policy, tok, folder = load_policy("smollm2-135m")
     policy.eval()
     for kind in ("dspark", "dflash"):
         s = offline_steps(policy, tok, folder, kind, rounds)
         print(f"offline {kind} step: fp32 {s['fp32']:.3f} s, bf16 {s['bf16']:.3f} s, {s['fp32'] / s['bf16']:.2f}x")
-    s = train_parts(policy, tok, folder, rounds)
+    s = train_parts(policy, tok, folder, 3)  # ~30 s a round
     base = s["no draft"]
     print("train part (loss forward + backward): " + ", ".join(
         f"{k} {v:.2f} s" + (f" (draft +{v - base:.2f} s)" if k != "no draft" else "") for k, v in s.items()))
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]) if len(sys.argv) > 1 else 3)
+    main(int(sys.argv[1]) if len(sys.argv) > 1 else 10)
