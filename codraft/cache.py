@@ -17,25 +17,24 @@ def cache_root() -> Path:
 
 def machine_key(device: torch.device) -> dict:
     """What a timing depends on besides the work timed: device, torch's threads, the processor's name
-    and (CPU) a hash of its feature flags, since virtual machines often report a generic name."""
-    return {"device": str(device), "threads": torch.get_num_threads(), "processor": _processor(device),
-            "cpu_flags": _cpu_flags() if device.type == "cpu" else None}
+    and (CPU) a hash of ``cpu_id``, since virtual machines often report a generic name."""
+    cpu = cpu_id() if device.type == "cpu" else None
+    return {"device": str(device), "threads": torch.get_num_threads(), "processor": _processor(device, cpu),
+            "cpu_id": hashlib.sha256(cpu.encode()).hexdigest()[:16] if cpu is not None else None}
 
 
-def _processor(device: torch.device) -> str:
+def cpu_id() -> str:
+    """What -march=native and a CPU timing depend on: the CPU model and its feature flags (their
+    /proc/cpuinfo lines), else what ``platform`` knows."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+        return "\n".join(sorted({l for l in lines if l.startswith(("model name", "flags", "Features"))}))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def _processor(device: torch.device, cpu: str | None) -> str:
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
-    return next((line.split(":", 1)[1].strip() for line in _cpuinfo() if line.startswith("model name")),
+    return next((l.split(":", 1)[1].strip() for l in (cpu or "").splitlines() if l.startswith("model name")),
                 platform.processor() or platform.machine())
-
-
-def _cpu_flags() -> str | None:
-    flags = sorted({line for line in _cpuinfo() if line.startswith(("flags", "Features"))})
-    return hashlib.sha256("\n".join(flags).encode()).hexdigest()[:16] if flags else None
-
-
-def _cpuinfo() -> list[str]:
-    try:
-        return Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return []

@@ -31,19 +31,22 @@ def _policy_and_batch():
     return policy, pack(prompts, [o.tokens for o in out], [o.logprobs for o in out])
 
 
-class _ProductDtypes(torch.overrides.TorchFunctionMode):
-    """Records the dtype of every matrix product's result (F.linear, matmul and @)."""
+class _Products(torch.overrides.TorchFunctionMode):
+    """Records every matrix product (F.linear, matmul and @) it sees: its result's dtype, and F.linear's
+    input shapes. Entered first, it sees what the modes entered after it pass on."""
     PRODUCTS = {torch.nn.functional.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm,
                 torch.bmm, torch.einsum}
 
     def __init__(self):
         super().__init__()
-        self.seen = set()
+        self.dtypes, self.linear_inputs = set(), []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         if func in self.PRODUCTS and isinstance(out, torch.Tensor):
-            self.seen.add(out.dtype)
+            self.dtypes.add(out.dtype)
+        if func is torch.nn.functional.linear:
+            self.linear_inputs.append(tuple(args[0].shape))
         return out
 
 
@@ -58,11 +61,11 @@ def test_bf16_draft_loss_is_close_to_fp32_and_leaves_the_policy_alone(kind):
         policy.zero_grad(set_to_none=True)
         draft.zero_grad(set_to_none=True)
         torch.manual_seed(2)  # same anchors for the block drafts
-        with _ProductDtypes() as products:
+        with _Products() as products:
             loss, m = cotrain_loss(policy, draft, batch, adv, temperature=1.0, lam=1.0, eps_low=0.2, eps_high=0.28,
                                    norm="token", draft_dtype=dtype)
         loss.backward()
-        dtypes[dtype] = products.seen
+        dtypes[dtype] = products.dtypes
         losses[dtype] = float(m["draft/loss"])
         policy_grads[dtype] = {n: p.grad.clone() for n, p in policy.named_parameters()}
         draft_grads[dtype] = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
@@ -158,19 +161,6 @@ def test_recipes_measure_on_real_models_only():
     assert {recipe_for(Big(), k).precision for k in ("dflash", "dspark", "eagle3")} == {"auto"}
 
 
-class _LinearInputs(torch.overrides.TorchFunctionMode):
-    """Records the shape of every input F.linear receives (entered first: it sees what the modes above pass on)."""
-
-    def __init__(self):
-        super().__init__()
-        self.shapes = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.nn.functional.linear:
-            self.shapes.append(tuple(args[0].shape))
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("rows", [1, 63, 64, 65, 130])
 def test_bf16_products_see_bucketed_rows_and_give_the_unpadded_result(rows):
     """Under bf16 autocast every F.linear gets a multiple of ROW_BUCKET rows (oneDNN compiles a kernel per
@@ -181,11 +171,11 @@ def test_bf16_products_see_bucketed_rows_and_give_the_unpadded_result(rows):
     out, grads, seen = {}, {}, {}
     for bucketed in (False, True):
         x, w, b = (t.clone().requires_grad_() for t in (x0, w0, b0))
-        with _LinearInputs() as inputs, (precision.autocast(torch.bfloat16, x.device) if bucketed
-                                         else torch.autocast("cpu", dtype=torch.bfloat16)):
+        with _Products() as products, (precision.autocast(torch.bfloat16, x.device) if bucketed
+                                       else torch.autocast("cpu", dtype=torch.bfloat16)):
             y = torch.nn.functional.linear(x, w, b)
         y.float().square().sum().backward()
-        out[bucketed], grads[bucketed], seen[bucketed] = y, (x.grad, w.grad, b.grad), inputs.shapes
+        out[bucketed], grads[bucketed], seen[bucketed] = y, (x.grad, w.grad, b.grad), products.linear_inputs
     padded = -(-3 * rows // precision.ROW_BUCKET) * precision.ROW_BUCKET
     assert seen == {False: [(rows, 3, 48)], True: [(rows, 3, 48) if padded == 3 * rows else (padded, 48)]}
     assert out[True].shape == (rows, 3, 40) and out[True].dtype == torch.bfloat16

@@ -200,9 +200,11 @@ class Trainer:
             d.kind, d.init, policy=self.policy, tok=self.tok, task=self.task, policy_dir=self.policy_dir,
             gamma=d.gamma, seed=cfg.seed, progress=self.progress, num_anchors=d.num_anchors)
         self.trains_draft = d.mode == "cotrain" and self.draft is not None and bool(self.draft.trainable_parameters())
-        # draft.precision: the draft loss's products, fp32 or bf16 autocast ("auto": measured here); every rank
-        # takes rank 0's choice, so the ranks of a step compute one loss
-        self.draft_dtype = resolve_precision(d.precision, self.draft) if self.trains_draft else torch.float32
+        # draft.precision: the draft loss's products, fp32 or bf16 autocast ("auto": measured here); rank 0
+        # chooses and every rank takes its choice, so the ranks of a step compute one loss (and only one
+        # measures, undisturbed by the others)
+        self.draft_dtype = resolve_precision(d.precision, self.draft) if self.trains_draft and self.is_main \
+            else torch.float32
         if self.world is not None:
             self.draft_dtype = self.world.all_gather_object(self.draft_dtype, "the draft training precision")[0]
         # draft_length=auto: one cost model for every engine, timed now (or read from the cache) for the

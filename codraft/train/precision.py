@@ -96,11 +96,11 @@ class _BucketedRows(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func is torch.nn.functional.linear:
-            x = args[0]
-            rows = x.numel() // max(x.shape[-1], 1) if x.dim() else 0
+        x = args[0] if args else None
+        if func is torch.nn.functional.linear and x.dim() >= 2 and x.numel():
+            rows = x.numel() // x.shape[-1]
             pad = -rows % ROW_BUCKET
-            if pad and x.dim() >= 2:
+            if pad:
                 flat = torch.nn.functional.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, pad))
                 y = func(flat, *args[1:], **kwargs)[:rows]
                 return y.reshape(*x.shape[:-1], y.shape[-1])
