@@ -67,6 +67,7 @@ class GRPOConfig:
     grad_clip: float = 1.0
     weight_decay: float = 0.0
     max_nonfinite_steps: int = 3    # stop after this many skipped (NaN/inf loss or grad norm) steps in a row
+    precision: str = "float32"      # the policy loss's products: float32, bfloat16 (fp32 masters) or auto (measured)
 
 
 @dataclass
@@ -77,7 +78,7 @@ class DraftConfig:
     gamma: int = 7
     lam: float = 1.0                # λ in L = L_RL + λ·L_draft
     num_anchors: int = 0            # dflash/dspark: blocks per sequence in the draft loss (0 = the draft's own); others ignore it
-    precision: str = "float32"      # the draft loss's products: float32, bfloat16 (autocast) or auto (measured)
+    precision: str = "float32"      # the draft loss's products: float32, bfloat16 or auto (measured)
     lr: float = 3e-4
     warmup_steps: int = 10          # a fresh Adam's first steps are sign-sized: they would knock an offline-trained draft back
     grad_clip: float = 1.0
@@ -238,6 +239,7 @@ RULES: dict[str, Range | OneOf | Text | Device | Flag] = {
     "grpo.grad_clip": Range(0, lo_open=True, note="the largest gradient norm"),
     "grpo.weight_decay": NON_NEGATIVE,
     "grpo.max_nonfinite_steps": COUNT,
+    "grpo.precision": OneOf(("float32", "bfloat16", "auto")),
     "draft.mode": OneOf(("none", "frozen", "cotrain")),
     "draft.kind": OneOf(available_drafts()),
     "draft.init": Text("offline, random or a draft folder"),

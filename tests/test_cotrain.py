@@ -1,5 +1,6 @@
 """The co-training step and the trainer loop: stop-gradient, alignment, resume, config, CLI."""
 import json
+import math
 
 import pytest
 import torch
@@ -226,19 +227,32 @@ def test_drift_experiment_per_seed(tmp_path, tiny_policy_dir):
     assert (tmp_path / "drift-plots" / "compare_acceptance.png").is_file()
 
 
-def test_draft_precision_reaches_the_draft_loss(tmp_path, tiny_policy_dir, monkeypatch):
-    """draft.precision: the trainer's draft loss runs under the chosen dtype (recorded by the loss's
-    autocast), "auto" is measured into the cache, and an unknown name is a config error."""
-    used, real = [], cotrain.autocast
-    monkeypatch.setattr(cotrain, "autocast", lambda dtype, device: used.append(dtype) or real(dtype, device))
-    for name in ("float32", "bfloat16"):
-        t = Trainer(_cfg(tiny_policy_dir, tmp_path / name, 1, extra=[f"draft.precision={name}"]), progress=False)
-        assert t.draft_dtype == getattr(torch, name)
+def test_training_precisions_reach_the_losses(tmp_path, tiny_policy_dir, monkeypatch):
+    """grpo.precision, draft.precision: the trainer's policy forward, LM head and draft loss run under the
+    chosen products (recorded by the loss's ``products`` contexts), "auto" is measured into the cache
+    for each model, and an unknown name is a config error."""
+    used, real = [], cotrain.products
+    monkeypatch.setattr(cotrain, "products", lambda dtype: used.append(dtype) or real(dtype))
+    for policy, draft in (("float32", "bfloat16"), ("bfloat16", "float32")):
+        t = Trainer(_cfg(tiny_policy_dir, tmp_path / policy, 1,
+                         extra=[f"grpo.precision={policy}", f"draft.precision={draft}"]), progress=False)
+        assert (t.policy_dtype, t.draft_dtype) == (getattr(torch, policy), getattr(torch, draft))
+        used.clear()
         m = t.step(0)
-        assert used[-1] == getattr(torch, name) and torch.isfinite(torch.as_tensor(m["draft/loss"]))
+        # the policy's forward, LM head and KL reference (grpo.kl_coef > 0); the draft's loss
+        assert used == [getattr(torch, policy)] * 3 + [getattr(torch, draft)]
+        assert torch.isfinite(torch.as_tensor(m["draft/loss"])) and math.isfinite(m["policy/rollout_kl"])
     monkeypatch.setenv("CODRAFT_CACHE", str(tmp_path / "cache"))
-    t = Trainer(_cfg(tiny_policy_dir, tmp_path / "auto", 1, extra=["draft.precision=auto"]), progress=False)
-    saved = [json.loads(p.read_text()) for p in (tmp_path / "cache" / "precision").glob("*.json")]
-    assert len(saved) == 1 and t.draft_dtype == getattr(torch, saved[0]["choice"])
-    with pytest.raises(ConfigError, match="draft.precision"):
-        _cfg(tiny_policy_dir, tmp_path / "bad", 1, extra=["draft.precision=fp16"])
+    t = Trainer(_cfg(tiny_policy_dir, tmp_path / "auto", 1, extra=["draft.precision=auto", "grpo.precision=auto"]),
+                progress=False)
+    saved = {tuple(map(tuple, s["key"]["shapes"])): s["choice"] for s in
+             (json.loads(p.read_text()) for p in (tmp_path / "cache" / "precision").glob("*.json"))}
+
+    def shapes(model):
+        return tuple(sorted({tuple(p.shape) for p in model.parameters() if p.requires_grad and p.ndim == 2}))
+    assert saved.keys() == {shapes(t.policy), shapes(t.draft)}  # each model measured for its own products
+    assert t.policy_dtype == getattr(torch, saved[shapes(t.policy)])
+    assert t.draft_dtype == getattr(torch, saved[shapes(t.draft)])
+    for key in ("draft.precision", "grpo.precision"):
+        with pytest.raises(ConfigError, match=key):
+            _cfg(tiny_policy_dir, tmp_path / "bad", 1, extra=[f"{key}=fp16"])

@@ -16,6 +16,7 @@ from codraft.tasks import make_task
 from codraft.tokenizer import CharTokenizer
 from codraft.train.packing import pack
 from dist_harness import run_ranks
+from test_precision import Products
 
 RTOL = 1e-4
 
@@ -51,12 +52,14 @@ def _models(kind):
     return policy, draft
 
 
-def _step(policy, draft, batch, adv, cp, reference, kl):
+def _step(policy, draft, batch, adv, cp, reference, kl, dtype=torch.float32):
+    """One step's loss, metrics, gradients and norms; ``dtype``: the policy's and the draft's products."""
     policy.zero_grad(set_to_none=True)
     draft.zero_grad(set_to_none=True)
     torch.manual_seed(5)  # the block drafts' anchors: the same draw on every rank and in the reference
     loss, m = cotrain_loss(policy, draft, batch, adv, temperature=1.0, lam=0.7, eps_low=0.2, eps_high=0.28,
-                           norm="token" if kl == 0 else "sequence", kl_coef=kl, reference=reference, cp=cp)
+                           norm="token" if kl == 0 else "sequence", kl_coef=kl, reference=reference, cp=cp,
+                           policy_dtype=dtype, draft_dtype=dtype)
     loss.backward()
     dparams = list(draft.trainable_parameters())
     if cp is not None:
@@ -103,3 +106,34 @@ def test_cp_step_equals_single_process(world, kinds, long):
         for case, errs in res.items():
             bad = {k: e for k, e in errs.items() if not e <= RTOL}
             assert not bad, f"C={world} rank {rank} {case}: relative differences above {RTOL}: {bad}"
+
+
+def bf16_gap(ref32, ref16, got16) -> dict:
+    """How far a split bf16 step (``got16``) is from the single-process bf16 step: the gradients (all of
+    them, one vector) as a share of how far bf16 itself moves them from fp32, and the loss relative to
+    itself. Split over rows, each rank rounds its own share of a weight's gradient to bf16 (the bf16
+    product's output) before the ranks sum them, so the gradients differ by about a third of bf16's own
+    move (2 ranks); a split that missed the bf16 products would be at ~1."""
+    def flat(step):
+        return torch.cat([g.flatten() for _, g in sorted(step[2].items())])
+    return {"grads": float((flat(got16) - flat(ref16)).norm() / (flat(ref16) - flat(ref32)).norm()),
+            "loss": _rel(got16[0], ref16[0])}
+
+
+def _compare_bf16(rank, world, kind):
+    comm = CPGroup.world(timeout=60)
+    policy, draft = _models(kind)
+    batch, adv = _batch(seed=3)
+    ref32 = _step(policy, draft, batch, adv, None, None, 0.0)
+    ref16 = _step(policy, draft, batch, adv, None, None, 0.0, torch.bfloat16)
+    with Products() as seen:
+        got16 = _step(policy, draft, batch, adv, comm, None, 0.0, torch.bfloat16)
+    return bf16_gap(ref32, ref16, got16), seen.dtypes
+
+
+def test_cp_step_in_bf16_products_is_the_single_process_bf16_step():
+    """grpo.precision / draft.precision = bfloat16 under CP: every product on every rank runs in bf16, and
+    the step is the single-process bf16 step up to bf16's rounding of each rank's share."""
+    for rank, (gap, dtypes) in enumerate(run_ranks(_compare_bf16, 2, "dspark", timeout=300)):
+        assert dtypes == {torch.bfloat16}, f"rank {rank}: products in {dtypes}"
+        assert gap["grads"] < 0.6 and gap["loss"] < RTOL, f"rank {rank}: {gap}"

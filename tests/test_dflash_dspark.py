@@ -17,7 +17,7 @@ from codraft.drafts import block_backbone, dflash, dspark
 from codraft.drafts.batch import DraftBatch
 from codraft.drafts.block_backbone import Blocks, build_target_layer_ids
 from codraft.kernels import dispatch
-from codraft.models import ModelConfig, Transformer
+from codraft.models import ModelConfig, Transformer, bf16
 from codraft.rollout import Engine, Sampler
 
 from test_spec_sampling import (  # noqa: F401  (target, exact are fixtures)
@@ -238,6 +238,26 @@ def test_loss_chunking_is_exact(kept_budget, monkeypatch):
         for k in grads[0][2]:
             torch.testing.assert_close(grads[0][2][k], grads[1][2][k])
     assert bool(recomputed) == (kept_budget == 0)
+
+
+def test_recomputed_loss_chunks_keep_bf16_products(monkeypatch):
+    """Under bf16 products (``codraft.models.bf16``) a chunk recomputed in the backward, outside the products
+    context, runs its products in bf16 again: the same loss and gradients as chunks kept alive."""
+    target = _target(_cfg())
+    for kind in KINDS:
+        draft = _draft(kind, target, num_anchors=16)
+        draft.config.loss_chunk_blocks = 3
+        batch = _batch(target)
+        grads = []
+        for kept_budget in (0, 1 << 30):
+            monkeypatch.setattr(block_backbone, "KEPT_LOSS_BYTES", kept_budget)
+            draft.zero_grad()
+            with bf16.products(torch.bfloat16):
+                loss, _ = draft.loss(batch, generator=torch.Generator().manual_seed(0))
+            loss.backward()
+            grads.append([loss.detach()] + [p.grad.clone() for p in draft.parameters()])
+        for a, b in zip(*grads):
+            torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)
 
 
 # ---- decoding: cache path == training path; (d) engine; (e) Markov q -------------------------

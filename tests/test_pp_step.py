@@ -16,7 +16,8 @@ from codraft.rl.microbatch import split_microbatches
 from codraft.rl.pipelined import (build_pipeline, clip_gradients, pipeline_cotrain, reduce_gradients,
                                   stage_parameters, sync_weights)
 from dist_harness import run_ranks
-from test_cp_step import _models, _rel
+from test_cp_step import _models, _rel, bf16_gap
+from test_precision import Products
 
 RTOL = 1e-4
 LOSS_KW = dict(temperature=1.0, lam=0.7, eps_low=0.2, eps_high=0.28, norm="token")
@@ -43,7 +44,8 @@ def _grads(policy, draft=None):
     return out
 
 
-def _step(kind, mesh, transport, microbatches, kl=0.0):
+def _step(kind, mesh, transport, microbatches, kl=0.0, dtype=torch.float32):
+    """One step's loss, metrics, gradients and norms; ``dtype``: the policy's and the draft's products."""
     policy, draft = _models(kind)
     reference = None
     if kl:
@@ -53,7 +55,8 @@ def _step(kind, mesh, transport, microbatches, kl=0.0):
     mbs = split_microbatches(prompts, completions, logprobs, adv, 2, microbatches, "cpu")
     pipe = build_pipeline(policy, draft, mesh, transport=transport, max_tokens=1024, timeout=60)
     torch.manual_seed(5)  # the block drafts' anchors
-    loss, m = pipeline_cotrain(pipe, policy, draft, mbs, step=7, reference=reference, kl_coef=kl, **LOSS_KW)
+    loss, m = pipeline_cotrain(pipe, policy, draft, mbs, step=7, reference=reference, kl_coef=kl, policy_dtype=dtype,
+                               draft_dtype=dtype, **LOSS_KW)
     dparams = list(draft.trainable_parameters())
     own, drafts = reduce_gradients(pipe, policy, dparams)
     grads = _grads(policy, draft)  # this stage's (the others' parameters have none)
@@ -96,6 +99,24 @@ def test_pp_step_equals_single_process(pp, cp, kinds, transports, microbatches, 
         for case, errs in res.items():
             bad = {k: e for k, e in errs.items() if not e <= RTOL}
             assert not bad, f"PP={pp} CP={cp} rank {rank} {case}: relative differences above {RTOL}: {bad}"
+
+
+def _compare_bf16(rank, world, pp, cp, kind, transport):
+    mesh = build_mesh(pp, cp, timeout=60)
+    ref32, ref16 = (_step(kind, None, "shm", 2, dtype=d) for d in (torch.float32, torch.bfloat16))
+    with Products() as seen:
+        got16 = _step(kind, mesh, transport, 2, dtype=torch.bfloat16)
+    return bf16_gap(ref32, ref16, got16), seen.dtypes
+
+
+@pytest.mark.parametrize("pp,cp,kind,transport", [(2, 1, "dspark", "shm"), (2, 2, "eagle3", "p2p")])
+def test_pp_step_in_bf16_products_is_the_single_process_bf16_step(pp, cp, kind, transport):
+    """bf16 products under PP (and PP × CP): every stage's products run in bf16, and the step is the
+    single-process bf16 step (under PP alone, up to fp32 rounding: each stage runs the same rows)."""
+    for rank, (gap, dtypes) in enumerate(run_ranks(_compare_bf16, pp * cp, pp, cp, kind, transport, timeout=300)):
+        assert dtypes == {torch.bfloat16}, f"rank {rank}: products in {dtypes}"
+        bound = 0.6 if cp > 1 else 0.01
+        assert gap["grads"] < bound and gap["loss"] < RTOL, f"PP={pp} CP={cp} rank {rank}: {gap}"
 
 
 def test_microbatches_add_up_to_the_batch():

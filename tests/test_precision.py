@@ -1,15 +1,19 @@
-"""The precision a draft trains in (``codraft.train.precision``): bf16 autocast really runs the draft's
-products in bf16, stays close to fp32 (loss, every gradient tensor), never reaches the policy, and
-"auto" is chosen by a measurement that is cached per machine and shapes and taken again elsewhere."""
+"""The precision a model trains in: bf16 products (``codraft.models.bf16``) really run the products in bf16
+and nothing else, padded, nested and recomputed as they should be; a bf16 draft loss stays close to fp32's
+(loss, every gradient tensor) and never reaches the policy; a bf16 policy loss stays close to fp32's; and
+"auto" (``codraft.train.precision``) is chosen by a measurement cached per machine and shapes and taken
+again elsewhere."""
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
 import torch
 
+from codraft import kernels
 from codraft.drafts import init_draft
-from codraft.models import Transformer
+from codraft.models import Transformer, bf16
 from codraft.policy.warmstart import tiny_model_config
 from codraft.rl.cotrain import cotrain_loss
 from codraft.rollout import Engine
@@ -31,11 +35,10 @@ def _policy_and_batch():
     return policy, pack(prompts, [o.tokens for o in out], [o.logprobs for o in out])
 
 
-class _Products(torch.overrides.TorchFunctionMode):
-    """Records every matrix product (F.linear, matmul and @) it sees: its result's dtype, and F.linear's
-    input shapes. Entered first, it sees what the modes entered after it pass on."""
-    PRODUCTS = {torch.nn.functional.linear, torch.matmul, torch.Tensor.matmul, torch.Tensor.__matmul__, torch.mm,
-                torch.bmm, torch.einsum}
+class Products(torch.overrides.TorchFunctionMode):
+    """Records every ``F.linear`` it sees (``nn.Linear`` and ``layers.linear`` included): its result's dtype and
+    its input's shape. Entered first, it sees the products that the modes entered after it pass on: under
+    bf16 products, the bf16 ones (attention's products are not F.linear: they stay fp32 by design)."""
 
     def __init__(self):
         super().__init__()
@@ -43,9 +46,8 @@ class _Products(torch.overrides.TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in self.PRODUCTS and isinstance(out, torch.Tensor):
-            self.dtypes.add(out.dtype)
         if func is torch.nn.functional.linear:
+            self.dtypes.add(out.dtype)
             self.linear_inputs.append(tuple(args[0].shape))
         return out
 
@@ -61,7 +63,7 @@ def test_bf16_draft_loss_is_close_to_fp32_and_leaves_the_policy_alone(kind):
         policy.zero_grad(set_to_none=True)
         draft.zero_grad(set_to_none=True)
         torch.manual_seed(2)  # same anchors for the block drafts
-        with _Products() as products:
+        with Products() as products:
             loss, m = cotrain_loss(policy, draft, batch, adv, temperature=1.0, lam=1.0, eps_low=0.2, eps_high=0.28,
                                    norm="token", draft_dtype=dtype)
         loss.backward()
@@ -70,8 +72,8 @@ def test_bf16_draft_loss_is_close_to_fp32_and_leaves_the_policy_alone(kind):
         policy_grads[dtype] = {n: p.grad.clone() for n, p in policy.named_parameters()}
         draft_grads[dtype] = {n: p.grad.clone() for n, p in draft.named_parameters() if p.grad is not None}
     assert dtypes[torch.float32] == {torch.float32}
-    assert torch.bfloat16 in dtypes[torch.bfloat16]  # autocast is on: the draft's products ran in bf16
-    # (the policy's ran in fp32 on both sides: it is outside the autocast)
+    assert dtypes[torch.bfloat16] == {torch.float32, torch.bfloat16}  # the draft's products ran in bf16, the
+    # policy's in fp32 on both sides (policy_dtype)
     for name, g in policy_grads[torch.float32].items():  # the draft sees detached features only
         assert torch.equal(g, policy_grads[torch.bfloat16][name]), name
     assert losses[torch.bfloat16] == pytest.approx(losses[torch.float32], rel=2e-2)
@@ -162,23 +164,104 @@ def test_recipes_measure_on_real_models_only():
 
 
 @pytest.mark.parametrize("rows", [1, 63, 64, 65, 130])
-def test_bf16_products_see_bucketed_rows_and_give_the_unpadded_result(rows):
-    """Under bf16 autocast every F.linear gets a multiple of ROW_BUCKET rows (oneDNN compiles a kernel per
-    shape); the rows kept, and the gradients, are the unpadded product's."""
+def test_bf16_products_are_padded_and_give_the_unpadded_bf16_product(rows):
+    """Under bf16 products every F.linear gets bf16 operands and, on CPU, a multiple of ROW_BUCKET rows
+    (oneDNN compiles a kernel per shape); its output is in the input's dtype, and it and the gradients
+    are those of the unpadded product of the bf16-rounded operands (the oracle), not fp32's."""
     gen = torch.Generator().manual_seed(rows)
     x0, w0 = torch.randn(rows, 3, 48, generator=gen), torch.randn(40, 48, generator=gen)
     b0 = torch.randn(40, generator=gen)
-    out, grads, seen = {}, {}, {}
-    for bucketed in (False, True):
-        x, w, b = (t.clone().requires_grad_() for t in (x0, w0, b0))
-        with _Products() as products, (precision.autocast(torch.bfloat16, x.device) if bucketed
-                                       else torch.autocast("cpu", dtype=torch.bfloat16)):
-            y = torch.nn.functional.linear(x, w, b)
-        y.float().square().sum().backward()
-        out[bucketed], grads[bucketed], seen[bucketed] = y, (x.grad, w.grad, b.grad), products.linear_inputs
-    padded = -(-3 * rows // precision.ROW_BUCKET) * precision.ROW_BUCKET
-    assert seen == {False: [(rows, 3, 48)], True: [(rows, 3, 48) if padded == 3 * rows else (padded, 48)]}
-    assert out[True].shape == (rows, 3, 40) and out[True].dtype == torch.bfloat16
-    assert torch.allclose(out[True].float(), out[False].float(), rtol=1e-2, atol=1e-2)
+    x, w, b = (t.clone().requires_grad_() for t in (x0, w0, b0))
+    with Products() as seen, bf16.products(torch.bfloat16):
+        y = torch.nn.functional.linear(x, w, b)
+    y.square().sum().backward()
+    xr, wr, br = (t.clone().requires_grad_() for t in (x0, w0, b0))
+    ref = torch.nn.functional.linear(xr.bfloat16(), wr.bfloat16()).float() + br
+    ref.square().sum().backward()
+    padded = -(-3 * rows // bf16.ROW_BUCKET) * bf16.ROW_BUCKET
+    assert seen.linear_inputs == [(padded, 48)] and seen.dtypes == {torch.bfloat16}
+    assert y.shape == (rows, 3, 40) and y.dtype == torch.float32
+    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    assert (y - torch.nn.functional.linear(x0, w0, b0)).abs().max() > 1e-3  # not fp32's product
+    for a, r in zip((x.grad, w.grad, b.grad), (xr.grad, wr.grad, br.grad)):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, r, rtol=1e-2, atol=1e-2)
+
+
+def test_fp32_products_inside_bf16_ones_and_bad_input():
+    gen = torch.Generator().manual_seed(0)
+    x, w = torch.randn(5, 32, generator=gen), torch.randn(16, 32, generator=gen)
+    exact = torch.nn.functional.linear(x, w)
+    assert bf16.active() == torch.float32
+    with bf16.products(torch.bfloat16):
+        low = torch.nn.functional.linear(x, w)
+        with bf16.products(torch.float32):  # e.g. a draft kept in fp32 under a bf16 policy
+            assert bf16.active() == torch.float32
+            inner = torch.nn.functional.linear(x, w)
+        assert bf16.active() == torch.bfloat16
+    assert bf16.active() == torch.float32
+    assert torch.equal(inner, exact) and (low - exact).abs().max() > 1e-3
+    with pytest.raises(ValueError, match="float32 or bfloat16.*float16"):
+        with bf16.products(torch.float16):
+            pass
+    assert bf16.active() == torch.float32
+
+
+def test_a_recomputed_checkpoint_runs_its_products_as_it_first_did():
+    """checkpoint(context_fn=recompute_alike): the backward recomputes outside the products context; its
+    products must be bf16 again, or the recomputed tensors would not be the ones the forward saved."""
+    gen = torch.Generator().manual_seed(0)
+    x0, w0 = torch.randn(7, 32, generator=gen), torch.randn(16, 32, generator=gen)
+
+    def f(x, w):
+        return torch.nn.functional.linear(torch.nn.functional.linear(x, w).tanh(), w.T.contiguous())
+
+    grads = {}
+    for recompute in (False, True):
+        x, w = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        with bf16.products(torch.bfloat16):
+            y = torch.utils.checkpoint.checkpoint(f, x, w, use_reentrant=False, context_fn=bf16.recompute_alike) \
+                if recompute else f(x, w)
+        y.square().sum().backward()
+        grads[recompute] = (y, x.grad, w.grad)
     for a, b in zip(grads[True], grads[False]):
-        assert a.shape == b.shape and torch.allclose(a, b, rtol=2e-2, atol=1e-1)
+        assert torch.equal(a, b)
+
+
+def test_the_decode_kernels_step_aside_for_bf16_products():
+    """A no-grad forward under bf16 products (the KL reference's) runs them in bf16, not in the fp32 C
+    kernels a kernel-enabled model would use: the same result as the plain model's."""
+    tok = CharTokenizer()
+    torch.manual_seed(0)
+    plain = Transformer(tiny_model_config(tok)).eval()
+    fast = kernels.enable(copy.deepcopy(plain))
+    ids = torch.randint(3, tok.vocab_size, (2, 3))
+    with torch.no_grad():
+        exact = plain(ids)
+        with bf16.products(torch.bfloat16):
+            want, got = plain(ids), fast(ids)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert (want - exact).abs().max() > 1e-4
+
+
+def test_bf16_policy_loss_is_close_to_fp32():
+    """grpo.precision=bfloat16: every product of the policy's forward, LM head included, runs in bf16; its
+    logprobs move from the (fp32) rollout's by a small KL; the gradients stay fp32 and close to fp32's."""
+    policy, batch = _policy_and_batch()
+    adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
+    grads, dtypes, kl = {}, {}, {}
+    for dtype in (torch.float32, torch.bfloat16):
+        policy.zero_grad(set_to_none=True)
+        with Products() as seen:
+            loss, m = cotrain_loss(policy, None, batch, adv, temperature=1.0, lam=1.0, eps_low=0.2, eps_high=0.28,
+                                   norm="token", policy_dtype=dtype)
+        loss.backward()
+        dtypes[dtype], kl[dtype] = seen.dtypes, float(m["policy/rollout_kl"])
+        grads[dtype] = {n: p.grad.clone() for n, p in policy.named_parameters()}
+    assert dtypes == {torch.float32: {torch.float32}, torch.bfloat16: {torch.bfloat16}}
+    assert kl[torch.float32] < 1e-9 < kl[torch.bfloat16] < 1e-4  # the rollout decoded in fp32: exact there
+    for name, g in grads[torch.float32].items():
+        b = grads[torch.bfloat16][name]
+        assert b.dtype == torch.float32 and not torch.equal(b, g), name
+        cos = float((g * b).sum() / (g.norm() * b.norm()))
+        assert cos > 0.97, (name, cos)

@@ -84,6 +84,7 @@ from codraft.atomic import atomic_dir
 from codraft.attention import branch_local_part, branch_main_part, merge_lse
 from codraft.drafts.base import Draft, Features
 from codraft.drafts.batch import DraftBatch
+from codraft.models import bf16
 from codraft.models.config import ModelConfig
 from codraft.models.layers import MLP, RMSNorm, apply_rope, linear, rope_cos_sin, rope_inv_freq
 
@@ -566,7 +567,7 @@ class BlockDraftBase(nn.Module, Draft):
         total = None
         for i in range(0, n, c):
             part = [x[i:i + c] for x in per_block]
-            out = checkpoint(fn, *part, use_reentrant=False) if again else fn(*part)
+            out = checkpoint(fn, *part, use_reentrant=False, context_fn=bf16.recompute_alike) if again else fn(*part)
             total = out if total is None else tuple(a + b for a, b in zip(total, out))
         return total
 

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from codraft.cache import cache_root, cpu_id as _cpu_id  # (tests replace _cpu_id to pose as another CPU)
+from codraft.models import bf16
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC")
 SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemv.c", "amx.c", "decode_ops.c", "markov.c", "sampling.c"))
@@ -81,9 +82,11 @@ def function(name: str, *argtypes):
 
 
 def fits(*tensors: torch.Tensor) -> bool:
-    """What every kernel takes as activations (and norm weights): CPU fp32 tensors that need no autograd."""
+    """What every kernel takes as activations (and norm weights): CPU fp32 tensors that need no autograd,
+    outside training's bf16 products (a no-grad forward there, e.g. the KL reference's, keeps them)."""
     return (all(t.is_cpu and t.dtype is torch.float32 for t in tensors)
-            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)))
+            and not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors))
+            and bf16.active() == torch.float32)
 
 
 WEIGHT_DTYPES = (torch.float32, torch.bfloat16)  # bf16: rollout weights, widened exactly in C

@@ -33,11 +33,11 @@ import contextlib
 import torch
 
 from codraft.drafts.batch import DraftBatch
+from codraft.models.bf16 import products
 from codraft.parallel.comm import CPGroup
 from codraft.parallel.context import ShardedRow
 from codraft.rl.grpo import entropy_from_logits, grpo_loss, token_logprobs
 from codraft.train.packing import Packed
-from codraft.train.precision import autocast
 
 
 class PackedRow:
@@ -90,7 +90,8 @@ def draft_taps(draft, train_draft: bool = True) -> tuple[int, ...] | None:
 def cotrain_loss(policy, draft, batch: Packed, advantages: torch.Tensor, *, temperature: float, lam: float,
                  eps_low: float, eps_high: float, norm: str, kl_coef: float = 0.0, reference=None,
                  tis_cap: float | None = None, train_draft: bool = True, phase=None, cp: CPGroup | None = None,
-                 totals=None, draft_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, dict]:
+                 totals=None, policy_dtype: torch.dtype = torch.float32,
+                 draft_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, dict]:
     """Total loss and metrics for one packed batch (the caller runs backward and the optimisers).
 
     phase: optional timing hook, a callable returning a context manager (e.g. the trainer's
@@ -101,21 +102,24 @@ def cotrain_loss(policy, draft, batch: Packed, advantages: torch.Tensor, *, temp
     totals: this batch as one micro-batch of a larger step (``codraft.rl.microbatch``).
     tis_cap: weigh each token's policy gradient by min(π_train/π_rollout, tis_cap) against the
     batch's rollout logprobs (truncated importance sampling, ``grpo.grpo_loss``); None = off.
-    draft_dtype: the draft loss's products, fp32 or bf16 autocast (``codraft.train.precision``); the
-    policy's forward and loss stay in its own dtype.
+    policy_dtype, draft_dtype: the products of the policy's forward (its LM head and the reference's
+    included) and of the draft's loss, fp32 or bf16 (``codraft.models.bf16``; chosen by
+    ``codraft.train.precision``); everything else stays fp32.
     """
     row = packed_row(batch, cp)
-    hidden, feats = row.forward(policy, draft_taps(draft, train_draft))
+    with products(policy_dtype):
+        hidden, feats = row.forward(policy, draft_taps(draft, train_draft))
     return loss_from_hidden(policy, draft, batch, row, hidden, feats, advantages, temperature=temperature, lam=lam,
                             eps_low=eps_low, eps_high=eps_high, norm=norm, kl_coef=kl_coef, reference=reference,
                             tis_cap=tis_cap, train_draft=train_draft, phase=phase, totals=totals,
-                            draft_dtype=draft_dtype)
+                            policy_dtype=policy_dtype, draft_dtype=draft_dtype)
 
 
 def loss_from_hidden(policy, draft, batch: Packed, row, hidden: torch.Tensor, feats: dict, advantages: torch.Tensor,
                      *, temperature: float, lam: float, eps_low: float, eps_high: float, norm: str,
                      kl_coef: float = 0.0, reference=None, tis_cap: float | None = None, train_draft: bool = True,
-                     phase=None, totals=None, draft_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, dict]:
+                     phase=None, totals=None, policy_dtype: torch.dtype = torch.float32,
+                     draft_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, dict]:
     """The two losses from the policy's last-layer output ``hidden`` (row's layout) and the detached
     taps ``feats`` (drafts' layout): what the last pipeline stage runs (see ``cotrain_loss``).
 
@@ -128,13 +132,14 @@ def loss_from_hidden(policy, draft, batch: Packed, row, hidden: torch.Tensor, fe
     targets = batch.index[batch.index_mask]                    # (R,) packed positions of completion tokens
     rows = (targets - 1).clamp_min(0)                          # (R,)
     here, live = row.select(rows)                              # rows of hidden; which of the R are held here
-    logits = policy.logits(hidden[0, here])                    # (R_l,V)
+    with products(policy_dtype):
+        logits = policy.logits(hidden[0, here])                # (R_l,V)
     ids = batch.input_ids[0, targets]
     ids_here = ids if live is None else ids[live]
     logp = _unflatten(row.assemble(token_logprobs(logits / t, ids_here), live), batch.index_mask)  # (N,L)
     ref_logp = None
     if reference is not None:
-        with torch.no_grad():
+        with torch.no_grad(), products(policy_dtype):  # the policy's own arithmetic: the KL compares models only
             ref_hidden, _ = row.forward(reference, None)
             ref_logits = reference.logits(ref_hidden[0, here])
             ref_logp = _unflatten(row.assemble(token_logprobs(ref_logits / t, ids_here), live), batch.index_mask)
@@ -155,7 +160,7 @@ def loss_from_hidden(policy, draft, batch: Packed, row, hidden: torch.Tensor, fe
         db = DraftBatch(input_ids=batch.input_ids, cu_seqlens=batch.cu_seqlens, loss_mask=batch.completion,
                         features=feats, teacher_logits=row.assemble(logits.detach(), live), teacher_rows=rows,
                         main=row.main)
-        with phase("draft_loss") if phase is not None else contextlib.nullcontext(), autocast(draft_dtype, ids.device):
+        with phase("draft_loss") if phase is not None else contextlib.nullcontext(), products(draft_dtype):
             draft_loss, dm = draft.loss(db)
         metrics.update({f"draft/{k}": v for k, v in dm.items()})
         metrics["draft/loss"] = draft_loss.detach()

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from codraft.models.bf16 import products
 from codraft.parallel.context import sync_gradients
 from codraft.parallel.mesh import Mesh
 from codraft.parallel.pipeline import PipelineError, StageLink, run_schedule, stage_layers
@@ -108,7 +109,8 @@ def pipeline_cotrain(pipe: Pipeline, policy, draft, mbs: list[MicroBatch], *, st
     def forward(m, x, carried):
         ids, kw = inputs[m]
         ctx = policy.layer_inputs(1, ids.shape[1], ids.device, **kw)
-        out, tapped[m] = policy.run_layers(policy.embed(ids) if x is None else x, ctx, pipe.layers, mine)
+        with products(loss_kw.get("policy_dtype", torch.float32)):
+            out, tapped[m] = policy.run_layers(policy.embed(ids) if x is None else x, ctx, pipe.layers, mine)
         if last or not relay:
             return out, carried
         cols = ([] if carried is None else [carried]) + [tapped[m][t].detach() for t in mine]

@@ -200,13 +200,17 @@ class Trainer:
             d.kind, d.init, policy=self.policy, tok=self.tok, task=self.task, policy_dir=self.policy_dir,
             gamma=d.gamma, seed=cfg.seed, progress=self.progress, num_anchors=d.num_anchors)
         self.trains_draft = d.mode == "cotrain" and self.draft is not None and bool(self.draft.trainable_parameters())
-        # draft.precision: the draft loss's products, fp32 or bf16 autocast ("auto": measured here); rank 0
-        # chooses and every rank takes its choice, so the ranks of a step compute one loss (and only one
-        # measures, undisturbed by the others)
-        self.draft_dtype = resolve_precision(d.precision, self.draft) if self.trains_draft and self.is_main \
-            else torch.float32
+        # grpo.precision, draft.precision: the products of the policy's and the draft's losses, fp32 or bf16
+        # ("auto": measured here); rank 0 chooses and every rank takes its choice, so the ranks of a step
+        # compute one loss (and only one measures, undisturbed by the others)
+        self.policy_dtype = self.draft_dtype = torch.float32
+        if self.is_main:
+            self.policy_dtype = resolve_precision(cfg.grpo.precision, self.policy, what="policy")
+            if self.trains_draft:
+                self.draft_dtype = resolve_precision(d.precision, self.draft, what="draft")
         if self.world is not None:
-            self.draft_dtype = self.world.all_gather_object(self.draft_dtype, "the draft training precision")[0]
+            self.policy_dtype, self.draft_dtype = self.world.all_gather_object(
+                (self.policy_dtype, self.draft_dtype), "the training precisions")[0]
         # draft_length=auto: one cost model for every engine, timed now (or read from the cache) for the
         # largest batch any of them decodes
         rows = max(r.prompts_per_step * r.group_size, cfg.log.val_size if cfg.log.val_every else 1)
@@ -416,7 +420,8 @@ class Trainer:
         self.policy.train()
         loss_kw = dict(temperature=cfg.rollout.temperature, lam=cfg.draft.lam, eps_low=g.eps_low, eps_high=g.eps_high,
                        norm=g.norm, kl_coef=g.kl_coef, reference=self.reference, tis_cap=g.tis_cap or None,
-                       train_draft=self.trains_draft, draft_dtype=self.draft_dtype,
+                       train_draft=self.trains_draft, policy_dtype=self.policy_dtype,
+                       draft_dtype=self.draft_dtype,
                        phase=timer)
         if self.pipelined:
             loss, lm, policy_norm, draft_norm = self._pipelined_backward(step, rollout, scored, timer, loss_kw)

@@ -27,11 +27,12 @@ from tqdm import tqdm
 from codraft.atomic import atomic_dir
 from codraft.cache import cache_root
 from codraft.drafts import Draft, available_drafts, build_draft, draft_kind, init_draft, load_draft
+from codraft.models.bf16 import products
 from codraft.tasks import make_task
 from codraft.tokenizer import CharTokenizer
 from codraft.train import feature_cache
 from codraft.train.feature_cache import FeatureCache
-from codraft.train.precision import autocast, resolve as resolve_precision
+from codraft.train.precision import resolve as resolve_precision
 from codraft.train.schedule import warmup_cosine
 from codraft.train.seeding import step_seed
 
@@ -49,7 +50,7 @@ def train_offline(policy, tok, task, draft: Draft, *, out_dir: str | os.PathLike
 
     features: the cached target data to train from (``feature_cache.cached``); None builds it here,
     in memory, from ``n_prompts`` completions of up to ``max_new_tokens``. notes: added to the report.
-    precision: the draft's products, "float32", "bfloat16" (autocast) or "auto" (``precision.resolve``)."""
+    precision: the draft's products, "float32", "bfloat16" (bf16 products) or "auto" (``precision.resolve``)."""
     _check_arguments(steps=steps, batch_sequences=batch_sequences, n_prompts=n_prompts,
                      max_new_tokens=max_new_tokens, checkpoint_every=checkpoint_every, lr=lr)
     params = draft.trainable_parameters()
@@ -75,7 +76,7 @@ def train_offline(policy, tok, task, draft: Draft, *, out_dir: str | os.PathLike
         batch = features.batch(policy, random.Random(s).sample(range(len(features)), min(batch_sequences, len(features))),
                                layers, teacher=draft.reads_teacher, columns=draft.teacher_columns())
         torch.manual_seed(s)
-        with autocast(dtype, params[0].device):
+        with products(dtype):
             loss, _ = draft.loss(batch)
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -1,22 +1,23 @@
-"""The precision a draft trains in: fp32, or bf16 autocast (bf16 products, fp32 master weights,
-optimiser and losses), chosen by measurement on the machine at hand.
+"""The precision a model trains in, fp32 or bf16 products (``codraft.models.bf16``: bf16 matrix products,
+everything else fp32), chosen by measurement on the machine at hand. It applies to the policy's GRPO loss
+(``grpo.precision``) and to the draft's loss (``draft.precision``, the offline recipes' ``precision``).
 
-bf16 products pay where the processor multiplies bf16 natively: on a 2-core Sapphire-Rapids-class
-Xeon (AMX), torch's bf16 products of a draft's training shapes run 2-4x faster than fp32, and whole
-offline DSpark and DFlash steps 1.2-1.3x (docs/real-preset.md, session 29). Where the processor only
-converts (AVX2), bf16 products are slower. So "auto" times the draft's own products both ways, forward
-and backward, once per machine, and caches the choice as JSON under ``cache_root()/precision/``, keyed by
-the products' shapes and ``cache.machine_key``; a file recorded elsewhere is never read (its name differs).
+bf16 products pay where the processor multiplies bf16 natively: on a 2-core Sapphire-Rapids-class Xeon
+(AMX), torch's bf16 products of a draft's training shapes run 2-4x faster than fp32, whole offline DSpark
+and DFlash steps 1.2-1.3x, and SmolLM2's GRPO loss forward and backward ~1.35x (docs/real-preset.md,
+sessions 29-30). Where the processor only converts (AVX2), bf16 products are slower. So "auto" times the
+model's own products both ways, forward and backward, once per machine, and caches the choice as JSON
+under ``cache_root()/precision/``, keyed by the products' shapes and ``cache.machine_key``; a file
+recorded elsewhere is never read (its name differs).
 
-What changes under bf16: the draft's matrix products round their inputs to bf16 (about 3 significant
-digits) and accumulate in fp32; its losses are computed in fp32 from those logits (``slot_losses``
-promotes them), so the loss moves by ~1e-3 relative and the gradients by ~0.5 %, and held-out acceptance
-after 300 steps is the same within 0.005 of tau_est (tests/test_precision.py; the session-29 notes).
-The policy never trains under it: the draft sees the policy's detached features only.
+What changes under bf16: the products round their operands to bf16 (about 3 significant digits) and
+accumulate in fp32. A draft's loss moves by ~1e-3 relative and its gradients by ~0.5 %, and held-out
+acceptance after 300 offline steps is the same within 0.005 of tau_est; the policy's GRPO gradient moves
+by ~3 % of its norm, and its logprobs drift from the rollout's by a KL the run logs (``rollout_kl``)
+(tests/test_precision.py; the session notes).
 """
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import sys
@@ -28,21 +29,24 @@ import torch.nn as nn
 
 from codraft.atomic import atomic_write_text
 from codraft.cache import cache_root, machine_key
+from codraft.models.bf16 import products
 
 PRECISIONS = ("auto", "float32", "bfloat16")
-FORMAT = 2     # bump when what is timed changes: old files are measured again
-ROWS = 1024    # rows of each timed product: a training step's supervised rows, about (a ROW_BUCKET multiple)
+FORMAT = 3     # bump when what is timed changes: old files are measured again
+ROWS = 1024    # rows of each timed product: a training step's supervised rows, about (a multiple of bf16.ROW_BUCKET)
 MARGIN = 0.9   # bf16 is chosen only when it takes at most this share of fp32's time
 
 
-def resolve(precision: str, draft: nn.Module, *, folder: str | Path | None = None, timer=None) -> torch.dtype:
-    """torch.float32 or torch.bfloat16 for ``precision`` ("auto": measured, see the module docstring).
+def resolve(precision: str, model: nn.Module, *, what: str = "draft", folder: str | Path | None = None,
+            timer=None) -> torch.dtype:
+    """torch.float32 or torch.bfloat16 for ``precision`` ("auto": measured for ``model``'s trainable
+    products, see the module docstring); ``what`` names the model in messages.
     timer(dtype, shapes, device) -> seconds replaces the measurement (tests)."""
     if precision not in PRECISIONS:
-        raise ValueError(f"draft training precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+        raise ValueError(f"{what} training precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if precision != "auto":
         return getattr(torch, precision)
-    params = [p for p in draft.parameters() if p.requires_grad]
+    params = [p for p in model.parameters() if p.requires_grad]
     if not params:
         return torch.float32
     device = params[0].device
@@ -62,56 +66,18 @@ def resolve(precision: str, draft: nn.Module, *, folder: str | Path | None = Non
     timer = timer or _time_products
     seconds = {name: timer(getattr(torch, name), shapes, device) for name in ("float32", "bfloat16")}
     choice = "bfloat16" if seconds["bfloat16"] <= MARGIN * seconds["float32"] else "float32"
-    print(f"draft training precision on {device}: fp32 {1e3 * seconds['float32']:.1f} ms, bf16 autocast "
-          f"{1e3 * seconds['bfloat16']:.1f} ms for the draft's products -> {choice}", file=sys.stderr, flush=True)
+    print(f"{what} training precision on {device}: fp32 {1e3 * seconds['float32']:.1f} ms, bf16 products "
+          f"{1e3 * seconds['bfloat16']:.1f} ms for the {what}'s products -> {choice}", file=sys.stderr, flush=True)
     folder.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps({"key": key, "seconds": seconds, "choice": choice}, indent=1))
     return getattr(torch, choice)
 
 
-def autocast(dtype: torch.dtype, device: torch.device):
-    """The context a draft's forward (its loss) runs in at ``dtype``: nothing for fp32; for bf16, autocast,
-    on CPU with every ``F.linear`` input padded to a multiple of ``ROW_BUCKET`` rows (``_BucketedRows``)."""
-    if dtype == torch.float32:
-        return contextlib.nullcontext()
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.autocast(device.type, dtype=dtype))
-    if device.type == "cpu":  # oneDNN's per-shape kernels; GPU libraries need no padding
-        stack.enter_context(_BucketedRows())
-    return stack
-
-
-ROW_BUCKET = 128  # rows a bf16 product's input is padded to a multiple of (64 measured ~4 % slower: more shapes)
-
-
-class _BucketedRows(torch.overrides.TorchFunctionMode):
-    """Pads the rows of every ``F.linear`` input (``nn.Linear`` included) with zeros to a multiple of
-    ``ROW_BUCKET`` and drops the extra output rows. On CPU, torch's bf16 products go to oneDNN, which
-    compiles a kernel for each new shape: ~10 ms, ~30 ms for a product's forward and backward, against
-    ~20 ms for the whole product of 1 000 × 576 × 1 536. A draft's row counts change with every batch
-    (sequence lengths, anchors), so unpadded they would compile at every step and bf16 would lose to
-    fp32 (measured: 0.98 against 0.90 s a DSpark step). Padded, a run meets a few dozen shapes, each
-    compiled once. The padding rows are zeros and are sliced off: the kept rows are exactly the
-    unpadded product's, and so are the gradients (the padding's output gradient is zero)."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        x = args[0] if args else None
-        if func is torch.nn.functional.linear and x.dim() >= 2 and x.numel():
-            rows = x.numel() // x.shape[-1]
-            pad = -rows % ROW_BUCKET
-            if pad:
-                flat = torch.nn.functional.pad(x.reshape(rows, x.shape[-1]), (0, 0, 0, pad))
-                y = func(flat, *args[1:], **kwargs)[:rows]
-                return y.reshape(*x.shape[:-1], y.shape[-1])
-        return func(*args, **kwargs)
-
-
 def _time_products(dtype: torch.dtype, shapes, device: torch.device, repeats: int = 3) -> float:
     """Best of ``repeats`` passes (after a warm-up) of a forward and backward of x @ wᵀ for every shape,
-    at ``dtype`` under ``autocast``; fp32 inputs and weights, as the draft keeps them. Each pass has a
-    few rows fewer than the last, as a draft's batches differ; under bf16 they pad to one bucket, which
-    the warm-up compiles, as a training run compiles its few buckets in its first steps."""
+    under ``products(dtype)``; fp32 inputs and weights, as a model keeps them. Each pass has a few rows
+    fewer than the last, as training batches differ; under bf16 they pad to one bucket, which the warm-up
+    compiles, as a training run compiles its few buckets in its first steps."""
     gen = torch.Generator(device=device).manual_seed(0)
     weights = [torch.randn(o, i, generator=gen, device=device, requires_grad=True) for o, i in shapes]
     best = float("inf")
@@ -121,9 +87,9 @@ def _time_products(dtype: torch.dtype, shapes, device: torch.device, repeats: in
         _sync(device)
         t = perf_counter()
         for x, w in zip(xs, weights):
-            with autocast(dtype, device):
+            with products(dtype):
                 y = torch.nn.functional.linear(x, w)
-            y.float().sum().backward()
+            y.sum().backward()
         _sync(device)
         if r:
             best = min(best, perf_counter() - t)
