@@ -36,7 +36,7 @@ def autograd_slot_losses(z, labels, teacher_logp, outside):
 
 def offline_setup(policy, tok, folder, kind: str):
     """A fresh ``kind`` draft with the recipe's vocabulary, SmolLM2's feature cache (each row's logsumexp
-    computed) and 6 of the recipe's batches of sequence indices. Also used by draft_precision_ab.py."""
+    computed) and 6 of the recipe's batches of sequence indices. Also used by precision_ab.py."""
     recipe = recipe_for(tok, kind)
     torch.manual_seed(0)
     draft = build_draft(kind, policy.config, target=policy, gamma=4, draft_vocab_size=recipe.draft_vocab)
