@@ -434,7 +434,7 @@ def _tool_commands(sub):
     s.add_argument("--max-new-tokens", type=int, default=64)
     s.add_argument("--seed", type=int, default=0)
     s.add_argument("--precision", choices=("float32", "bfloat16", "auto"), default="float32",
-                   help="the draft's products: fp32, bf16 autocast, or auto (timed once on this machine)")
+                   help="the draft's products: fp32, bf16 (matrix products only), or auto (timed once on this machine)")
     s.set_defaults(fn=_cmd_train_draft)
 
     s = sub.add_parser("plot", help="PNG plots of a run folder, or overlays of several")

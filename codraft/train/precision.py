@@ -4,7 +4,7 @@ everything else fp32), chosen by measurement on the machine at hand. It applies 
 
 bf16 products pay where the processor multiplies bf16 natively: on a 2-core Sapphire-Rapids-class Xeon
 (AMX), torch's bf16 products of a draft's training shapes run 2-4x faster than fp32, whole offline DSpark
-and DFlash steps 1.2-1.3x, and SmolLM2's GRPO loss forward and backward ~1.35x (docs/real-preset.md,
+and DFlash steps 1.2-1.3x, and SmolLM2's GRPO loss forward and backward ~1.3x (docs/real-preset.md,
 sessions 29-30). Where the processor only converts (AVX2), bf16 products are slower. So "auto" times the
 model's own products both ways, forward and backward, once per machine, and caches the choice as JSON
 under ``cache_root()/precision/``, keyed by the products' shapes and ``cache.machine_key``; a file
@@ -63,11 +63,13 @@ def resolve(precision: str, model: nn.Module, *, what: str = "draft", folder: st
             return getattr(torch, saved["choice"])
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         pass  # absent or unreadable: measure again
+    print(f"{what} training precision=auto: timing its products in fp32 and bf16 on {device}, once for this "
+          "machine ...", file=sys.stderr, flush=True)
     timer = timer or _time_products
     seconds = {name: timer(getattr(torch, name), shapes, device) for name in ("float32", "bfloat16")}
     choice = "bfloat16" if seconds["bfloat16"] <= MARGIN * seconds["float32"] else "float32"
     print(f"{what} training precision on {device}: fp32 {1e3 * seconds['float32']:.1f} ms, bf16 products "
-          f"{1e3 * seconds['bfloat16']:.1f} ms for the {what}'s products -> {choice}", file=sys.stderr, flush=True)
+          f"{1e3 * seconds['bfloat16']:.1f} ms -> {choice} (cached in {path})", file=sys.stderr, flush=True)
     folder.mkdir(parents=True, exist_ok=True)
     atomic_write_text(path, json.dumps({"key": key, "seconds": seconds, "choice": choice}, indent=1))
     return getattr(torch, choice)
