@@ -36,19 +36,20 @@ def _policy_and_batch():
 
 
 class Products(torch.overrides.TorchFunctionMode):
-    """Records every ``F.linear`` it sees (``nn.Linear`` and ``layers.linear`` included): its result's dtype and
-    its input's shape. Entered first, it sees the products that the modes entered after it pass on: under
-    bf16 products, the bf16 ones (attention's products are not F.linear: they stay fp32 by design)."""
+    """Records every ``F.linear`` and ``torch.mm`` it sees (``nn.Linear`` and ``layers.linear`` are F.linear):
+    its result's dtype and its first input's shape. Entered first, it sees the products that the modes
+    entered after it pass on: under bf16 products, the bf16 ``mm`` they run (attention's products are
+    neither: they stay fp32 by design)."""
 
     def __init__(self):
         super().__init__()
-        self.dtypes, self.linear_inputs = set(), []
+        self.dtypes, self.inputs = set(), []
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func is torch.nn.functional.linear:
+        if func in (torch.nn.functional.linear, torch.mm):
             self.dtypes.add(out.dtype)
-            self.linear_inputs.append(tuple(args[0].shape))
+            self.inputs.append(tuple(args[0].shape))
         return out
 
 
@@ -179,7 +180,7 @@ def test_bf16_products_are_padded_and_give_the_unpadded_bf16_product(rows):
     ref = torch.nn.functional.linear(xr.bfloat16(), wr.bfloat16()).float() + br
     ref.square().sum().backward()
     padded = -(-3 * rows // bf16.ROW_BUCKET) * bf16.ROW_BUCKET
-    assert seen.linear_inputs == [(padded, 48)] and seen.dtypes == {torch.bfloat16}
+    assert seen.inputs == [(padded, 48)] and seen.dtypes == {torch.bfloat16}
     assert y.shape == (rows, 3, 40) and y.dtype == torch.float32
     torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
     assert (y - torch.nn.functional.linear(x0, w0, b0)).abs().max() > 1e-3  # not fp32's product
