@@ -110,6 +110,19 @@ def test_head_rows_follow_the_head_in_place():
 
 
 @pytest.mark.parametrize("kind", ["dflash", "dspark"])
+def test_a_rollout_then_a_training_step(kind):
+    """A co-training step: the rollout proposes under inference mode (gathering the head rows), then the
+    draft's loss reuses them with autograd (the head has not changed). The gathered rows must not be an
+    inference tensor: that failed the real preset's first update (`codraft train --config smollm2-chainsum`)."""
+    target = _target(_cfg())
+    draft = _with_vocab(kind, target, list(range(3, 61, 2)))
+    Engine(target, draft).generate([[5, 17, 3, 44]], 6, temperature=1.0, seed=0, eos_id=[])  # inference mode
+    loss, _ = draft.loss(_batch(target), generator=torch.Generator().manual_seed(0))
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in draft.parameters() if p.grad is not None)
+
+
+@pytest.mark.parametrize("kind", ["dflash", "dspark"])
 def test_save_load_and_bad_vocabularies(kind, tmp_path):
     target = _target(_cfg())
     draft = _with_vocab(kind, target, [8, 1, 30, 60, 2])

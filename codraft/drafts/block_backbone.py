@@ -446,8 +446,13 @@ class BlockDraftBase(nn.Module, Draft):
             key = (w.data_ptr(), w._version, w.dtype, w.device)
         except RuntimeError:  # an inference-mode tensor keeps no version: gather every call
             key = None
-        if key is None or self._head_rows is None or self._head_rows[0] != key:
-            self._head_rows = (key, w.index_select(0, self.draft_vocab.to(w.device)))
+        if key is None:
+            return w.index_select(0, self.draft_vocab.to(w.device))
+        if self._head_rows is None or self._head_rows[0] != key:
+            # gathered as a normal tensor even inside a rollout's inference mode: the next training step's
+            # loss reuses it (the head has not changed), and autograd refuses inference tensors
+            with torch.inference_mode(False):
+                self._head_rows = (key, w.index_select(0, self.draft_vocab.to(w.device)))
         return self._head_rows[1]
 
     def logits(self, h: torch.Tensor) -> torch.Tensor:
