@@ -1,6 +1,7 @@
 """The co-training step and the trainer loop: stop-gradient, alignment, resume, config, CLI."""
 import json
 import math
+import warnings
 
 import pytest
 import torch
@@ -234,8 +235,13 @@ def test_training_precisions_reach_the_losses(tmp_path, tiny_policy_dir, monkeyp
     used, real = [], cotrain.products
     monkeypatch.setattr(cotrain, "products", lambda dtype: used.append(dtype) or real(dtype))
     for policy, draft in (("float32", "bfloat16"), ("bfloat16", "float32")):
-        t = Trainer(_cfg(tiny_policy_dir, tmp_path / policy, 1,
-                         extra=[f"grpo.precision={policy}", f"draft.precision={draft}"]), progress=False)
+        cfg = _cfg(tiny_policy_dir, tmp_path / policy, 1,
+                   extra=[f"grpo.precision={policy}", f"draft.precision={draft}"])
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            t = Trainer(cfg, progress=False)
+        # bf16 products against rollouts from the fp32 weights: the user is told to pair them with bf16 rollouts
+        assert any("rollout.dtype=bfloat16" in str(w.message) for w in caught) == (policy == "bfloat16")
         assert (t.policy_dtype, t.draft_dtype) == (getattr(torch, policy), getattr(torch, draft))
         used.clear()
         m = t.step(0)

@@ -211,6 +211,11 @@ class Trainer:
         if self.world is not None:
             self.policy_dtype, self.draft_dtype = self.world.all_gather_object(
                 (self.policy_dtype, self.draft_dtype), "the training precisions")[0]
+        if self.is_main and self.policy_dtype == torch.bfloat16 and self.rollout_weights.dtype == torch.float32:
+            warnings.warn("grpo.precision: the policy trains in bf16 products while rollouts decode from its fp32 "
+                          "weights, whose updates the trainer's products round away: the mismatch KL was ~10x "
+                          "larger on the real preset (docs/real-preset.md, session 30); rollout.dtype=bfloat16 "
+                          "rounds the weights as the trainer does", stacklevel=2)
         # draft_length=auto: one cost model for every engine, timed now (or read from the cache) for the
         # largest batch any of them decodes
         rows = max(r.prompts_per_step * r.group_size, cfg.log.val_size if cfg.log.val_every else 1)
