@@ -51,7 +51,7 @@ def main():
     ap.add_argument("--init-layer", type=int, default=-1,
                     help="copy this target layer's weights into every draft layer (q/k norms stay 1)")
     ap.add_argument("--train-seqs", type=int, default=0, help="train on only the first N held-in sequences")
-    ap.add_argument("--precision", default="float32", help="the draft's products: float32, bfloat16 (autocast), auto")
+    ap.add_argument("--precision", default="float32", help="the draft's products: float32, bfloat16 (bf16 products), auto")
     a = ap.parse_args()
     torch.set_num_threads(2)
     policy, tok, folder = load_policy("smollm2-135m")
