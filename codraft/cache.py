@@ -4,6 +4,7 @@ A timing is only valid on the machine that made it: ``machine_key`` is what such
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import platform
 from pathlib import Path
@@ -13,6 +14,14 @@ import torch
 
 def cache_root() -> Path:
     return Path(os.environ.get("CODRAFT_CACHE") or Path.home() / ".cache" / "codraft")
+
+
+def keyed_file(folder: Path, key: dict) -> tuple[dict, Path]:
+    """A measurement's file under ``folder``, named by a hash of its ``key``, and the key as JSON reads it
+    back (what a file's recorded key is compared with: a file recorded elsewhere has another name, and a
+    collision another key)."""
+    key = json.loads(json.dumps(key, default=str))
+    return key, folder / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]}.json"
 
 
 def machine_key(device: torch.device) -> dict:

@@ -266,9 +266,8 @@ def load_or_calibrate(model: nn.Module, draft, max_gamma: int, rows: int, *,
     """The cached cost model of (model, draft, this machine) covering ``rows`` rows, else a fresh
     calibration (written back). A file recorded for another key, with a grid too small, or
     unreadable (warned) is recalibrated."""
-    key = json.loads(json.dumps(signature(model, draft, max_gamma), default=str))  # as JSON reads it back
     folder = Path(folder) if folder is not None else cache_root() / "calibration"
-    path = folder / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]}.json"
+    key, path = cache.keyed_file(folder, signature(model, draft, max_gamma))
     cached = _read(path, key)
     if cached is not None and cached.rows[-1] >= rows:
         return cached

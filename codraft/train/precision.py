@@ -18,7 +18,6 @@ by ~3 % of its norm, and its logprobs drift from the rollout's by a KL the run l
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import sys
 from pathlib import Path
@@ -28,7 +27,7 @@ import torch
 import torch.nn as nn
 
 from codraft.atomic import atomic_write_text
-from codraft.cache import cache_root, machine_key
+from codraft.cache import cache_root, keyed_file, machine_key
 from codraft.models.bf16 import products
 
 PRECISIONS = ("auto", "float32", "bfloat16")
@@ -53,10 +52,9 @@ def resolve(precision: str, model: nn.Module, *, what: str = "draft", folder: st
     shapes = sorted({tuple(p.shape) for p in params if p.ndim == 2})
     if not shapes:
         return torch.float32
-    key = {"format": FORMAT, "shapes": shapes, "rows": ROWS, "torch": torch.__version__, "machine": machine_key(device)}
-    key = json.loads(json.dumps(key))  # as JSON reads it back
     folder = Path(folder) if folder is not None else cache_root() / "precision"
-    path = folder / f"{hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:20]}.json"
+    key, path = keyed_file(folder, {"format": FORMAT, "shapes": shapes, "rows": ROWS, "torch": torch.__version__,
+                                    "machine": machine_key(device)})
     try:
         saved = json.loads(path.read_text())
         if saved["key"] == key and saved["choice"] in ("float32", "bfloat16"):
