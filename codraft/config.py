@@ -207,6 +207,7 @@ class Flag:
 COUNT = Range(1)
 EVERY = Range(0, note="every k steps; 0 = off")
 NON_NEGATIVE = Range(0)
+PRECISION = OneOf(("float32", "bfloat16", "auto"))  # a loss's products (codraft.train.precision)
 POSITIVE = Range(0, lo_open=True)
 
 # Every key of RunConfig, with the values it allows (tests/test_config.py checks the table is complete).
@@ -239,7 +240,7 @@ RULES: dict[str, Range | OneOf | Text | Device | Flag] = {
     "grpo.grad_clip": Range(0, lo_open=True, note="the largest gradient norm"),
     "grpo.weight_decay": NON_NEGATIVE,
     "grpo.max_nonfinite_steps": COUNT,
-    "grpo.precision": OneOf(("float32", "bfloat16", "auto")),
+    "grpo.precision": PRECISION,
     "draft.mode": OneOf(("none", "frozen", "cotrain")),
     "draft.kind": OneOf(available_drafts()),
     "draft.init": Text("offline, random or a draft folder"),
@@ -247,7 +248,7 @@ RULES: dict[str, Range | OneOf | Text | Device | Flag] = {
                                  "builds blocks of gamma + 1 >= 2 slots, dspark blocks of gamma >= 1 slots"),
     "draft.lam": NON_NEGATIVE,
     "draft.num_anchors": Range(0, note="0 = the draft's own"),
-    "draft.precision": OneOf(("float32", "bfloat16", "auto")),
+    "draft.precision": PRECISION,
     "draft.lr": NON_NEGATIVE,
     "draft.warmup_steps": Range(0, note="0 = no warm-up"),
     "draft.grad_clip": Range(0, lo_open=True, note="the largest gradient norm"),

@@ -93,7 +93,7 @@ def _naming(pipe: Pipeline, what: str):
 
 
 def pipeline_cotrain(pipe: Pipeline, policy, draft, mbs: list[MicroBatch], *, step: int, train_draft: bool = True,
-                     **loss_kw) -> tuple[torch.Tensor, dict]:
+                     policy_dtype: torch.dtype = torch.float32, **loss_kw) -> tuple[torch.Tensor, dict]:
     """Forward and backward of the step's micro-batches on this stage (1F1B); gradients accumulate in
     the parameters this stage runs. Returns the step's loss and metrics, on every rank."""
     mesh, last = pipe.mesh, pipe.last
@@ -109,7 +109,7 @@ def pipeline_cotrain(pipe: Pipeline, policy, draft, mbs: list[MicroBatch], *, st
     def forward(m, x, carried):
         ids, kw = inputs[m]
         ctx = policy.layer_inputs(1, ids.shape[1], ids.device, **kw)
-        with products(loss_kw.get("policy_dtype", torch.float32)):
+        with products(policy_dtype):
             out, tapped[m] = policy.run_layers(policy.embed(ids) if x is None else x, ctx, pipe.layers, mine)
         if last or not relay:
             return out, carried
@@ -137,7 +137,8 @@ def pipeline_cotrain(pipe: Pipeline, policy, draft, mbs: list[MicroBatch], *, st
                     feats[t] = pipe.channel.get(step, m, t)[None]
         mb = mbs[m]
         out, parts[m] = loss_from_hidden(policy, draft, mb.batch, rows[m], hidden, rows[m].draft_features(feats),
-                                         mb.advantages, train_draft=train_draft, totals=mb.totals, **loss_kw)
+                                         mb.advantages, train_draft=train_draft, totals=mb.totals,
+                                         policy_dtype=policy_dtype, **loss_kw)
         return out
 
     w = policy.embed_tokens.weight

@@ -200,22 +200,7 @@ class Trainer:
             d.kind, d.init, policy=self.policy, tok=self.tok, task=self.task, policy_dir=self.policy_dir,
             gamma=d.gamma, seed=cfg.seed, progress=self.progress, num_anchors=d.num_anchors)
         self.trains_draft = d.mode == "cotrain" and self.draft is not None and bool(self.draft.trainable_parameters())
-        # grpo.precision, draft.precision: the products of the policy's and the draft's losses, fp32 or bf16
-        # ("auto": measured here); rank 0 chooses and every rank takes its choice, so the ranks of a step
-        # compute one loss (and only one measures, undisturbed by the others)
-        self.policy_dtype = self.draft_dtype = torch.float32
-        if self.is_main:
-            self.policy_dtype = resolve_precision(cfg.grpo.precision, self.policy, what="policy")
-            if self.trains_draft:
-                self.draft_dtype = resolve_precision(d.precision, self.draft, what="draft")
-        if self.world is not None:
-            self.policy_dtype, self.draft_dtype = self.world.all_gather_object(
-                (self.policy_dtype, self.draft_dtype), "the training precisions")[0]
-        if self.is_main and self.policy_dtype == torch.bfloat16 and self.rollout_weights.dtype == torch.float32:
-            warnings.warn("grpo.precision: the policy trains in bf16 products while rollouts decode from its fp32 "
-                          "weights, whose updates the trainer's products round away: the mismatch KL was ~10x "
-                          "larger on the real preset (docs/real-preset.md, session 30); rollout.dtype=bfloat16 "
-                          "rounds the weights as the trainer does", stacklevel=2)
+        self.policy_dtype, self.draft_dtype = self._training_precisions(cfg)
         # draft_length=auto: one cost model for every engine, timed now (or read from the cache) for the
         # largest batch any of them decodes
         rows = max(r.prompts_per_step * r.group_size, cfg.log.val_size if cfg.log.val_every else 1)
@@ -274,6 +259,25 @@ class Trainer:
             own, drafts = self._owned()
             keep_state(self.opt, own)
             keep_state(self.draft_opt, drafts)
+
+    def _training_precisions(self, cfg: RunConfig) -> tuple[torch.dtype, torch.dtype]:
+        """grpo.precision, draft.precision: the products of the policy's and the draft's losses, fp32 or bf16
+        ("auto": measured here). Rank 0 chooses and every rank takes its choice, so the ranks of a step
+        compute one loss (and only one measures, undisturbed by the others)."""
+        policy_dtype = draft_dtype = torch.float32
+        if self.is_main:
+            policy_dtype = resolve_precision(cfg.grpo.precision, self.policy, what="policy")
+            if self.trains_draft:
+                draft_dtype = resolve_precision(cfg.draft.precision, self.draft, what="draft")
+        if self.world is not None:
+            policy_dtype, draft_dtype = self.world.all_gather_object((policy_dtype, draft_dtype),
+                                                                     "the training precisions")[0]
+        if self.is_main and policy_dtype == torch.bfloat16 and self.rollout_weights.dtype == torch.float32:
+            warnings.warn("grpo.precision: the policy trains in bf16 products while rollouts decode from its fp32 "
+                          "weights, whose updates the trainer's products round away: the mismatch KL was ~10x "
+                          "larger on the real preset (docs/real-preset.md, session 30); rollout.dtype=bfloat16 "
+                          "rounds the weights as the trainer does", stacklevel=3)
+        return policy_dtype, draft_dtype
 
     def _join_ranks(self, cfg: RunConfig) -> None:
         """parallel.pp · parallel.cp > 1: one process per rank (torchrun); every rank decodes its rollout
