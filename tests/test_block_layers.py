@@ -84,6 +84,33 @@ def test_the_measured_path_is_followed(monkeypatch):
     assert all(set(t) == {"fused", "unfused"} and all(0 < s < 1 for s in t.values()) for t in times.values())
 
 
+
+def test_timing_holds_one_ring_of_caches_for_every_row_count(monkeypatch):
+    """As the target's layers (test_dispatch): every row count's candidates live through a measurement,
+    and each timed call, fused or per-op, writes into the next slot of one ring of caches (a cache per
+    row count with a layer per copy held ~10 GB for a tiny draft layer)."""
+    _, _, fast = _pair(1, torch.float32)
+    rings, seen, ring_type = [], [], dispatch.KVRing
+    monkeypatch.setattr(dispatch, "KVRing", lambda *a: rings.append(ring_type(*a)) or rings[-1])
+    real_stack, layer_type = decode_ops.decoder_stack, type(fast.layers[0])
+    real_decode = layer_type.decode
+    monkeypatch.setattr(decode_ops, "decoder_stack", lambda model, first, layers, x, cos, sin, cache, **k: seen.append(
+        (x.shape[0], cache.k[first])) or real_stack(model, first, layers, x, cos, sin, cache, **k))
+    monkeypatch.setattr(layer_type, "decode", lambda self, x, cos, sin, k, *a: seen.append(
+        (x.shape[0], k)) or real_decode(self, x, cos, sin, k, *a))
+    candidates = block_layers._candidates(fast.layers[0])
+    runs = {m: [run for at in candidates.values() if (run := at(m)) is not None] for m in dispatch.GRID}
+    (ring,) = rings
+    for m in (1, 7, 128):
+        for run in runs[m] * 2:
+            run()
+    k0, slot_bytes = ring.k.data_ptr(), ring.k[0].nbytes
+    assert len(seen) == 12 and all(len(r) == 2 for r in runs.values())
+    assert all(k0 <= k.data_ptr() and k.data_ptr() + k.nbytes <= k0 + ring.k.nbytes and k.shape[0] == m
+               for m, k in seen)
+    slots = [(k.data_ptr() - k0) // slot_bytes for _, k in seen]
+    assert all(a != b for a, b in zip(slots, slots[1:]))
+
 @pytest.mark.parametrize("settings", [dict(temperature=1.0), dict(temperature=0.6), dict(temperature=0.0)],
                          ids=["t1", "t0.6", "greedy"])
 @pytest.mark.parametrize("rows,gamma,vocab", [(1, 4, 0), (3, 2, 0), (5, 6, 24)])

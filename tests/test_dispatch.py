@@ -404,3 +404,43 @@ def test_measurements_time_the_paths_not_the_packing(monkeypatch):
         for run in runs * 2:
             run()
         assert len(packs) == made, f"{op}: a timed call packed {len(packs) - made} copies"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_timing_a_layer_holds_one_ring_of_caches_for_every_row_count(monkeypatch, dtype):
+    """``measure`` builds every row count's candidates before its first round and keeps them to the end.
+    With a cache per row count (a layer in it per copy of the layer), the tiny preset's layer took 10 GB at
+    its first timing, and two CP ranks timing at once ran out of memory. Every timed call, at any row
+    count and on any path, must write into one of the ring's slots, whose total is the cold budget that
+    ``copies`` sizes (not a multiple of the grid), and consecutive calls into different slots (so the
+    keys come from memory)."""
+    rings, seen, ring_type = [], [], dispatch.KVRing
+    monkeypatch.setattr(dispatch, "KVRing", lambda *a: rings.append(ring_type(*a)) or rings[-1])
+    real_stack, real_attention = decode_ops.decoder_stack, decode_ops.cache_attention
+
+    def stack(model, first, layers, x, cos, sin, cache, *a, **k):
+        seen.append((x.shape[0], cache.k[first]))
+        return real_stack(model, first, layers, x, cos, sin, cache, *a, **k)
+
+    def attention(q, k, v, cos, sin, k_cache, *a):
+        seen.append((q.shape[0], k_cache))
+        return real_attention(q, k, v, cos, sin, k_cache, *a)
+    monkeypatch.setattr(decode_ops, "decoder_stack", stack)
+    monkeypatch.setattr(decode_ops, "cache_attention", attention)
+    model, _ = _layer_and_cache(dtype, 1, 1, seed=0)
+    candidates = fast_layers._layer_candidates(model.layers[0])
+    runs = {m: [run for at in candidates.values() if (run := at(m)) is not None] for m in dispatch.GRID}
+    (ring,) = rings
+    slot_bytes = ring.k[0].nbytes
+    cold = min(2 * dispatch._last_level_cache(), dispatch.MAX_COLD_BYTES)
+    assert ring.k.nbytes + ring.v.nbytes <= cold + 2 * slot_bytes  # (at most MAX_COPIES slots, at least 2)
+    assert len(ring.k) == dispatch.MAX_COPIES or ring.k.nbytes + ring.v.nbytes >= cold
+    seen.clear()
+    for m in (1, 5, 64, 128):
+        for run in runs[m] * 2:
+            run()
+    k0, end = ring.k.data_ptr(), ring.k.data_ptr() + ring.k.nbytes
+    assert len(seen) == 2 * len(runs[1]) + 2 * len(runs[5]) + 2 * len(runs[64]) + 2 * len(runs[128]) > 8
+    assert all(k0 <= k.data_ptr() and k.data_ptr() + k.nbytes <= end and k.shape[0] == m for m, k in seen)
+    slots = [(k.data_ptr() - k0) // slot_bytes for _, k in seen]
+    assert all(a != b for a, b in zip(slots, slots[1:]))

@@ -8,8 +8,8 @@ torch calls a layer (norms, q/k norms, RoPE, two scatters into the cache, SDPA, 
 more than streaming the layer's weights at batch 1 (docs/real-preset.md, "Where the draft's time
 goes"). ``decode_ops.decoder_stack`` with ``block=True`` runs the same in one call. The choice per row
 count (B·S slots) is timed on this machine like the target's layers (``dispatch``, operation
-``block-layer``), the candidates each call on the next of copies of the layer, m rows of one slot
-after ``CONTEXT`` cached positions.
+``block-layer``), the candidates each call on the next of copies of the layer and into the next of
+one-layer caches (``dispatch.KVRing``), m rows of one slot after ``CONTEXT`` cached positions.
 
 Installed from outside: ``codraft.kernels.enable`` sets a block draft's ``fused_block_decode`` and
 ``fused_commit`` hooks to ``decode`` and ``commit``. Not here: the C code (``decode_ops.c``), the
@@ -86,28 +86,28 @@ def _candidates(layer: nn.Module) -> dict[str, dispatch.At]:
     nbytes = sum(p.numel() * p.element_size() for p in layer.parameters())
     with torch.inference_mode(False):
         timed = nn.ModuleList(copy.deepcopy(layer) for _ in range(dispatch.copies(nbytes)))
-    turn = itertools.count()
+    ring, turn = dispatch.KVRing(a.n_kv, a.head_dim, CONTEXT, torch.float32), itertools.count()
 
     def at(path: str):
         def rows(m):
-            shape = (len(timed), m, a.n_kv, CONTEXT + 1, a.head_dim)
-            k, v = torch.zeros(shape), torch.zeros(shape)
             ctx_len = torch.full((m,), CONTEXT)
+            slots = [(_Cache(k, v, ctx_len), k[0], v[0]) for k, v in ring.views(m)]
             x = torch.randn(m, 1, a.q_proj.weight.shape[1])
             cos, sin = torch.ones(m, 1, 1, a.head_dim), torch.zeros(m, 1, 1, a.head_dim)  # RoPE at angle 0
             with torch.no_grad():
-                if path == "fused" and not decode_ops.layer_applies(layer, x, k):
+                if path == "fused" and not decode_ops.layer_applies(layer, x, slots[0][1]):
                     return None
 
             @torch.no_grad()
-            def run():
-                j = next(turn) % len(timed)
+            def run():  # the next copy of the layer, into the next cache (a copy's plan is its own, as layer 0)
+                j = next(turn)
+                cache, k, v = slots[j % len(slots)]
+                layer_j = timed[j % len(timed)]
                 if path == "fused":
-                    out = decode_ops.decoder_stack(timed, j, [timed[j]], x, cos, sin, _Cache(k, v, ctx_len),
-                                                   block=True)
+                    out = decode_ops.decoder_stack(layer_j, 0, [layer_j], x, cos, sin, cache, block=True)
                     assert out is not None, "decoder_stack refused a layer that layer_applies accepted"
                     return out
-                return timed[j].decode(x, cos, sin, k[j], v[j], ctx_len, CONTEXT + 1)
+                return layer_j.decode(x, cos, sin, k, v, ctx_len, CONTEXT + 1)
             return run
         return rows
     return {path: at(path) for path in BLOCK_LAYER.paths}

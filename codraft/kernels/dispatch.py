@@ -197,6 +197,32 @@ def copies(nbytes: int) -> int:
     return max(2, min(MAX_COPIES, -(-cold // max(nbytes, 1))))
 
 
+class KVRing:
+    """One-layer KV caches (1, m, Hkv, context + 1, D) for timing a decoder layer at m rows: ``views(m)``
+    gives one per slot of a ring as many as ``copies`` makes, for the timed calls to cycle through (so a
+    call's keys come from memory, as a decode step's do). Every row count's caches are views of the same
+    slots, each sized for ``GRID``'s most rows: a cache per row count, with a layer per copy of the
+    layer, made a tiny model's first timing peak at 10-19 GB, and two CP ranks timing at once ran out of
+    memory. Zeroed: a call reads context positions it never wrote."""
+
+    def __init__(self, kv_heads: int, head_dim: int, context: int, dtype: torch.dtype):
+        self.row = (kv_heads, context + 1, head_dim)
+        slot = max(GRID) * math.prod(self.row)
+        n = copies(2 * slot * dtype.itemsize)
+        self.k, self.v = torch.zeros(n, slot, dtype=dtype), torch.zeros(n, slot, dtype=dtype)
+        self._views: dict[int, list] = {}
+
+    def views(self, m: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Every slot's (k, v) for m rows."""
+        if m not in self._views:
+            if m > max(GRID):
+                raise ValueError(f"KVRing: {m} rows > the grid's {max(GRID)}")
+            n = m * math.prod(self.row)
+            self._views[m] = [(k[:n].view(1, m, *self.row), v[:n].view(1, m, *self.row))
+                              for k, v in zip(self.k, self.v)]
+        return self._views[m]
+
+
 def machine() -> dict:
     """What a table depends on besides the operation and key."""
     lib = cbuild.library()

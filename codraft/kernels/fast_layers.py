@@ -118,24 +118,24 @@ def _amx_fits(layer) -> bool:
 def _layer_candidates(layer: FastDecoderLayer) -> dict[str, dispatch.At]:
     """The one-call layer (as a decode step runs it: ``decoder_stack``, here over one layer; its
     products on the vector kernel, and for bf16 weights on it with copies packed in panels and where it
-    applies on AMX tiles) and the per-op
-    one (``DecoderLayer.forward`` over the fast submodules), each call on the next of copies of
-    ``layer`` (so its weights come from memory); m rows of one new token each after ``CONTEXT`` cached
-    ones."""
+    applies on AMX tiles) and the per-op one (``DecoderLayer.forward`` over the fast submodules); m rows
+    of one new token each after ``CONTEXT`` cached ones. Each call runs on the next of copies of
+    ``layer`` and into the next of one-layer caches (``dispatch.KVRing``), so its weights and keys come from
+    memory."""
     a = layer.self_attn
     dtype = layer.input_layernorm.weight.dtype
     nbytes = sum(p.numel() * p.element_size() for p in layer.parameters())
     with torch.inference_mode(False):  # weights that keep version counters, as a model's (for packed copies)
         timed = nn.ModuleList(copy.deepcopy(layer) for _ in range(dispatch.copies(nbytes)))
-    # every row count's cache lives until the measurement ends (``dispatch.measure`` sweeps the grid in
-    # rounds), so the paths share one per row count: with one each, a tiny model's timing peaked at 19 GB
-    turn, packed, packed_products, caches = itertools.count(), [], [], {}
+    ring, turn, packed, packed_products, caches = dispatch.KVRing(a.n_kv, a.head_dim, CONTEXT, dtype), \
+        itertools.count(), [], [], {}
 
     def cache_for(m: int) -> KVCache:
         if m not in caches:
-            caches[m] = KVCache(num_layers=len(timed), batch=m, max_len=CONTEXT + 1, num_kv_heads=a.n_kv,
-                                head_dim=a.head_dim, dtype=dtype, device="cpu")
+            caches[m] = KVCache(num_layers=0, batch=m, max_len=CONTEXT + 1, num_kv_heads=a.n_kv, head_dim=a.head_dim,
+                                dtype=dtype, device="cpu")
             caches[m].set_lengths(torch.full((m,), CONTEXT), span=CONTEXT)
+            caches[m].k, caches[m].v = ring.views(m)[0]
         return caches[m]
 
     def at(path: str):
@@ -147,27 +147,30 @@ def _layer_candidates(layer: FastDecoderLayer) -> dict[str, dispatch.At]:
             cos, sin = torch.ones(m, 1, 1, a.head_dim), torch.zeros(m, 1, 1, a.head_dim)  # RoPE at angle 0
             positions, span = cache.lengths[:, None], CONTEXT + 1
             mask = torch.zeros(()).masked_fill(~cache_causal_mask(cache.lengths, 1, span), float("-inf"))
+            slots = ring.views(m)
             with torch.no_grad():  # as a decode step runs (the table may be looked up under autograd)
                 if not applies(path, layer, x, cache.k):
                     return None
                 # each copy packs on its first call (the one-call layer's plan, or the per-op layer's products
-                # where their table picks panels): done here, not timed
+                # where their table picks panels): done here, not timed. A copy's plan is its own (one layer
+                # owning it as layer 0), as a model's layer that runs alone keeps its own
                 if panels and not packed:
-                    packed.extend(decode_ops.decoder_stack(timed, j, [timed[j]], x, cos, sin, cache, panels=True)
-                                  for j in range(len(timed)))
+                    packed.extend(decode_ops.decoder_stack(layer_j, 0, [layer_j], x, cos, sin, cache, panels=True)
+                                  for layer_j in timed)
                 if not fused and not packed_products:
                     packed_products.append(panel_copies.prepare([w for copy in timed
                                                                  for w in decode_ops._layer_weights(copy)[1]]))
 
             @torch.no_grad()
             def run():
-                j = next(turn) % len(timed)
+                j = next(turn)
+                cache.k, cache.v = slots[j % len(slots)]
+                layer_j = timed[j % len(timed)]
                 if fused:
-                    out = decode_ops.decoder_stack(timed, j, [timed[j]], x, cos, sin, cache, amx=on_amx,
-                                                   panels=panels)
+                    out = decode_ops.decoder_stack(layer_j, 0, [layer_j], x, cos, sin, cache, amx=on_amx, panels=panels)
                     assert out is not None, "decoder_stack refused a layer that layer_applies accepted"
                     return out
-                return DecoderLayer.forward(timed[j], x, cos, sin, varlen_attention, mask, cache, j, positions, span)
+                return DecoderLayer.forward(layer_j, x, cos, sin, varlen_attention, mask, cache, 0, positions, span)
             return run
         return rows
     return {path: at(path) for path in LAYER.paths}
