@@ -10,6 +10,7 @@ import torch
 
 from codraft.parallel.comm import CPError, CPGroup
 from codraft.parallel.context import ShardedRow
+from codraft.parallel.mesh import build_mesh
 from codraft.parallel.ring import ring_attention
 from codraft.parallel.zigzag import ZigzagPlan, ZigzagShard
 from dist_harness import run_ranks
@@ -40,6 +41,22 @@ def _faulty_peer(rank, world, fault):
     return "no error", time.monotonic() - t0
 
 
+def _silent_peer_in_a_mesh(rank, world):
+    """PP 2 × CP 2: rank 3 (stage 1, CP rank 1) never joins its stage's ring; rank 2 waits for it."""
+    mesh = build_mesh(2, 2, timeout=TIMEOUT)
+    if mesh.stage == 0:
+        return "stage 0"
+    if mesh.cp_rank == 1:
+        time.sleep(3 * TIMEOUT)
+        return "idle"
+    q, k, v, shard = _ring_inputs(mesh.cp_rank, 2)
+    try:
+        ring_attention(q, k, v, shard, mesh.cp_group)
+    except CPError as e:
+        return str(e)
+    return "no error"
+
+
 def _mismatched_rows(rank, world):
     cu = torch.tensor([0, 5, 12] if rank == 0 else [0, 6, 12])
     try:
@@ -64,6 +81,15 @@ def test_dead_peer_fails_fast_naming_rank_and_step():
     message, seconds = results[0]
     assert "CP rank 0/2: ring step 1 of 2" in message and "CP rank 1" in message, message
     assert seconds < 4 * TIMEOUT
+
+
+def test_in_a_pipeline_the_error_names_the_rank_and_stage():
+    """A CP group of a PP × CP mesh names this rank's place in it: "CP rank 0/2" alone is ambiguous
+    when every stage has one."""
+    results, errors = run_ranks(_silent_peer_in_a_mesh, 4, expect_failure=True, timeout=60)
+    assert not errors, errors
+    assert results[2].startswith("rank 2 (pipeline stage 1/2, CP rank 0/2): ring step 1 of 2 got no main K/V "
+                                 "from CP rank 1"), results[2]
 
 
 def test_mismatched_cu_seqlens_is_a_clear_error():

@@ -39,12 +39,13 @@ def _faulty_stage(rank, world, victim, fault):
 
 
 @pytest.mark.parametrize("victim,fault,expect", [
-    (1, "silent", "pipeline stage 0/2: no gradients of micro-batch 0 from stage 1"),
-    (0, "silent", "pipeline stage 1/2: no activations of micro-batch 0 from stage 0"),
+    (1, "silent", r"^rank 0 \(pipeline stage 0/2, CP rank 0/1\): no gradients of micro-batch 0 from stage 1"),
+    (0, "silent", r"^rank 1 \(pipeline stage 1/2, CP rank 0/1\): no activations of micro-batch 0 from stage 0"),
     # a dead peer may already refuse the send of the first micro-batch's activations, or of its taps
-    (1, "dead", r"pipeline stage 0/2: (no gradients of micro-batch 0 from stage 1|cannot send the activations of "
-                r"micro-batch [01] to stage 1|cannot send tap \d+ of micro-batch [01] to the last stage)"),
-    (0, "dead", "pipeline stage 1/2: no activations of micro-batch 0 from stage 0"),
+    (1, "dead", r"^rank 0 \(pipeline stage 0/2, CP rank 0/1\): (no gradients of micro-batch 0 from stage 1|cannot "
+                r"send the activations of micro-batch [01] to stage 1|cannot send tap \d+ of micro-batch [01] to the "
+                r"last stage)"),
+    (0, "dead", r"^rank 1 \(pipeline stage 1/2, CP rank 0/1\): no activations of micro-batch 0 from stage 0"),
 ])
 def test_a_stage_that_hangs_or_dies_is_named(victim, fault, expect):
     results, errors = run_ranks(_faulty_stage, 2, victim, fault, expect_failure=True, timeout=90)

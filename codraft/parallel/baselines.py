@@ -59,6 +59,7 @@ reduce-scatter: (C−1)·local bytes; all-to-all: (U−1)/U of the input) to the
 """
 from __future__ import annotations
 
+import datetime
 import math
 import sys
 from dataclasses import dataclass
@@ -516,14 +517,14 @@ def _usp_groups(comm: CPGroup, u: int) -> tuple[CPGroup, CPGroup]:
         return CPGroup(None, 0, 1, comm.timeout), comm
     key = (id(comm.group), c, u)
     if key not in _USP_GROUPS:
-        r = c // u
+        r, td = c // u, datetime.timedelta(seconds=comm.timeout)  # (gloo's default would be 30 min)
         ug = rg = None
         for rho in range(r):
-            g = dist.new_group([comm.global_rank(rho * u + j) for j in range(u)])
+            g = dist.new_group([comm.global_rank(rho * u + j) for j in range(u)], timeout=td)
             if comm.rank // u == rho:
                 ug = CPGroup(g, comm.rank % u, u, comm.timeout)
         for j in range(u):
-            g = dist.new_group([comm.global_rank(rho * u + j) for rho in range(r)])
+            g = dist.new_group([comm.global_rank(rho * u + j) for rho in range(r)], timeout=td)
             if comm.rank % u == j:
                 rg = CPGroup(g, comm.rank // u, r, comm.timeout)
         _USP_GROUPS[key] = (ug, rg)

@@ -11,6 +11,7 @@ messages to one peer, and NCCL ignores tags, so the order of posting is the same
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 from dataclasses import dataclass
@@ -30,6 +31,11 @@ class CPGroup:
     size: int
     timeout: float = 300.0  # seconds a ring step waits for its peer
     sent_bytes: int = 0     # bytes this rank has sent point-to-point (benchmarks read and reset it)
+    where: str = ""         # this rank in a PP × CP mesh (``Mesh.where``), for the errors; else its CP rank
+
+    @property
+    def who(self) -> str:
+        return self.where or f"CP rank {self.rank}/{self.size}"
 
     @classmethod
     def world(cls, timeout: float = 300.0) -> "CPGroup":
@@ -49,9 +55,11 @@ class CPGroup:
     def exchange(self, send: torch.Tensor, recv: torch.Tensor, *, what: str, step: int, tag: int) -> "Pending":
         """Post send → next rank and recv ← previous rank; ``Pending.wait`` completes both."""
         self.sent_bytes += send.numel() * send.element_size()
-        works = [dist.isend(send.contiguous(), self.global_rank(self.next), group=self.group, tag=tag),
-                 dist.irecv(recv, self.global_rank(self.prev), group=self.group, tag=tag)]
-        return Pending(self, works, what, step)
+        pending = Pending(self, [], what, step)
+        with pending.naming():  # posting can fail too: a peer that died closed the connection
+            pending.works = [dist.isend(send.contiguous(), self.global_rank(self.next), group=self.group, tag=tag),
+                             dist.irecv(recv, self.global_rank(self.prev), group=self.group, tag=tag)]
+        return pending
 
     def all_reduce(self, x: torch.Tensor, what: str) -> torch.Tensor:
         """Sum over the group, in place; a hang surfaces as the group's timeout, named here."""
@@ -60,7 +68,7 @@ class CPGroup:
         try:
             dist.all_reduce(x, group=self.group)
         except RuntimeError as e:
-            raise CPError(f"CP rank {self.rank}/{self.size}: all-reduce of {what} failed: {e}") from e
+            raise CPError(f"{self.who}: all-reduce of {what} failed: {e}") from e
         return x
 
     def all_gather(self, x: torch.Tensor, what: str) -> list[torch.Tensor]:
@@ -71,7 +79,7 @@ class CPGroup:
         try:
             dist.all_gather(out, x, group=self.group)
         except RuntimeError as e:
-            raise CPError(f"CP rank {self.rank}/{self.size}: all-gather of {what} failed: {e}") from e
+            raise CPError(f"{self.who}: all-gather of {what} failed: {e}") from e
         return out
 
     def all_gather_object(self, obj, what: str) -> list:
@@ -81,7 +89,7 @@ class CPGroup:
         try:
             dist.all_gather_object(out, obj, group=self.group)
         except RuntimeError as e:
-            raise CPError(f"CP rank {self.rank}/{self.size}: all-gather of {what} failed: {e}") from e
+            raise CPError(f"{self.who}: all-gather of {what} failed: {e}") from e
         return out
 
 
@@ -93,14 +101,19 @@ class Pending:
     step: int
 
     def wait(self) -> None:
+        with self.naming():
+            for w in self.works:
+                if w.wait(datetime.timedelta(seconds=self.comm.timeout)) is False:
+                    raise RuntimeError("the wait timed out")
+
+    @contextlib.contextmanager
+    def naming(self):
         c = self.comm
         try:
-            for w in self.works:
-                w.wait(datetime.timedelta(seconds=c.timeout))
+            yield
         except RuntimeError as e:
-            raise CPError(f"CP rank {c.rank}/{c.size}: ring step {self.step + 1} of {c.size} got no {self.what} "
-                          f"from CP rank {c.prev} (or could not send to CP rank {c.next}) within {c.timeout:g} s: "
-                          f"{e}") from e
+            raise CPError(f"{c.who}: ring step {self.step + 1} of {c.size} got no {self.what} from CP rank {c.prev} "
+                          f"(or could not send to CP rank {c.next}) within {c.timeout:g} s: {e}") from e
 
 
 def backend_for(device: torch.device | str) -> str:
@@ -114,7 +127,8 @@ def init_cp(device: torch.device | str = "cpu", timeout: float = 300.0) -> CPGro
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             raise CPError("parallel.cp > 1 needs torchrun: torchrun --nproc-per-node C -m codraft train parallel.cp=C")
-        if torch.device(device).type == "cuda":  # one GPU per rank: "cuda" means this rank's
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        d = torch.device(device)
+        if d.type == "cuda":  # one GPU per rank: "cuda" means this rank's, "cuda:N" GPU N
+            torch.cuda.set_device(d.index if d.index is not None else int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend_for(device), timeout=datetime.timedelta(seconds=timeout))
     return CPGroup.world(timeout)

@@ -59,14 +59,19 @@ def build_mesh(pp: int, cp: int, timeout: float = 300.0) -> Mesh:
     stage, cp_rank = divmod(world.rank, cp)
     td = datetime.timedelta(seconds=timeout)
     cp_group = pp_group = embedding = None
+    # group_desc: NCCL's watchdog names the group of a collective that timed out
     for s in range(pp):  # every rank builds every group, in the same order
-        g = dist.new_group([s * cp + c for c in range(cp)], timeout=td) if cp > 1 else None
+        g = dist.new_group([s * cp + c for c in range(cp)], timeout=td, group_desc=f"cp-stage{s}") if cp > 1 else None
         if s == stage and g is not None:
             cp_group = CPGroup(g, cp_rank, cp, timeout)
     if pp > 1:
         for c in range(cp):
-            g = dist.new_group([s * cp + c for s in range(pp)], timeout=td)
-            e = dist.new_group([c, (pp - 1) * cp + c], timeout=td)
+            g = dist.new_group([s * cp + c for s in range(pp)], timeout=td, group_desc=f"pp-column{c}")
+            e = dist.new_group([c, (pp - 1) * cp + c], timeout=td, group_desc=f"embedding-column{c}")
             if c == cp_rank:
                 pp_group, embedding = g, e
-    return Mesh(pp, cp, stage, cp_rank, world, cp_group, pp_group, embedding)
+    mesh = Mesh(pp, cp, stage, cp_rank, world, cp_group, pp_group, embedding)
+    for group in (world, cp_group):  # their errors name this rank's place in the mesh
+        if group is not None:
+            group.where = mesh.where()
+    return mesh

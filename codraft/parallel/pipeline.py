@@ -63,7 +63,12 @@ class StageLink:
     stages: int
     group: dist.ProcessGroup | None = None
     timeout: float = 300.0
+    where: str = ""  # this rank in a PP × CP mesh (``Mesh.where``), for the errors; else its stage
     _sends: list = field(default_factory=list)
+
+    @property
+    def who(self) -> str:
+        return self.where or f"pipeline stage {self.stage}/{self.stages}"
 
     def _rank(self, stage: int) -> int:
         return stage if self.group is None else dist.get_global_rank(self.group, stage)
@@ -73,7 +78,7 @@ class StageLink:
         try:
             work = dist.isend(x, self._rank(dst), group=self.group, tag=tag)
         except RuntimeError as e:
-            raise PipelineError(f"pipeline stage {self.stage}/{self.stages}: cannot send the {_what(tag)} of "
+            raise PipelineError(f"{self.who}: cannot send the {_what(tag)} of "
                                 f"micro-batch {tag // 2} to stage {dst} (stage {dst} died?): {e}") from e
         self._sends.append((work, x, dst, tag))
 
@@ -83,10 +88,10 @@ class StageLink:
         try:
             ok = work.wait(datetime.timedelta(seconds=self.timeout))
         except RuntimeError as e:
-            raise PipelineError(f"pipeline stage {self.stage}/{self.stages}: no {what} from stage {src} within "
+            raise PipelineError(f"{self.who}: no {what} from stage {src} within "
                                 f"{self.timeout:g} s (stage {src} died or hangs): {e}") from e
         if ok is False:
-            raise PipelineError(f"pipeline stage {self.stage}/{self.stages}: no {what} from stage {src} within "
+            raise PipelineError(f"{self.who}: no {what} from stage {src} within "
                                 f"{self.timeout:g} s")
         return buf
 
@@ -109,9 +114,10 @@ class StageLink:
         sends, self._sends = self._sends, []
         for work, _, dst, tag in sends:
             try:
-                work.wait(datetime.timedelta(seconds=self.timeout))
+                if work.wait(datetime.timedelta(seconds=self.timeout)) is False:
+                    raise RuntimeError("the wait timed out")
             except RuntimeError as e:
-                raise PipelineError(f"pipeline stage {self.stage}/{self.stages}: stage {dst} did not take the "
+                raise PipelineError(f"{self.who}: stage {dst} did not take the "
                                     f"{_what(tag)} of micro-batch {tag // 2} within {self.timeout:g} s: {e}") from e
 
 

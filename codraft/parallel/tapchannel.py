@@ -33,6 +33,7 @@ over the world); processes outside ``ranks`` get ``None``.
 """
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import tempfile
@@ -161,6 +162,17 @@ class _Base:
     def _timeout(self, timeout):
         return self.spec.timeout if timeout is None else float(timeout)
 
+    @contextlib.contextmanager
+    def _naming(self, what):
+        """A transfer or rendezvous that fails inside (gloo's own error: a dead peer, the group's timeout)
+        raises ``TapChannelError`` with ``what()``, which names this stage and what it waited for."""
+        try:
+            yield
+        except TapChannelError:
+            raise
+        except RuntimeError as e:
+            raise TapChannelError(f"{what()}: {e}") from e
+
     def __enter__(self):
         return self
 
@@ -218,7 +230,8 @@ class ShmTapChannel(_Base):
             except OSError as e:
                 err = f"{self._who()} could not create {self.path}: {e}"
         names = [None] * len(ranks)
-        dist.all_gather_object(names, (self.path, err), group=group)
+        with self._naming(lambda: f"TapChannel {self._who()}: opening: the segment's name from every stage"):
+            dist.all_gather_object(names, (self.path, err), group=group)
         path, err = names[self.consumer_stage]
         if err:
             raise TapChannelError(f"TapChannel: {err}")
@@ -227,7 +240,8 @@ class ShmTapChannel(_Base):
         self._raw = raw
         self.hdr = raw[:self._hdr_bytes].view(torch.int64).view(n, k, _HDR)
         self.data = raw[self._hdr_bytes:].view(spec.dtype).view(n, k, spec.max_tokens, spec.hidden)
-        dist.barrier(group=group)  # everyone has mapped it: the name is no longer needed
+        with self._naming(lambda: f"TapChannel {self._who()}: opening: every stage mapping the segment"):
+            dist.barrier(group=group)  # everyone has mapped it: the name is no longer needed
         if self.creator:  # unlink now: the mappings live on, and a crash cannot leak the segment
             os.unlink(path)
             self.creator = False
@@ -327,7 +341,8 @@ class P2PTapChannel(_Base):
             self.credit_buf = {(t, s): torch.zeros(1, dtype=torch.int64, device=dev) for t in mine for s in range(k)}
             self.last_stamp = {(t, s): None for t in mine for s in range(k)}
         self._hdr_in = torch.zeros(4, dtype=torch.int64, device=dev)
-        dist.barrier(group=group)
+        with self._naming(lambda: f"TapChannel {self._who()}: opening: every stage ready"):
+            dist.barrier(group=group)
 
     def _tag(self, tap: int, slot: int, kind: int) -> int:
         return (self.tap_index[tap] * self.spec.in_flight + slot) * 3 + kind
@@ -363,18 +378,23 @@ class P2PTapChannel(_Base):
                 f"slot {s} still holds {self._stamp(*held)}, not freed by the consumer "
                 f"{self._who(self.consumer_stage)}"))
             self.credit_recv[key] = None
-        for w in self.sends[key]:  # the consumer has the previous message: these are done
-            w.wait()
+        held = self.last_stamp[key]
+        for w in self.sends[key]:  # the consumer has the previous message: these are done (bounded all the same)
+            self._wait(w, t, lambda: f"TapChannel {self._who()}: the previous put of slot {s}, {self._stamp(*held)}, "
+                                     f"not received by the consumer {self._who(self.consumer_stage)}")
         n = x.shape[0]
         buf, hdr = self.send_buf[tap][s], self.send_hdr[tap][s]
         buf[:n].copy_(x)
         hdr.copy_(torch.tensor([step, microbatch, tap, n]))
         dst = self._grank(self.consumer_stage)
-        self.sends[key] = [dist.isend(hdr, dst, group=self.group, tag=self._tag(tap, s, 0))]
-        if n:
-            self.sends[key].append(dist.isend(buf[:n], dst, group=self.group, tag=self._tag(tap, s, 1)))
-        self.last_stamp[key] = (step, microbatch, tap)
-        self.credit_recv[key] = dist.irecv(self.credit_buf[key], dst, group=self.group, tag=self._tag(tap, s, 2))
+        with self._naming(lambda: f"TapChannel {self._who()}: cannot send tap {tap} of micro-batch {microbatch} "
+                                  f"(step {step}) to the consumer {self._who(self.consumer_stage)}"):
+            self.sends[key] = [dist.isend(hdr, dst, group=self.group, tag=self._tag(tap, s, 0))]
+            if n:
+                self.sends[key].append(dist.isend(buf[:n], dst, group=self.group, tag=self._tag(tap, s, 1)))
+            self.last_stamp[key] = (step, microbatch, tap)
+            self.credit_recv[key] = dist.irecv(self.credit_buf[key], dst, group=self.group,
+                                               tag=self._tag(tap, s, 2))
 
     def get(self, step: int, microbatch: int, tap: int, timeout: float | None = None, *,
             view: bool = False) -> torch.Tensor:
@@ -388,13 +408,16 @@ class P2PTapChannel(_Base):
                                  f"(step {step}) was put by this stage itself")
             what = lambda: (f"TapChannel {self._who()}: no tap {tap} of micro-batch {microbatch} (step {step}) "
                             f"from {self._who(src)}")
-            self._wait(dist.irecv(self._hdr_in, self._grank(src), group=self.group, tag=self._tag(tap, s, 0)),
-                       t, what)
+            with self._naming(what):  # (posting a receive fails at once where the peer has died)
+                work = dist.irecv(self._hdr_in, self._grank(src), group=self.group, tag=self._tag(tap, s, 0))
+            self._wait(work, t, what)
             stamp = tuple(self._hdr_in.tolist())
             self.stamps[ti][s], self.state[ti][s] = stamp, FULL
             if stamp[:3] == (step, microbatch, tap) and stamp[3]:
-                self._wait(dist.irecv(self.data[ti, s, :stamp[3]], self._grank(src), group=self.group,
-                                      tag=self._tag(tap, s, 1)), t, what)
+                with self._naming(what):
+                    work = dist.irecv(self.data[ti, s, :stamp[3]], self._grank(src), group=self.group,
+                                      tag=self._tag(tap, s, 1))
+                self._wait(work, t, what)
         got = self.stamps[ti][s]
         if got[:3] != (step, microbatch, tap):
             # a stale/reordered header: its data stays unreceived, the channel is unusable now
@@ -421,8 +444,10 @@ class P2PTapChannel(_Base):
         src = self.owner[tap]
         if src != self.stage:
             self._credit_sends = [w for w in self._credit_sends if not w.is_completed()]
-            self._credit_sends.append(dist.isend(self._one, self._grank(src), group=self.group,
-                                                 tag=self._tag(tap, s, 2)))
+            with self._naming(lambda: f"TapChannel {self._who()}: cannot return the credit of slot {s} of tap {tap} "
+                                      f"to {self._who(src)}"):
+                self._credit_sends.append(dist.isend(self._one, self._grank(src), group=self.group,
+                                                     tag=self._tag(tap, s, 2)))
 
     def close(self, timeout: float | None = None) -> None:
         """Wait (bounded) until the consumer has received every put and every credit has left:
@@ -454,7 +479,8 @@ def open_tap_channel(spec: TapSpec, transport: str = "shm", ranks: list[int] | N
         backend = "nccl" if torch.device(spec.device).type == "cuda" else "gloo"
     else:
         raise ValueError(f"unknown TapChannel transport {transport!r} (shm or p2p)")
-    group = dist.new_group(ranks, backend=backend, timeout=datetime.timedelta(seconds=max(spec.timeout, 60.0)))
+    group = dist.new_group(ranks, backend=backend, timeout=datetime.timedelta(seconds=max(spec.timeout, 60.0)),
+                           group_desc=f"taps-{'-'.join(map(str, ranks))}")
     if dist.get_rank() not in ranks:
         return None
     return (ShmTapChannel if transport == "shm" else P2PTapChannel)(spec, ranks, group)

@@ -68,7 +68,8 @@ def build_pipeline(policy, draft, mesh: Mesh | None, *, transport: str = "shm", 
     taps = tuple(draft.feature_layers) if draft is not None else ()
     stage_taps = tuple(tuple(sorted(t for t in taps if t in b)) for b in bounds)
     stage = 0 if mesh is None else mesh.stage
-    link = StageLink(stage, pp, None if mesh is None else mesh.pp_group, timeout)
+    link = StageLink(stage, pp, None if mesh is None else mesh.pp_group, timeout,
+                     where="" if mesh is None else mesh.where())
     pipe = Pipeline(mesh, bounds[stage], transport, link)
     if pp > 1 and taps and transport != "relay":
         dev = str(policy.embed_tokens.weight.device)
@@ -89,7 +90,7 @@ def _naming(pipe: Pipeline, what: str):
     try:
         yield
     except RuntimeError as e:
-        raise PipelineError(f"pipeline stage {pipe.link.stage}/{pipe.link.stages}: {what}: {e}") from e
+        raise PipelineError(f"{pipe.link.who}: {what}: {e}") from e
 
 
 def pipeline_cotrain(pipe: Pipeline, policy, draft, mbs: list[MicroBatch], *, step: int, train_draft: bool = True,
@@ -196,14 +197,19 @@ def clip_gradients(pipe: Pipeline, policy, own: list, drafts: list, max_policy: 
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Clip by the global norms (over all stages; the tied weight counted once) -> the two norms."""
     tied_twice = pipe.stages > 1 and pipe.last and policy.lm_head is None
-    sq = torch.zeros(2, dtype=torch.float64)
+    # on the gradients' device: an NCCL group reduces device tensors only
+    sq = torch.zeros(2, dtype=torch.float64, device=own[0].grad.device)
     for p in own:
         if not (tied_twice and p is policy.embed_tokens.weight):
-            sq[0] += p.grad.detach().double().pow(2).sum().cpu()
+            sq[0] += p.grad.detach().double().pow(2).sum()
     for p in drafts:
-        sq[1] += p.grad.detach().double().pow(2).sum().cpu()
+        sq[1] += p.grad.detach().double().pow(2).sum()
     if pipe.stages > 1:
-        dist.all_reduce(sq, group=pipe.mesh.pp_group)
+        try:
+            dist.all_reduce(sq, group=pipe.mesh.pp_group)
+        except RuntimeError as e:
+            raise RuntimeError(f"{pipe.mesh.where()}: summing the gradient norms over the pipeline's stages failed: "
+                               f"{e}") from e
     norms = sq.sqrt().float()
     for params, norm, limit in ((own, norms[0], max_policy), (drafts, norms[1], max_draft)):
         if limit is not None:
