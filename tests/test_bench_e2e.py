@@ -48,6 +48,8 @@ def test_e2e_codraft_side_only(tmp_path):
     assert "acceptance_length" not in data["sides"]["codraft/none"]["median"]
     text = "\n".join(lines)
     assert "TRL side skipped" in text and "codraft/dflash" in text and "step s" in text
+    assert set(data["vs_none"]["sides"]) == {"codraft/ngram", "codraft/dflash"}
+    assert "codraft/dflash vs codraft/none: step" in text
     assert out["sides"].keys() == data["sides"].keys()
 
 
@@ -60,3 +62,33 @@ def test_e2e_draft_kinds_are_the_registry_s():
         Settings(draft_kinds=("none", "bogus"))
     with pytest.raises(ValueError, match="steps must be >= 1"):
         Settings(steps=0)
+
+
+def test_each_draft_side_against_none_with_its_amdahl_bound():
+    """Made-up medians (the session-30 Xeon run's, rounded): none 11 s a step with a 4 s rollout; the
+    DSpark side 12 s with a 4 s rollout. Its step ratio is 11/12; a free rollout leaves 8 s, so at most
+    11/8; the 1.3x target needs the step in 11/1.3 = 8.46 s, i.e. a 0.46 s rollout, 4/0.46 = 8.67x
+    faster than none's; a side whose rest alone exceeds 8.46 s cannot reach it."""
+    from codraft.bench.e2e import report
+
+    def side(step, rollout, train):
+        return {"median": {"step_s": step, "rollout_s": rollout, "train_s": train}}
+    result = {"sides": {"codraft/none": side(11.0, 4.0, 6.5), "codraft/dspark": side(12.0, 4.0, 7.5),
+                        "codraft/dflash": side(13.0, 3.0, 9.5), "trl": side(40.0, 20.0, 19.0)}}
+    report.add_vs_none(result)
+    got = result["vs_none"]
+    assert got["target"] == report.TARGET_VS_NONE == 1.3 and set(got["sides"]) == {"codraft/dspark", "codraft/dflash"}
+    d = got["sides"]["codraft/dspark"]
+    assert d["step"] == pytest.approx(11 / 12) and d["rollout"] == 1.0 and d["train"] == pytest.approx(6.5 / 7.5)
+    assert d["rollout_share"] == pytest.approx(4 / 11) and d["free_rollout"] == pytest.approx(11 / 8)
+    assert d["rollout_needed"] == pytest.approx(4 / (11 / 1.3 - 8))
+    assert got["sides"]["codraft/dflash"]["rollout_needed"] is None  # 10 s of rest > 8.46 s
+    lines = []
+    report.print_report({"settings": {"prompts": 2, "group": 8, "max_new_tokens": 128, "policy": "p", "threads": 2,
+                                      "steps": 3, "warmup": 1}, **result}, lines.append)
+    text = "\n".join(lines)
+    assert "codraft/dspark vs codraft/none: step 0.92x" in text and "faster than none's by 8.67x" in text
+    assert "codraft/dflash vs codraft/none" in text and "unreachable" in text
+    no_none = {"sides": {"codraft/dspark": side(12.0, 4.0, 7.5)}}
+    report.add_vs_none(no_none)
+    assert "vs_none" not in no_none

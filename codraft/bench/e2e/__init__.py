@@ -39,6 +39,7 @@ from codraft.bench.e2e.codraft_side import PRESET, CodraftSide
 from codraft.bench.e2e.report import (
     TARGET_RATIO,
     add_ratios,
+    add_vs_none,
     medians,
     print_report,
     write_json,
@@ -133,6 +134,7 @@ def run(*, json_path: str | os.PathLike | None = None, log: Callable[[str], None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     add_ratios(result)
+    add_vs_none(result)
     if s.draft_init == "random" and any(k != "none" for k in s.draft_kinds):
         result["notes"].append("drafts start untrained (draft.init=random): tau is near 1 and speculative "
                                "rollouts cost more than plain ones until co-training catches up")

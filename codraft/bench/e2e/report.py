@@ -11,6 +11,8 @@ from codraft.bench import format_table, median
 
 # the step-time ratio TRL/codraft that counts as the goal: codraft's full step at least 2x faster than TRL's
 TARGET_RATIO = 2.0
+# and a side with a draft against codraft/none: speculation's goal for the whole step (#14)
+TARGET_VS_NONE = 1.3
 
 _KEYS = ("rollout_s", "train_s", "step_s", "train_forward_s", "train_backward_s", "optimizer_s", "generate_s",
          "draft_forward_s", "other_s", "completion_len", "completion_max", "decode_rounds", "tokens_per_s",
@@ -42,6 +44,30 @@ def add_ratios(result: dict):
                                                        for n, r in result["ratios"].items()}}
 
 
+def add_vs_none(result: dict):
+    """Each draft side against ``codraft/none`` in the same run: none's time over the side's for the
+    step, rollout and train parts, and what bounds the step's ratio (Amdahl): ``free_rollout``, the
+    ratio had the side's rollout taken no time at all (its train part, draft loss included, stays);
+    ``rollout_needed``, how much faster than none's its rollout would have to be for
+    ``TARGET_VS_NONE`` (None where even a free rollout falls short). Nothing without a none side."""
+    none = result["sides"].get("codraft/none", {}).get("median")
+    if not none:
+        return
+    out = {}
+    for name, side in result["sides"].items():
+        m = side.get("median")
+        if name in ("codraft/none", "trl") or not m:
+            continue
+        rest = m["step_s"] - m["rollout_s"]  # train, reward and the rest: what speculation cannot shorten
+        room = none["step_s"] / TARGET_VS_NONE - rest
+        out[name] = {"step": none["step_s"] / m["step_s"], "rollout": none["rollout_s"] / m["rollout_s"],
+                     "train": none["train_s"] / m["train_s"], "rollout_share": none["rollout_s"] / none["step_s"],
+                     "free_rollout": none["step_s"] / rest,
+                     "rollout_needed": none["rollout_s"] / room if room > 0 else None}
+    if out:
+        result["vs_none"] = {"target": TARGET_VS_NONE, "sides": out}
+
+
 def table(result: dict) -> str:
     sides = result["sides"]
     trl = sides.get("trl", {}).get("median")
@@ -68,6 +94,11 @@ def print_report(result: dict, log: Callable[[str], None]):
     log(f"e2e: {s['prompts']} prompts x {s['group']} completions x <= {s['max_new_tokens']} tokens, {s['policy']} "
         f"fp32, threads={s['threads']}, median of {s['steps']} steps after {s['warmup']} warm-up")
     log(table(result))
+    for name, r in result.get("vs_none", {}).get("sides", {}).items():
+        needed = f"{r['rollout_needed']:.2f}x" if r["rollout_needed"] else "unreachable: the rest alone is too slow"
+        log(f"{name} vs codraft/none: step {r['step']:.2f}x (target >= {TARGET_VS_NONE}), rollout {r['rollout']:.2f}x, "
+            f"train {r['train']:.2f}x; the rollout is {r['rollout_share']:.0%} of none's step, so a free rollout "
+            f"would give {r['free_rollout']:.2f}x and the target needs a rollout faster than none's by {needed}")
     if "target" in result:
         log(f"target TRL/codraft step >= {TARGET_RATIO}: " +
             ", ".join(f"{n}: {'met' if ok else 'NOT met'}" for n, ok in result["target"]["met"].items()))
