@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import time
 from dataclasses import dataclass
 
 import torch
@@ -101,9 +102,10 @@ class Pending:
     step: int
 
     def wait(self) -> None:
+        deadline = time.monotonic() + self.comm.timeout  # for the send and the receive together
         with self.naming():
             for w in self.works:
-                if w.wait(datetime.timedelta(seconds=self.comm.timeout)) is False:
+                if w.wait(datetime.timedelta(seconds=time_left(deadline))) is False:
                     raise RuntimeError("the wait timed out")
 
     @contextlib.contextmanager
@@ -114,6 +116,12 @@ class Pending:
         except RuntimeError as e:
             raise CPError(f"{c.who}: ring step {self.step + 1} of {c.size} got no {self.what} from CP rank {c.prev} "
                           f"(or could not send to CP rank {c.next}) within {c.timeout:g} s: {e}") from e
+
+
+def time_left(deadline: float) -> float:
+    """Seconds left until ``deadline`` (``time.monotonic``), for the next of several waits that share one
+    timeout; never 0, which some backends read as no limit."""
+    return max(deadline - time.monotonic(), 1e-3)
 
 
 def backend_for(device: torch.device | str) -> str:

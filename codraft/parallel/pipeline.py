@@ -17,11 +17,14 @@ completed at the end of the schedule (one outstanding send per direction and mic
 from __future__ import annotations
 
 import datetime
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+from codraft.parallel.comm import time_left
 
 
 class PipelineError(RuntimeError):
@@ -112,9 +115,10 @@ class StageLink:
     def finish(self) -> None:
         """Complete every send of the step (bounded, naming the peer that did not take it)."""
         sends, self._sends = self._sends, []
+        deadline = time.monotonic() + self.timeout  # for all of them
         for work, _, dst, tag in sends:
             try:
-                if work.wait(datetime.timedelta(seconds=self.timeout)) is False:
+                if work.wait(datetime.timedelta(seconds=time_left(deadline))) is False:
                     raise RuntimeError("the wait timed out")
             except RuntimeError as e:
                 raise PipelineError(f"{self.who}: stage {dst} did not take the "

@@ -44,6 +44,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from codraft.parallel.comm import time_left
+
 
 class TapChannelError(RuntimeError):
     """The tap channel was misused or a peer misbehaved."""
@@ -462,8 +464,10 @@ class P2PTapChannel(_Base):
         else:
             pending = [(w, f"tap {tap} slot {s} ({self._stamp(*self.last_stamp[(tap, s)])})")
                        for (tap, s), ws in self.sends.items() for w in ws]
+        deadline = time.monotonic() + t  # for all of them
         for w, what in pending:
-            self._wait(w, t, lambda what=what: f"TapChannel {self._who()}: close: {what} not received by its peer")
+            self._wait(w, time_left(deadline), lambda what=what: f"TapChannel {self._who()}: close: {what} not "
+                                                                 f"received by its peer")
 
 
 def open_tap_channel(spec: TapSpec, transport: str = "shm", ranks: list[int] | None = None):
