@@ -127,8 +127,8 @@ def _layer_candidates(layer: FastDecoderLayer) -> dict[str, dispatch.At]:
     nbytes = sum(p.numel() * p.element_size() for p in layer.parameters())
     with torch.inference_mode(False):  # weights that keep version counters, as a model's (for packed copies)
         timed = nn.ModuleList(copy.deepcopy(layer) for _ in range(dispatch.copies(nbytes)))
-    ring, turn, packed, packed_products, caches = dispatch.KVRing(a.n_kv, a.head_dim, CONTEXT, dtype), \
-        itertools.count(), [], [], {}
+    ring = dispatch.KVRing(a.n_kv, a.head_dim, CONTEXT, dtype)
+    turn, packed, packed_products, caches = itertools.count(), [], [], {}
 
     def cache_for(m: int) -> KVCache:
         if m not in caches:
