@@ -305,9 +305,17 @@ def _every_rank_has_work(c: RunConfig) -> str | None:
     return None
 
 
+def _taps_reach_the_device(c: RunConfig) -> str | None:
+    if c.parallel.pp > 1 and c.parallel.taps == "shm" and c.device != "cpu":
+        return f"config key 'parallel.taps' must not be shm on device={c.device}: the shared-memory channel is " \
+               "CPU only; give parallel.taps=p2p (point-to-point on the device's own group)"
+    return None
+
+
 # Rules between keys: each returns the error message, or None.
 CROSS_RULES: tuple[Callable[[RunConfig], str | None], ...] = (_auto_needs_a_draft, _rollout_copy_is_narrower,
-                                                               _draft_folder_exists, _every_rank_has_work)
+                                                               _draft_folder_exists, _every_rank_has_work,
+                                                               _taps_reach_the_device)
 
 
 def validate(cfg: RunConfig) -> RunConfig:

@@ -100,6 +100,15 @@ def test_rules_between_keys():
     assert "config key 'draft.init' must be offline, random or an existing draft folder" in \
         _refused(["draft.init=/no/such/draft"])
     load_config(None, ["draft.mode=none", "draft.init=/no/such/draft"])  # no draft: init unused
+    # the shared-memory tap channel is CPU only; a CUDA device (not on this machine: the rule alone) needs p2p
+    cfg = load_config(None, ["parallel.pp=2", "rollout.prompts_per_step=2"])
+    taps_rule = next(r for r in CROSS_RULES if r.__name__ == "_taps_reach_the_device")
+    assert taps_rule(cfg) is None
+    cfg.device = "cuda"
+    assert taps_rule(cfg) == "config key 'parallel.taps' must not be shm on device=cuda: the shared-memory channel " \
+        "is CPU only; give parallel.taps=p2p (point-to-point on the device's own group)"
+    cfg.parallel.taps = "p2p"
+    assert taps_rule(cfg) is None
 
 
 def test_boundary_values_are_accepted():

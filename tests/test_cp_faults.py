@@ -6,9 +6,10 @@ import os
 import time
 from types import SimpleNamespace
 
+import pytest
 import torch
 
-from codraft.parallel.comm import CPError, CPGroup
+from codraft.parallel.comm import CPError, CPGroup, init_cp, on_host
 from codraft.parallel.context import ShardedRow
 from codraft.parallel.mesh import build_mesh
 from codraft.parallel.ring import ring_attention
@@ -95,3 +96,22 @@ def test_in_a_pipeline_the_error_names_the_rank_and_stage():
 def test_mismatched_cu_seqlens_is_a_clear_error():
     results = run_ranks(_mismatched_rows, 2)
     assert all("packed a different row: cu_seqlens" in m for m in results), results
+
+
+def test_torchrun_ranks_do_not_all_take_one_gpu(monkeypatch):
+    """device=cuda:N under torchrun would put every rank on GPU N (NCCL then fails on a duplicate GPU):
+    refused before any process group or GPU is touched."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(CPError, match=r"device=cuda:1 would put every rank on GPU 1: give device=cuda"):
+        init_cp("cuda:1")
+
+
+def test_gathered_objects_go_through_the_host():
+    """What ranks gather (losses, metrics, optimiser state) is pickled: a CUDA tensor would come back on
+    the sender's GPU index. ``on_host`` detaches every tensor and keeps the structure."""
+    w = torch.ones(2, requires_grad=True)
+    got = on_host({"loss": w * 2, "parts": [(w, 3)], "n": 1})
+    assert got["n"] == 1 and isinstance(got["parts"], list) and isinstance(got["parts"][0], tuple)
+    assert not got["loss"].requires_grad and torch.equal(got["loss"], torch.full((2,), 2.0))
+    assert got["parts"][0][1] == 3 and got["parts"][0][0].device.type == "cpu"

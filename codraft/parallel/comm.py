@@ -57,9 +57,12 @@ class CPGroup:
         """Post send → next rank and recv ← previous rank; ``Pending.wait`` completes both."""
         self.sent_bytes += send.numel() * send.element_size()
         pending = Pending(self, [], what, step)
+        # one batch: with 2 ranks next = prev, and NCCL runs a pair's sends and receives on one stream, where
+        # a send posted alone can wait for a receive the peer queued behind its own send (gloo matches either way)
+        ops = [dist.P2POp(dist.isend, send.contiguous(), self.global_rank(self.next), self.group, tag),
+               dist.P2POp(dist.irecv, recv, self.global_rank(self.prev), self.group, tag)]
         with pending.naming():  # posting can fail too: a peer that died closed the connection
-            pending.works = [dist.isend(send.contiguous(), self.global_rank(self.next), group=self.group, tag=tag),
-                             dist.irecv(recv, self.global_rank(self.prev), group=self.group, tag=tag)]
+            pending.works = dist.batch_isend_irecv(ops)
         return pending
 
     def all_reduce(self, x: torch.Tensor, what: str) -> torch.Tensor:
@@ -84,11 +87,13 @@ class CPGroup:
         return out
 
     def all_gather_object(self, obj, what: str) -> list:
+        """Every rank's ``obj``, tensors in it moved to the host first: a pickled CUDA tensor comes back on
+        the sender's GPU index, which another rank may not have."""
         if self.size == 1:
             return [obj]
         out = [None] * self.size
         try:
-            dist.all_gather_object(out, obj, group=self.group)
+            dist.all_gather_object(out, on_host(obj), group=self.group)
         except RuntimeError as e:
             raise CPError(f"{self.who}: all-gather of {what} failed: {e}") from e
         return out
@@ -118,6 +123,17 @@ class Pending:
                           f"(or could not send to CP rank {c.next}) within {c.timeout:g} s: {e}") from e
 
 
+def on_host(obj):
+    """``obj`` with every tensor in its dicts, lists and tuples detached and on the CPU."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().cpu()
+    if isinstance(obj, dict):
+        return {k: on_host(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(on_host(v) for v in obj)
+    return obj
+
+
 def time_left(deadline: float) -> float:
     """Seconds left until ``deadline`` (``time.monotonic``), for the next of several waits that share one
     timeout; never 0, which some backends read as no limit."""
@@ -136,7 +152,10 @@ def init_cp(device: torch.device | str = "cpu", timeout: float = 300.0) -> CPGro
         if "RANK" not in os.environ:
             raise CPError("parallel.cp > 1 needs torchrun: torchrun --nproc-per-node C -m codraft train parallel.cp=C")
         d = torch.device(device)
-        if d.type == "cuda":  # one GPU per rank: "cuda" means this rank's, "cuda:N" GPU N
+        if d.type == "cuda":  # one GPU per rank: "cuda" means this rank's (LOCAL_RANK)
+            if d.index is not None and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+                raise CPError(f"device={device} would put every rank on GPU {d.index}: give device=cuda, and each "
+                              "rank takes the GPU of its LOCAL_RANK")
             torch.cuda.set_device(d.index if d.index is not None else int(os.environ.get("LOCAL_RANK", 0)))
         dist.init_process_group(backend_for(device), timeout=datetime.timedelta(seconds=timeout))
     return CPGroup.world(timeout)

@@ -46,7 +46,7 @@ class StagingTapChannel:
         want = (step, microbatch, tap)
         src = self.owner[tap]
         if src == self.stage:
-            return self.local.pop(want)
+            return self.local.pop(want).to(self.spec.device)
         box = [None]
         try:
             dist.recv_object_list(box, src=self.ranks[src], group=self.group)
