@@ -204,3 +204,35 @@ def test_weight_sync_gives_every_rank_every_stage():
             assert torch.equal(weights[n], p.detach() + expect[id(p)]), (rank, n)
         for got, p in zip(dweights, draft.trainable_parameters()):
             assert torch.equal(got, p.detach() + 10.0), rank
+
+
+def _posted_batches(rank, world):
+    """The stage-to-stage batches one step posts, as [(op, peer stage), ...] per batch."""
+    import torch.distributed as dist
+    mesh = build_mesh(world, 1, timeout=60)
+    posted, real = [], dist.batch_isend_irecv
+
+    def record(ops):
+        posted.append([(op.op.__name__, op.peer) for op in ops])
+        return real(ops)
+    dist.batch_isend_irecv = record
+    try:
+        _step("dflash", mesh, "shm", 4)
+    finally:
+        dist.batch_isend_irecv = real
+    return posted
+
+
+def test_steady_state_sends_go_with_the_receive_from_the_same_peer():
+    """On NCCL a pair of stages shares one stream, so in 1F1B's steady state, where stage s sends
+    activations to s + 1 while s + 1 sends gradients to s, two lone sends can wait on each other. Each
+    such send is posted in one batch with the receive it faces (Megatron's send-forward-receive-backward
+    and send-backward-receive-forward); warm-up and cool-down sends go alone. PP 2, 4 micro-batches."""
+    first, last = run_ranks(_posted_batches, 2, timeout=120)
+    send, recv = "isend", "irecv"
+    # stage 0: F0 | F1 B0 | F2 B1 | F3 B2 | B3
+    assert first == [[(send, 1)], [(send, 1), (recv, 1)], [(send, 1), (recv, 1)], [(send, 1), (recv, 1)],
+                     [(recv, 1)]]
+    # stage 1: F0 B0 | F1 B1 | F2 B2 | F3 B3
+    assert last == [[(recv, 0)], [(send, 0), (recv, 0)], [(send, 0), (recv, 0)], [(send, 0), (recv, 0)],
+                    [(send, 0)]]

@@ -157,5 +157,8 @@ def init_cp(device: torch.device | str = "cpu", timeout: float = 300.0) -> CPGro
                 raise CPError(f"device={device} would put every rank on GPU {d.index}: give device=cuda, and each "
                               "rank takes the GPU of its LOCAL_RANK")
             torch.cuda.set_device(d.index if d.index is not None else int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend_for(device), timeout=datetime.timedelta(seconds=timeout))
+        # bound to this rank's GPU, NCCL sets up each group's communicator when the group is made: a batched
+        # send to a subset of a group (a pipeline stage's) as its first call is otherwise undefined
+        bound = {"device_id": torch.device("cuda", torch.cuda.current_device())} if d.type == "cuda" else {}
+        dist.init_process_group(backend_for(device), timeout=datetime.timedelta(seconds=timeout), **bound)
     return CPGroup.world(timeout)

@@ -11,8 +11,9 @@ to the activations (``run_schedule`` carries ``extra`` columns forward and no gr
 
 Every stage knows every micro-batch's shape (all ranks hold the same batch), so a receive needs
 no shape message. Every receive waits at most ``timeout`` seconds, then raises ``PipelineError``
-naming this stage, the peer stage, the micro-batch and the direction. Sends are ``isend``s
-completed at the end of the schedule (one outstanding send per direction and micro-batch).
+naming this stage, the peer stage, the micro-batch and the direction. A send to the stage that the
+next receive comes from goes in one batch with it (``StageLink``); other sends are completed at the
+end of the schedule (one outstanding send per direction and micro-batch).
 """
 from __future__ import annotations
 
@@ -59,9 +60,37 @@ def one_f_one_b(stage: int, stages: int, microbatches: int) -> list[tuple[str, i
 
 
 @dataclass
+class Incoming:
+    """A posted receive (with the send posted in its batch, if any): ``wait`` returns the buffer."""
+    link: "StageLink"
+    buf: torch.Tensor
+    works: list
+    src: int
+    what: str
+    sent: torch.Tensor | None = None  # kept alive until the batch completes
+
+    def wait(self) -> torch.Tensor:
+        link, deadline = self.link, time.monotonic() + self.link.timeout
+        try:
+            for w in self.works:
+                if w.wait(datetime.timedelta(seconds=time_left(deadline))) is False:
+                    raise RuntimeError("the wait timed out")
+        except RuntimeError as e:
+            raise PipelineError(f"{link.who}: no {self.what} from stage {self.src} within {link.timeout:g} s "
+                                f"(stage {self.src} died or hangs): {e}") from e
+        return self.buf
+
+
+@dataclass
 class StageLink:
     """Point-to-point sends between adjacent stages, on the pipeline's own process group
-    (``group``: the ranks of stage 0..P−1 in order; None = the world, rank = stage)."""
+    (``group``: the ranks of stage 0..P−1 in order; None = the world, rank = stage).
+
+    A send to the stage the next receive comes from is posted in one batch with that receive
+    (``batch_isend_irecv``): in 1F1B's steady state stage s sends activations to s + 1 while s + 1
+    sends it gradients, and on NCCL, which runs a pair's sends and receives on one stream, two lone
+    sends can each wait for a receive queued behind the other (Megatron pairs them the same way).
+    Other sends are posted alone and completed by ``finish``."""
     stage: int
     stages: int
     group: dist.ProcessGroup | None = None
@@ -76,50 +105,56 @@ class StageLink:
     def _rank(self, stage: int) -> int:
         return stage if self.group is None else dist.get_global_rank(self.group, stage)
 
-    def _send(self, x: torch.Tensor, dst: int, tag: int) -> None:
-        x = x.contiguous()
+    def _post(self, send: tuple | None, recv: tuple | None) -> Incoming | None:
+        """Post ``send`` = (tensor, dst stage, tag) and ``recv`` = (shape, dtype, device, src stage, tag) in
+        one batch; the receive's ``Incoming``, or None (a lone send, completed by ``finish``)."""
+        ops, x, buf = [], None, None
+        if send is not None:
+            x, dst, tag = send
+            x = x.contiguous()
+            ops.append(dist.P2POp(dist.isend, x, self._rank(dst), self.group, tag))
+        if recv is not None:
+            shape, dtype, device, src, rtag = recv
+            buf = torch.empty(shape, dtype=dtype, device=device)
+            ops.append(dist.P2POp(dist.irecv, buf, self._rank(src), self.group, rtag))
         try:
-            work = dist.isend(x, self._rank(dst), group=self.group, tag=tag)
+            works = dist.batch_isend_irecv(ops)
         except RuntimeError as e:
-            raise PipelineError(f"{self.who}: cannot send the {_what(tag)} of "
-                                f"micro-batch {tag // 2} to stage {dst} (stage {dst} died?): {e}") from e
-        self._sends.append((work, x, dst, tag))
+            what = f"cannot send the {_what(tag)} of micro-batch {tag // 2} to stage {dst} (stage {dst} died?)" \
+                if send is not None else f"no {_what(rtag)} of micro-batch {rtag // 2} from stage {src}"
+            raise PipelineError(f"{self.who}: {what}: {e}") from e
+        if recv is None:
+            self._sends.append((works, x, dst, tag))
+            return None
+        return Incoming(self, buf, works, src, f"{_what(rtag)} of micro-batch {rtag // 2}", x)
 
-    def _recv(self, shape, dtype, device, src: int, tag: int, what: str) -> torch.Tensor:
-        buf = torch.empty(shape, dtype=dtype, device=device)
-        work = dist.irecv(buf, self._rank(src), group=self.group, tag=tag)
-        try:
-            ok = work.wait(datetime.timedelta(seconds=self.timeout))
-        except RuntimeError as e:
-            raise PipelineError(f"{self.who}: no {what} from stage {src} within "
-                                f"{self.timeout:g} s (stage {src} died or hangs): {e}") from e
-        if ok is False:
-            raise PipelineError(f"{self.who}: no {what} from stage {src} within "
-                                f"{self.timeout:g} s")
-        return buf
-
-    def send_forward(self, x: torch.Tensor, microbatch: int) -> None:
-        self._send(x, self.stage + 1, 2 * microbatch)
+    def send_forward(self, x: torch.Tensor, microbatch: int, then: tuple | None = None) -> Incoming | None:
+        """Activations of ``microbatch`` to the next stage; ``then`` = (shape, dtype, device, micro-batch b):
+        post the receive of b's gradients from that stage with it."""
+        recv = None if then is None else (*then[:3], self.stage + 1, 2 * then[3] + 1)
+        return self._post((x, self.stage + 1, 2 * microbatch), recv)
 
     def recv_forward(self, shape, dtype, device, microbatch: int) -> torch.Tensor:
-        return self._recv(shape, dtype, device, self.stage - 1, 2 * microbatch,
-                          f"activations of micro-batch {microbatch}")
+        return self._post(None, (shape, dtype, device, self.stage - 1, 2 * microbatch)).wait()
 
-    def send_backward(self, g: torch.Tensor, microbatch: int) -> None:
-        self._send(g, self.stage - 1, 2 * microbatch + 1)
+    def send_backward(self, g: torch.Tensor, microbatch: int, then: tuple | None = None) -> Incoming | None:
+        """Gradients of ``microbatch`` to the previous stage; ``then`` = (shape, dtype, device, micro-batch f):
+        post the receive of f's activations from that stage with it."""
+        recv = None if then is None else (*then[:3], self.stage - 1, 2 * then[3])
+        return self._post((g, self.stage - 1, 2 * microbatch + 1), recv)
 
     def recv_backward(self, shape, dtype, device, microbatch: int) -> torch.Tensor:
-        return self._recv(shape, dtype, device, self.stage + 1, 2 * microbatch + 1,
-                          f"gradients of micro-batch {microbatch}")
+        return self._post(None, (shape, dtype, device, self.stage + 1, 2 * microbatch + 1)).wait()
 
     def finish(self) -> None:
-        """Complete every send of the step (bounded, naming the peer that did not take it)."""
+        """Complete every lone send of the step (bounded, naming the peer that did not take it)."""
         sends, self._sends = self._sends, []
         deadline = time.monotonic() + self.timeout  # for all of them
-        for work, _, dst, tag in sends:
+        for works, _, dst, tag in sends:
             try:
-                if work.wait(datetime.timedelta(seconds=time_left(deadline))) is False:
-                    raise RuntimeError("the wait timed out")
+                for work in works:
+                    if work.wait(datetime.timedelta(seconds=time_left(deadline))) is False:
+                        raise RuntimeError("the wait timed out")
             except RuntimeError as e:
                 raise PipelineError(f"{self.who}: stage {dst} did not take the "
                                     f"{_what(tag)} of micro-batch {tag // 2} within {self.timeout:g} s: {e}") from e
@@ -142,21 +177,29 @@ def run_schedule(link: StageLink, microbatches: int, *, forward: Callable, loss:
     after_forward(m): runs once micro-batch m's activations are sent (e.g. its taps go out then).
     """
     s, last = link.stage, link.stage == link.stages - 1
-    saved, losses = {}, []
-    for op, m in one_f_one_b(s, link.stages, microbatches):
+    ops = one_f_one_b(s, link.stages, microbatches)
+    saved, losses, incoming = {}, [], {}  # incoming: ("F" | "B", m) -> a receive posted with the last send
+    for i, (op, m) in enumerate(ops):
+        nxt = ops[i + 1] if i + 1 < len(ops) else None
         if op == "F":
             x = carried = None
             if s > 0:
                 *lead, h = shape(m)
-                recv = link.recv_forward((*lead, h + extra), dtype, device, m)
+                recv = incoming.pop(("F", m)).wait() if ("F", m) in incoming else \
+                    link.recv_forward((*lead, h + extra), dtype, device, m)
                 x, carried = recv[..., :h].requires_grad_(), recv[..., h:]
             out, carried_out = forward(m, x, carried)
             if last:
                 saved[m] = (x, loss(m, out, carried_out))
             else:
-                link.send_forward(out.detach() if carried_out is None else
-                                  torch.cat([out.detach(), carried_out], -1), m)
                 saved[m] = (x, out)
+                # the next backward receives from the stage this sends to: one batch (StageLink)
+                b = nxt[1] if nxt is not None and nxt[0] == "B" else None
+                then = None if b is None else (saved[b][1].shape, saved[b][1].dtype, device, b)
+                posted = link.send_forward(out.detach() if carried_out is None else
+                                           torch.cat([out.detach(), carried_out], -1), m, then)
+                if posted is not None:
+                    incoming[("B", b)] = posted
             if after_forward is not None:
                 after_forward(m)
         else:
@@ -165,8 +208,14 @@ def run_schedule(link: StageLink, microbatches: int, *, forward: Callable, loss:
                 out.backward()
                 losses.append(out.detach())
             else:
-                out.backward(link.recv_backward(out.shape, out.dtype, device, m))
+                grad = incoming.pop(("B", m)).wait() if ("B", m) in incoming else \
+                    link.recv_backward(out.shape, out.dtype, device, m)
+                out.backward(grad)
             if s > 0:
-                link.send_backward(x.grad, m)
+                f = nxt[1] if nxt is not None and nxt[0] == "F" else None  # its activations come from there
+                then = None if f is None else ((*shape(f)[:-1], shape(f)[-1] + extra), dtype, device, f)
+                posted = link.send_backward(x.grad, m, then)
+                if posted is not None:
+                    incoming[("F", f)] = posted
     link.finish()
     return losses
