@@ -16,7 +16,6 @@ mask (None, a dense tensor for KV-cache decode) goes to ``sdpa`` unchanged.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from codraft.attention.dense import PackedCausal, sdpa
 
@@ -30,7 +29,6 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if k.shape[2] != t or mask.total != t:
         raise ValueError(f"packed attention needs T == S == mask.total, got q {tuple(q.shape)}, "
                          f"k {tuple(k.shape)}, total {mask.total}")
-    gqa = q.shape[1] != k.shape[1]
     # Split once: the backward of one split is one cat, while N separate slices would each
     # backpropagate through a zero-filled (B,H,T,D) gradient (quadratic in the number of sequences).
     tail = mask.bounds[-1]
@@ -42,7 +40,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             continue
         p = mask.prefix_of(i)
         if p < 0:
-            parts.append(F.scaled_dot_product_attention(qs[i], ks[i], vs[i], is_causal=True, enable_gqa=gqa))
+            parts.append(sdpa(qs[i], ks[i], vs[i]))  # causal (sdpa keeps cuDNN off: a plan per shape)
             continue
         # keys [prefix ; own]: every query sees the whole prefix, then its own segment causally.
         # Autograd through the cat sums the prefix's dK/dV over every segment that shares it.
@@ -50,7 +48,7 @@ def varlen_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         allowed = torch.ones(n, m + n, dtype=torch.bool, device=q.device)
         allowed[:, m:] = torch.ones(n, n, dtype=torch.bool, device=q.device).tril()
         kk, vv = torch.cat([ks[p], ks[i]], dim=2), torch.cat([vs[p], vs[i]], dim=2)
-        parts.append(F.scaled_dot_product_attention(qs[i], kk, vv, attn_mask=allowed, enable_gqa=gqa))
+        parts.append(sdpa(qs[i], kk, vv, allowed))
     if tail < t:  # padding: each token sees only itself, so its output is its value (head h reads KV head h // g)
         parts.append(vs[-1].repeat_interleave(q.shape[1] // k.shape[1], dim=1).to(q.dtype))
     return torch.cat(parts, dim=2)

@@ -81,7 +81,7 @@ from safetensors.torch import load_file, save_file
 from torch.utils.checkpoint import checkpoint
 
 from codraft.atomic import atomic_dir
-from codraft.attention import branch_local_part, branch_main_part, merge_lse
+from codraft.attention import branch_local_part, branch_main_part, merge_lse, sdpa
 from codraft.drafts.base import Draft, Features
 from codraft.drafts.batch import DraftBatch
 from codraft.models import bf16
@@ -248,8 +248,8 @@ class BlockAttention(nn.Module):
         v_cache.scatter_(2, at, v)
         seen = torch.arange(keys, device=x.device) < (ctx_len + s)[:, None]  # (B,keys)
         g = self.n_heads // self.n_kv  # query head h reads KV head h // g, and every query the same keys
-        o = F.scaled_dot_product_attention(q.reshape(b, self.n_kv, g * s, self.head_dim), k_cache[:, :, :keys],
-                                           v_cache[:, :, :keys], attn_mask=seen[:, None, None])
+        o = sdpa(q.reshape(b, self.n_kv, g * s, self.head_dim), k_cache[:, :, :keys], v_cache[:, :, :keys],
+                 seen[:, None, None])  # (sdpa keeps cuDNN off on a GPU: the key count changes every round)
         return self.product(o.reshape(b, self.n_heads, s, self.head_dim).transpose(1, 2).reshape(b, s, -1),
                             self.o_proj.weight)
 
