@@ -107,11 +107,8 @@ class Pending:
     step: int
 
     def wait(self) -> None:
-        deadline = time.monotonic() + self.comm.timeout  # for the send and the receive together
         with self.naming():
-            for w in self.works:
-                if w.wait(datetime.timedelta(seconds=time_left(deadline))) is False:
-                    raise RuntimeError("the wait timed out")
+            wait_all(self.works, time.monotonic() + self.comm.timeout)  # the send and the receive together
 
     @contextlib.contextmanager
     def naming(self):
@@ -138,6 +135,13 @@ def time_left(deadline: float) -> float:
     """Seconds left until ``deadline`` (``time.monotonic``), for the next of several waits that share one
     timeout; never 0, which some backends read as no limit."""
     return max(deadline - time.monotonic(), 1e-3)
+
+
+def wait_all(works, deadline: float) -> None:
+    """Complete every work by ``deadline``, or raise ``RuntimeError`` (the caller says what was awaited)."""
+    for w in works:
+        if w.wait(datetime.timedelta(seconds=time_left(deadline))) is False:
+            raise RuntimeError("the wait timed out")
 
 
 def backend_for(device: torch.device | str) -> str:

@@ -17,7 +17,6 @@ end of the schedule (one outstanding send per direction and micro-batch).
 """
 from __future__ import annotations
 
-import datetime
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -25,7 +24,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from codraft.parallel.comm import time_left
+from codraft.parallel.comm import wait_all
 
 
 class PipelineError(RuntimeError):
@@ -70,11 +69,9 @@ class Incoming:
     sent: torch.Tensor | None = None  # kept alive until the batch completes
 
     def wait(self) -> torch.Tensor:
-        link, deadline = self.link, time.monotonic() + self.link.timeout
+        link = self.link
         try:
-            for w in self.works:
-                if w.wait(datetime.timedelta(seconds=time_left(deadline))) is False:
-                    raise RuntimeError("the wait timed out")
+            wait_all(self.works, time.monotonic() + link.timeout)
         except RuntimeError as e:
             raise PipelineError(f"{link.who}: no {self.what} from stage {self.src} within {link.timeout:g} s "
                                 f"(stage {self.src} died or hangs): {e}") from e
@@ -152,9 +149,7 @@ class StageLink:
         deadline = time.monotonic() + self.timeout  # for all of them
         for works, _, dst, tag in sends:
             try:
-                for work in works:
-                    if work.wait(datetime.timedelta(seconds=time_left(deadline))) is False:
-                        raise RuntimeError("the wait timed out")
+                wait_all(works, deadline)
             except RuntimeError as e:
                 raise PipelineError(f"{self.who}: stage {dst} did not take the "
                                     f"{_what(tag)} of micro-batch {tag // 2} within {self.timeout:g} s: {e}") from e
