@@ -120,6 +120,39 @@ def test_cached_builds_once(tiny, tmp_path, monkeypatch):
     assert len(folders) == 1 and folders[0].name.startswith("arith-")
 
 
+def test_an_interrupted_build_continues_where_it_stopped(tiny, tmp_path, monkeypatch):
+    """Sampling the real model's completions takes minutes: what an interrupted build had sampled is kept
+    beside the cache, and the next build samples only the rest. The cache equals an uninterrupted one's."""
+    policy, tok, task = tiny
+    kw = dict(policy_name="tiny", policy_key="k0", layers=[0], n_prompts=5, max_new_tokens=6, seed=0, progress=False)
+    monkeypatch.setattr(feature_cache, "SAMPLE_BATCH", 2)  # batches of 2, 2 and 1 prompts
+    monkeypatch.setenv("CODRAFT_CACHE", str(tmp_path / "whole"))
+    whole = feature_cache.cached(policy, tok, task, **kw)
+    monkeypatch.setenv("CODRAFT_CACHE", str(tmp_path / "cut"))
+    calls, real = [], feature_cache.Engine.generate
+
+    def generate(self, prompts, *a, **k):
+        calls.append(len(prompts))
+        if len(calls) == 2 and stop:
+            raise KeyboardInterrupt  # Ctrl-C during the second batch
+        return real(self, prompts, *a, **k)
+    monkeypatch.setattr(feature_cache.Engine, "generate", generate)
+    stop = True
+    with pytest.raises(KeyboardInterrupt):
+        feature_cache.cached(policy, tok, task, **kw)
+    (kept,) = (tmp_path / "cut" / "features").glob("*.sampled.json")
+    assert not [f for f in (tmp_path / "cut" / "features").iterdir() if f.is_dir()]  # nothing that looks done
+    calls.clear()
+    stop = False
+    again = feature_cache.cached(policy, tok, task, **kw)
+    assert calls == [2, 1]  # the first batch was not sampled again
+    assert again.sequences == whole.sequences and torch.equal(again.last, whole.last)
+    assert torch.equal(again.features[0], whole.features[0]) and not kept.exists()
+    kept.write_text("{not json")  # a damaged file: warned, sampled from the start
+    with pytest.warns(UserWarning, match="unusable"):
+        assert feature_cache._kept(kept, 2) == []
+
+
 def test_reward_knobs_do_not_change_the_cached_data(tiny):
     """max_chars/format_reward change rewards only: the same problems, so the same cache identity."""
     task = tiny[2]

@@ -10,20 +10,23 @@ logsumexp over the whole vocabulary once per cache (``teacher_lse``).
 
 A cache records what it was made from (``identity``: policy, task and its knobs, sampling, taps);
 ``load`` refuses one made from another policy or task, naming both. ``cached`` builds on first
-use and writes the folder atomically, so an interrupted build leaves nothing that looks done.
+use and writes the folder atomically, so an interrupted build leaves nothing that looks done; what it
+had sampled (minutes for the real model) is kept beside it, and the next build continues from there.
 """
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import sys
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from codraft.atomic import atomic_dir
+from codraft.atomic import atomic_dir, atomic_write_text
 from codraft.cache import cache_root
 from codraft.drafts import DraftBatch
 from codraft.drafts.batch import supervised_rows
@@ -32,6 +35,7 @@ from codraft.rollout import Engine
 from codraft.train.packing import pack
 
 FORMAT = 1  # bump when the stored layout changes
+SAMPLE_BATCH = 64  # prompts per engine call while sampling (and per batch kept from an interrupted build)
 
 
 @dataclass
@@ -162,15 +166,43 @@ def check_identity(found: dict, expect: dict, folder) -> None:
 
 
 def sample_sequences(policy, tok, task, *, n_prompts: int, max_new_tokens: int, seed: int,
-                     temperature: float = 1.0, batch: int = 64, progress: bool = True) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, completion ids) pairs sampled from the target on the task's train prompts."""
-    engine = Engine(policy)
+                     temperature: float = 1.0, progress: bool = True,
+                     keep: Path | None = None) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, completion ids) pairs sampled from the target on the task's train prompts. With
+    ``keep`` (a JSON file), the pairs so far are written there after every batch, and a build that was
+    interrupted continues after the last batch written: each batch has its own seed, so the result is
+    the uninterrupted one's (the real model's sampling takes minutes)."""
+    engine, batch = Engine(policy), SAMPLE_BATCH
     problems = task.sample("train", n_prompts, seed=seed + 17)
-    out = []
-    for i in tqdm(range(0, n_prompts, batch), desc="sample completions", disable=not progress, dynamic_ncols=True):
+    out = _kept(keep, batch)
+    bar = tqdm(range(0, n_prompts, batch), desc="sample completions", disable=not progress, dynamic_ncols=True,
+               initial=len(out) // batch)
+    for i in range(len(out), n_prompts, batch):
         prompts = [tok.prompt_ids(p.prompt) for p in problems[i:i + batch]]
         res = engine.generate(prompts, max_new_tokens, temperature=temperature, seed=seed + i, eos_id=tok.eos_id)
         out += [(p, r.tokens) for p, r in zip(prompts, res)]
+        if keep is not None:
+            keep.parent.mkdir(parents=True, exist_ok=True)
+            atomic_write_text(keep, json.dumps({"batch": batch, "sequences": out}))
+        bar.update()
+    bar.close()
+    return out
+
+
+def _kept(keep: Path | None, batch: int) -> list:
+    """The pairs an interrupted sampling wrote to ``keep`` (whole batches of ``batch``), or []."""
+    if keep is None or not keep.is_file():
+        return []
+    try:
+        d = json.loads(keep.read_text())
+        out = [(list(p), list(c)) for p, c in d["sequences"]]
+        if d["batch"] != batch or len(out) % batch:
+            raise ValueError(f"{len(out)} pairs in batches of {d['batch']}, not whole batches of {batch}")
+    except (OSError, ValueError, LookupError, TypeError) as e:
+        warnings.warn(f"codraft: {keep} unusable ({type(e).__name__}: {e}): sampling from the start", stacklevel=3)
+        return []
+    print(f"codraft: {len(out)} sampled completions kept from an interrupted build ({keep}), continuing",
+          file=sys.stderr, flush=True)
     return out
 
 
@@ -200,10 +232,11 @@ def target_features(policy, sequences, layers, *, chunk_tokens: int = 4096,
 
 
 def build(policy, tok, task, *, layers, n_prompts: int, max_new_tokens: int, seed: int, temperature: float = 1.0,
-          ident: dict, progress: bool = True) -> FeatureCache:
+          ident: dict, progress: bool = True, keep: Path | None = None) -> FeatureCache:
+    """Sample, then run the target (``keep``: see ``sample_sequences``)."""
     policy.eval()
     seqs = sample_sequences(policy, tok, task, n_prompts=n_prompts, max_new_tokens=max_new_tokens, seed=seed,
-                            temperature=temperature, progress=progress)
+                            temperature=temperature, progress=progress, keep=keep)
     feats, last = target_features(policy, seqs, sorted(layers), progress=progress)
     return FeatureCache(ident, seqs, feats, last)
 
@@ -217,7 +250,9 @@ def cached(policy, tok, task, *, policy_name: str, policy_key: str, layers, n_pr
     folder = cache_root() / "features" / f"{task.name}-{key}"
     if (folder / "identity.json").is_file():
         return FeatureCache.load(folder, expect=ident)
+    keep = folder.with_name(folder.name + ".sampled.json")  # what an interrupted build had sampled
     cache = build(policy, tok, task, layers=layers, n_prompts=n_prompts, max_new_tokens=max_new_tokens, seed=seed,
-                  temperature=temperature, ident=ident, progress=progress)
+                  temperature=temperature, ident=ident, progress=progress, keep=keep)
     cache.save(folder)
+    keep.unlink(missing_ok=True)
     return cache
