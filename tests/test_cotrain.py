@@ -228,6 +228,34 @@ def test_drift_experiment_per_seed(tmp_path, tiny_policy_dir):
     assert (tmp_path / "drift-plots" / "compare_acceptance.png").is_file()
 
 
+def test_an_interrupted_experiment_run_continues_from_its_checkpoint(tmp_path, tiny_policy_dir, monkeypatch):
+    """`codraft bench drift|parity|rollout-dtype` rerun after Ctrl-C: the unfinished run continues from the
+    checkpoint Ctrl-C left (it was removed and run again from step 0), and ends as an uninterrupted run."""
+    from codraft.bench import experiments
+    from codraft.rl.logger import read_metrics
+    overrides = [f"policy.init={tiny_policy_dir}", "steps=4", "rollout.prompts_per_step=2", "rollout.group_size=2",
+                 "rollout.max_new_tokens=8", "log.val_every=0", "log.speedup_every=0", "log.checkpoint_every=0",
+                 "draft.kind=dflash", "draft.init=random", "draft.gamma=3", "grpo.lr=1e-3"]
+    ran, real = [], Trainer.step
+
+    def step(self, i):
+        if i == 2 and interrupt:
+            raise KeyboardInterrupt  # Ctrl-C in step 2: steps 0 and 1 are done and checkpointed
+        ran.append(i)
+        return real(self, i)
+    monkeypatch.setattr(Trainer, "step", step)
+    interrupt = True
+    with pytest.raises(KeyboardInterrupt):
+        experiments._run(tmp_path, "cut", overrides, progress=False)
+    assert ran == [0, 1] and not (tmp_path / "cut" / "done").exists()
+    interrupt, ran[:] = False, []
+    experiments._run(tmp_path, "cut", overrides, progress=False)
+    assert ran == [2, 3] and (tmp_path / "cut" / "done").is_file()
+    experiments._run(tmp_path, "whole", overrides, progress=False)
+    cut, whole = (_comparable(read_metrics(tmp_path / n)) for n in ("cut", "whole"))
+    assert [r["step"] for r in cut] == [1, 2, 3, 4] and cut == whole
+
+
 def test_training_precisions_reach_the_losses(tmp_path, tiny_policy_dir, monkeypatch):
     """grpo.precision, draft.precision: the trainer's policy forward, LM head and draft loss run under the
     chosen products (recorded by the loss's ``products`` contexts), "auto" is measured into the cache

@@ -22,18 +22,24 @@ from pathlib import Path
 from codraft.config import load_config
 from codraft.rl.plots import plot_compare, summarize
 from codraft.rl.trainer import train
+from codraft.train.checkpoint import latest_checkpoint
 
 
 def _run(out: Path, name: str, overrides: list[str], progress: bool, config: str | None = None) -> Path:
     run_dir = out / name
     if (run_dir / "metrics.jsonl").is_file() and (run_dir / "done").is_file():
-        return run_dir  # finished earlier: experiments are resumable run by run
+        return run_dir  # finished earlier: experiments are resumable run by run, and within a run
     cfg = load_config(config, overrides + [f"run_dir={run_dir}"])
-    if run_dir.exists():  # an interrupted run of this experiment (no "done"): it is run again from the start
-        print(f"== {name}: removing the unfinished run in {run_dir}", flush=True)
-        shutil.rmtree(run_dir)
+    resume = None
+    if run_dir.exists():  # an interrupted run of this experiment (no "done")
+        if latest_checkpoint(run_dir) is not None:  # it continues as `codraft train --resume` would
+            print(f"== {name}: continuing the unfinished run in {run_dir} from its last checkpoint", flush=True)
+            resume = str(run_dir)
+        else:
+            print(f"== {name}: removing the unfinished run in {run_dir} (no checkpoint)", flush=True)
+            shutil.rmtree(run_dir)
     print(f"== {name}: {' '.join(overrides)}", flush=True)
-    train(cfg, progress=progress)
+    train(cfg, resume=resume, progress=progress)
     (run_dir / "done").write_text("")
     return run_dir
 
