@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -69,3 +70,29 @@ def atomic_write_text(path: str | os.PathLike, text: str):
             os.unlink(tmp)
         raise
     fsync_dir(path.parent)
+
+
+@contextlib.contextmanager
+def build_lock(path: str | os.PathLike, what: str):
+    """One process at a time builds ``what`` (a cache entry that takes minutes: a converted model, an
+    offline draft): the others wait here, then find it built. An inter-process lock on ``path`` (POSIX
+    ``flock``; elsewhere none, and atomic renames still keep the folders whole). The OS drops it when its
+    holder dies, so a crashed builder never leaves the others waiting."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        import fcntl
+    except ImportError:
+        yield
+        return
+    with open(path, "a") as fh:
+        try:
+            fcntl.flock(fh, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"codraft: another process is building {what}; waiting for it", file=sys.stderr, flush=True)
+            fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
+

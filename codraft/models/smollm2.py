@@ -12,7 +12,6 @@ from the GGUF vocabulary and merges.
 """
 from __future__ import annotations
 
-import contextlib
 import importlib.metadata
 import importlib.util
 import json
@@ -23,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from codraft.atomic import build_lock
 from codraft.cache import cache_root
 from codraft.models.config import ModelConfig
 from codraft.models.hf_io import save_pretrained
@@ -114,23 +114,6 @@ def is_complete(folder: Path, source: dict | None = None) -> bool:
     return source is None or all(marker.get(k) == v for k, v in source.items())
 
 
-@contextlib.contextmanager
-def _lock(path: Path):
-    """Inter-process lock so parallel prepares (e.g. pytest -n 2) convert once, not clobber each other."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    try:
-        import fcntl
-    except ImportError:  # not POSIX: no lock, atomic rename still keeps folders consistent
-        yield
-        return
-    with open(path, "a") as fh:
-        fcntl.flock(fh, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(fh, fcntl.LOCK_UN)
-
-
 def prepare_smollm2(cache_dir: str | os.PathLike | None = None, *, force: bool = False,
                     progress: bool = True) -> Path:
     """Return ``<cache>/smollm2-135m``, converting the packaged GGUF first if needed.
@@ -144,7 +127,7 @@ def prepare_smollm2(cache_dir: str | os.PathLike | None = None, *, force: bool =
     source = _source_info(gguf_path)
     if not force and is_complete(folder, source):
         return folder
-    with _lock(root / f".{FOLDER_NAME}.lock"):
+    with build_lock(root / f".{FOLDER_NAME}.lock", FOLDER_NAME):
         if not force and is_complete(folder, source):  # another process finished while we waited
             return folder
         _convert(gguf_path, folder, source, progress=progress)

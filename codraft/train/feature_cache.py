@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from codraft.atomic import atomic_dir, atomic_write_text
+from codraft.atomic import atomic_dir, atomic_write_text, build_lock
 from codraft.cache import cache_root
 from codraft.drafts import DraftBatch
 from codraft.drafts.batch import supervised_rows
@@ -250,9 +250,12 @@ def cached(policy, tok, task, *, policy_name: str, policy_key: str, layers, n_pr
     folder = cache_root() / "features" / f"{task.name}-{key}"
     if (folder / "identity.json").is_file():
         return FeatureCache.load(folder, expect=ident)
-    keep = folder.with_name(folder.name + ".sampled.json")  # what an interrupted build had sampled
-    cache = build(policy, tok, task, layers=layers, n_prompts=n_prompts, max_new_tokens=max_new_tokens, seed=seed,
-                  temperature=temperature, ident=ident, progress=progress, keep=keep)
-    cache.save(folder)
-    keep.unlink(missing_ok=True)
+    with build_lock(folder.with_name(f".{folder.name}.lock"), f"the feature cache {folder}"):
+        if (folder / "identity.json").is_file():  # built by another process while this one waited
+            return FeatureCache.load(folder, expect=ident)
+        keep = folder.with_name(folder.name + ".sampled.json")  # what an interrupted build had sampled
+        cache = build(policy, tok, task, layers=layers, n_prompts=n_prompts, max_new_tokens=max_new_tokens,
+                      seed=seed, temperature=temperature, ident=ident, progress=progress, keep=keep)
+        cache.save(folder)
+        keep.unlink(missing_ok=True)
     return cache

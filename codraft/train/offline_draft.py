@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from codraft.atomic import atomic_dir
+from codraft.atomic import atomic_dir, build_lock
 from codraft.cache import cache_root
 from codraft.drafts import Draft, available_drafts, build_draft, draft_kind, init_draft, load_draft
 from codraft.models.bf16 import products
@@ -242,7 +242,12 @@ def offline_draft_dir(kind: str, *, policy, tok, task, policy_dir: Path, gamma: 
     key = (f"{kind}-g{gamma}-{task.name}.{knobs}-s{r.steps}x{r.batch_sequences}-p{r.n_prompts}x{r.max_new_tokens}"
            f"{vocab}-lr{r.lr:g}{precision}-seed{seed}-{_policy_key(Path(policy_dir))}-v{CACHE_VERSION}")
     folder = cache_root() / "drafts" / key
-    if not (folder / "report.json").is_file():
+    if (folder / "report.json").is_file():
+        return folder / "draft"
+    # one process builds (CP/PP ranks, pytest workers); the others wait and then find it built
+    with build_lock(folder.with_name(f".{key}.lock"), f"the offline {kind} draft {folder}"):
+        if (folder / "report.json").is_file():
+            return folder / "draft"
         features = offline_features(policy, tok, task, policy_dir=policy_dir, layers=shared_layers(policy.config),
                                     seed=seed, n_prompts=r.n_prompts, max_new_tokens=r.max_new_tokens,
                                     progress=progress)
