@@ -155,14 +155,15 @@ def init_cp(device: torch.device | str = "cpu", timeout: float = 300.0) -> CPGro
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             raise CPError("parallel.cp > 1 needs torchrun: torchrun --nproc-per-node C -m codraft train parallel.cp=C")
-        d = torch.device(device)
+        d, bound = torch.device(device), {}
         if d.type == "cuda":  # one GPU per rank: "cuda" means this rank's (LOCAL_RANK)
             if d.index is not None and int(os.environ.get("WORLD_SIZE", 1)) > 1:
                 raise CPError(f"device={device} would put every rank on GPU {d.index}: give device=cuda, and each "
                               "rank takes the GPU of its LOCAL_RANK")
-            torch.cuda.set_device(d.index if d.index is not None else int(os.environ.get("LOCAL_RANK", 0)))
-        # bound to this rank's GPU, NCCL sets up each group's communicator when the group is made: a batched
-        # send to a subset of a group (a pipeline stage's) as its first call is otherwise undefined
-        bound = {"device_id": torch.device("cuda", torch.cuda.current_device())} if d.type == "cuda" else {}
+            gpu = d.index if d.index is not None else int(os.environ.get("LOCAL_RANK", 0))
+            torch.cuda.set_device(gpu)
+            # bound to this rank's GPU, NCCL sets up each group's communicator when the group is made: a batched
+            # send to a subset of a group (a pipeline stage's) as its first call is otherwise undefined
+            bound = {"device_id": torch.device("cuda", gpu)}
         dist.init_process_group(backend_for(device), timeout=datetime.timedelta(seconds=timeout), **bound)
     return CPGroup.world(timeout)

@@ -173,15 +173,19 @@ def run_schedule(link: StageLink, microbatches: int, *, forward: Callable, loss:
     """
     s, last = link.stage, link.stage == link.stages - 1
     ops = one_f_one_b(s, link.stages, microbatches)
+
+    def received(m):  # what micro-batch m's activations arrive as: its shape plus the carried columns
+        *lead, h = shape(m)
+        return (*lead, h + extra)
     saved, losses, incoming = {}, [], {}  # incoming: ("F" | "B", m) -> a receive posted with the last send
     for i, (op, m) in enumerate(ops):
         nxt = ops[i + 1] if i + 1 < len(ops) else None
         if op == "F":
             x = carried = None
             if s > 0:
-                *lead, h = shape(m)
+                h = shape(m)[-1]
                 recv = incoming.pop(("F", m)).wait() if ("F", m) in incoming else \
-                    link.recv_forward((*lead, h + extra), dtype, device, m)
+                    link.recv_forward(received(m), dtype, device, m)
                 x, carried = recv[..., :h].requires_grad_(), recv[..., h:]
             out, carried_out = forward(m, x, carried)
             if last:
@@ -208,7 +212,7 @@ def run_schedule(link: StageLink, microbatches: int, *, forward: Callable, loss:
                 out.backward(grad)
             if s > 0:
                 f = nxt[1] if nxt is not None and nxt[0] == "F" else None  # its activations come from there
-                then = None if f is None else ((*shape(f)[:-1], shape(f)[-1] + extra), dtype, device, f)
+                then = None if f is None else (received(f), dtype, device, f)
                 posted = link.send_backward(x.grad, m, then)
                 if posted is not None:
                     incoming[("F", f)] = posted

@@ -373,14 +373,13 @@ class P2PTapChannel(_Base):
             self.stamps[ti][s], self.state[ti][s] = (step, microbatch, tap, x.shape[0]), FULL
             return
         key = (tap, s)
+        held = self.last_stamp[key]  # what the slot's previous put sent
         if self.credit_recv[key] is not None:
-            held = self.last_stamp[key]
             self._wait(self.credit_recv[key], t, lambda: (
                 f"TapChannel {self._who()}: cannot put tap {tap} of micro-batch {microbatch} (step {step}): "
                 f"slot {s} still holds {self._stamp(*held)}, not freed by the consumer "
                 f"{self._who(self.consumer_stage)}"))
             self.credit_recv[key] = None
-        held = self.last_stamp[key]
         for w in self.sends[key]:  # the consumer has the previous message: these are done (bounded all the same)
             self._wait(w, t, lambda: f"TapChannel {self._who()}: the previous put of slot {s}, {self._stamp(*held)}, "
                                      f"not received by the consumer {self._who(self.consumer_stage)}")

@@ -175,8 +175,8 @@ def sample_sequences(policy, tok, task, *, n_prompts: int, max_new_tokens: int, 
     engine, batch = Engine(policy), SAMPLE_BATCH
     problems = task.sample("train", n_prompts, seed=seed + 17)
     out = _kept(keep, batch)
-    bar = tqdm(range(0, n_prompts, batch), desc="sample completions", disable=not progress, dynamic_ncols=True,
-               initial=len(out) // batch)
+    bar = tqdm(total=-(-n_prompts // batch), initial=len(out) // batch, desc="sample completions",
+               disable=not progress, dynamic_ncols=True)
     for i in range(len(out), n_prompts, batch):
         prompts = [tok.prompt_ids(p.prompt) for p in problems[i:i + batch]]
         res = engine.generate(prompts, max_new_tokens, temperature=temperature, seed=seed + i, eos_id=tok.eos_id)
