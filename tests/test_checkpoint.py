@@ -11,6 +11,7 @@ before one of those operations, chosen by the seed.
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -31,7 +32,7 @@ from codraft.rl.logger import read_metrics
 from codraft.rl.trainer import Trainer, train
 from codraft.tasks import ArithTask
 from codraft.train import checkpoint as ckpt
-from codraft.train.run_dir import RunDirError, check_fresh, read_resume_log
+from codraft.train.run_dir import LOCK, RunDirError, check_fresh, read_resume_log
 from codraft.train.schedule import warmup_cosine
 
 KILL_OPS = ("rename", "replace", "unlink", "rmdir", "fsync")  # what a checkpoint write or prune does to disk
@@ -159,7 +160,7 @@ def test_sigkill_during_checkpoint_writes_and_prunes_always_resumes(tmp_path, ti
         assert _comparable(read_metrics(run)) == full, kill
         assert _same(_weights(tmp_path / "full" / "step_3"), _weights(run / "step_3"))
         assert [p.name for p in ckpt.list_checkpoints(run)] == ["step_2", "step_3"]
-        assert not [p.name for p in run.iterdir() if p.name.startswith(".")], kill  # temporaries cleaned
+        assert not [p.name for p in run.iterdir() if p.name.startswith(".") and p.name != LOCK], kill  # temporaries
 
 
 # ---------------------------------------------------------------- corrupt and malicious checkpoints
@@ -225,7 +226,8 @@ def test_pickle_with_side_effect_is_never_run(full_run, tiny_policy_dir, tmp_pat
     assert ckpt.verify(run / "step_3") is None  # the checksums alone would not catch it
     planted = tmp_path / "planted.pt"
     shutil.copy(run / "step_3" / name, planted)
-    with pytest.warns(UserWarning, match=rf"step_3 is not usable: {name} cannot be loaded \(UnpicklingError"):
+    with pytest.warns(UserWarning, match=rf"step_3 is not usable: \S*step_3/{name}: refused: it would run code when "
+                                         r"loaded \(pickled GLOBAL '[\w.]*exec'\); codraft loads only tensors"):
         _resume(tiny_policy_dir, run)
     assert not flag.exists()
     _assert_matches(full, run)
@@ -261,7 +263,7 @@ def test_stale_temporaries_and_half_pruned_folders(full_run, tiny_policy_dir):
     assert [p.name for p in ckpt.list_checkpoints(run)] == ["step_3"]
 
     _resume(tiny_policy_dir, run)  # the run had finished: nothing to train, the folder is tidied
-    assert sorted(p.name for p in run.iterdir() if p.name.startswith((".", "step_"))) == ["step_3"]
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith((".", "step_"))) == [LOCK, "step_3"]
 
 
 # ---------------------------------------------------------------- the run folder: never overwritten
@@ -295,6 +297,17 @@ def test_fresh_train_refuses_a_folder_holding_a_run(tmp_path, tiny_policy_dir, m
                                          rf"--resume {run}.*new run_dir="):
         main(_cli_run(tiny_policy_dir, run, steps=5))
     assert _snapshot(run) == before
+    # a checkpoint of the run, or a folder in one, is no run of its own: the message names the run to resume
+    step = run / "step_2"
+    for target, where in ((step, ""), (step / "policy", "inside "), (step / "new", "inside ")):
+        with pytest.raises(SystemExit, match=re.escape(f"run_dir={target} is {where}checkpoint step_2 of the run in "
+                                                       f"{run}: continue that run with --resume {run}, or start")):
+            main(_cli_run(tiny_policy_dir, target))
+        if target.exists():
+            with pytest.raises(SystemExit, match=re.escape(f"--resume {target} is {where}checkpoint step_2 of the run "
+                                                           f"in {run}: give the run folder, --resume {run}:")):
+                main(["train", "--resume", str(target)])
+    assert _snapshot(run) == before and not (step / "new").exists()
     lone = tmp_path / "lone"
     (lone / "step_7").mkdir(parents=True)  # any step_N makes it a run
     with pytest.raises(RunDirError, match="already holds a run"):

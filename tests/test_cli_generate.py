@@ -2,6 +2,9 @@
 bad values of `codraft generate` / `codraft train-draft` / ``Engine.generate`` refused before any work."""
 import json
 import math
+import random
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -9,6 +12,7 @@ import torch
 import codraft.policy
 import codraft.train.feature_cache
 from codraft.cli import main
+from codraft.drafts import build_draft
 from codraft.models import Transformer, load_pretrained, save_pretrained
 from codraft.rollout import Engine
 from codraft.train.offline_draft import train_offline
@@ -96,6 +100,20 @@ def test_bad_model_is_one_line(tmp_path):
         main(["generate", "--model", str(tmp_path / "nope")])
 
 
+@pytest.mark.parametrize("kind, cut", [("eagle3", False), ("dspark", True), ("model", True)])
+def test_corrupt_draft_weights_are_one_line(tmp_path, policy_dir, kind, cut):
+    """A draft folder whose model.safetensors is random bytes or cut short (each kind reads it its own
+    way; "model" is an HF folder): the command prints one line naming the file, no traceback."""
+    build_draft(kind, load_pretrained(policy_dir).config).save(tmp_path / "d")
+    f = tmp_path / "d" / "model.safetensors"
+    f.write_bytes(f.read_bytes()[: f.stat().st_size // 2] if cut else random.Random(0).randbytes(300))
+    done = subprocess.run([sys.executable, "-m", "codraft", "generate", "--model", str(policy_dir), "--draft",
+                           str(tmp_path / "d"), "--max-new-tokens", "2"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.startswith(f"codraft generate: error: {f} cannot be loaded: not a valid safetensors file, "
+                                  "truncated or corrupt (") and done.stderr.count("\n") == 1, done.stderr
+
+
 # ---------------------------------------------------------------- bad values: refused before any work
 
 
@@ -151,6 +169,9 @@ def test_engine_refuses_bad_sampling_settings(policy_dir, kw, message):
     (["--kind", "dflash", "--gamma", "0"], "--gamma must be >= 1"),
     (["--kind", "dflash", "--lr", "nan"], "--lr must be > 0 and finite, got nan"),
     (["--kind", "dflash", "--task", "chess"], "--task must be one of arith, arith_haystack, chain_sum, gsm_symbolic, got 'chess'"),
+    (["--kind", "dflash", "--taps", "0,1,2"], r"--taps must be auto with --kind dflash \(it sets the EAGLE-3 draft"),
+    (["--kind", "eagle3", "--taps", "0,1"], "--taps must name 3 layers with --kind eagle3"),
+    (["--kind", "eagle3", "--taps", "1,1,2"], "--taps must be auto or distinct layer ids >= 0"),
 ])
 def test_train_draft_refuses_bad_values_before_loading(tmp_path, monkeypatch, args, message):
     _no_loading(monkeypatch)
@@ -158,6 +179,29 @@ def test_train_draft_refuses_bad_values_before_loading(tmp_path, monkeypatch, ar
     with pytest.raises(SystemExit, match=f"^codraft train-draft: error: {message}"):
         main(["train-draft", "--model", "tiny-sft", "--out", str(out), *args])
     assert not (tmp_path / "drafts").exists()
+
+
+def test_train_draft_taps(tmp_path, policy_dir, monkeypatch):
+    """--taps: the EAGLE-3 draft is trained on those layers (saved and recorded with them); taps outside
+    the policy's servable layers are refused once its depth is known, before anything is written."""
+    monkeypatch.setenv("CODRAFT_CACHE", str(tmp_path / "cache"))
+    tok = CharTokenizer()
+    cfg = tiny_model_config(tok)  # the tiny preset's 4 layers: default taps [0, 1], two
+    cfg.hidden_size, cfg.intermediate_size, cfg.head_dim = 32, 64, 8
+    torch.manual_seed(0)
+    save_pretrained(Transformer(cfg), tmp_path / "policy4",
+                    extra_files={CHAR_TOKENIZER_FILE: json.dumps({"alphabet": tok.alphabet})})
+    small = ["--steps", "1", "--prompts", "2", "--max-new-tokens", "4"]
+    main(["train-draft", "--model", str(tmp_path / "policy4"), "--kind", "eagle3", "--taps", "2,0,1",
+          "--out", str(tmp_path / "d"), *small])
+    saved = json.loads((tmp_path / "d" / "draft" / "config.json").read_text())
+    assert saved["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+    assert json.loads((tmp_path / "d" / "draft" / "target.json").read_text())["taps"] == [0, 1, 2]
+    with pytest.raises(SystemExit, match=r"^codraft train-draft: error: --taps must be layer ids in \[0, 0\] "
+                                         r"for the 2-layer policy"):
+        main(["train-draft", "--model", str(policy_dir), "--kind", "eagle3", "--taps", "0,1,2",
+              "--out", str(tmp_path / "e"), *small])
+    assert not (tmp_path / "e").exists()
 
 
 def test_train_draft_failure_leaves_no_empty_folder(tmp_path, policy_dir, monkeypatch):
@@ -188,3 +232,48 @@ def test_train_offline_checks_arguments_before_making_the_folder(tmp_path, kw, m
     with pytest.raises(ValueError, match=f"^train_offline: {message}"):
         train_offline(None, None, None, None, out_dir=tmp_path / "out", **kw)
     assert not (tmp_path / "out").exists()
+
+
+# ---------------------------------------------------------------- prompts against the model's context
+
+
+def test_a_prompt_longer_than_the_context_is_one_line_before_any_prefill(tmp_path):
+    """tiny-sft declares TINY_MAX_POSITIONS once loaded (long arith_haystack prompts fit): a prompt past it is
+    refused naming both lengths, from the model's config (no warm start, no weights, no prefill)."""
+    import subprocess
+    import sys
+    from codraft.policy.warmstart import TINY_MAX_POSITIONS
+    text = "1+2=" * (TINY_MAX_POSITIONS // 4 + 16)  # + BOS: 65601 tokens
+    done = subprocess.run([sys.executable, "-m", "codraft", "generate", "--model", "tiny-sft", "--prompt", text,
+                           "--max-new-tokens", "64"], capture_output=True, text=True, timeout=300)
+    n = len(text) + 1
+    assert done.returncode == 1 and done.stdout == ""
+    assert done.stderr.strip().splitlines() == [
+        f"codraft generate: error: --prompt 1 has {n} tokens + --max-new-tokens=64 = {n + 64} > the model's context "
+        f"of {TINY_MAX_POSITIONS} positions (max_position_embeddings); shorten it, lower --max-new-tokens, or pass "
+        f"--truncate-prompt left to keep its last {TINY_MAX_POSITIONS - 64} tokens"]
+
+
+def test_truncate_prompt_left_keeps_the_prompts_last_tokens(tmp_path, capsys):
+    """A 64-position model: a 100-byte prompt with 8 new tokens is refused, and with --truncate-prompt left it
+    runs on its last 56 tokens (the JSON shows them and the length it was cut from); a prompt that fits is
+    untouched. --max-new-tokens filling the context leaves no room at all."""
+    from test_memory import short_context_policy
+    from codraft.tokenizer import load_tokenizer
+    folder = short_context_policy(tmp_path / "m", context=64)
+    long, short = "0123456789" * 10, "1+1="
+    args = ["generate", "--model", str(folder), "--prompt", long, short, "--max-new-tokens", "8", "--temperature", "0"]
+    with pytest.raises(SystemExit, match=r"^codraft generate: error: --prompt 1 has 100 tokens \+ --max-new-tokens=8 = "
+                                         r"108 > the model's context of 64 positions"):
+        main(args)
+    main([*args, "--truncate-prompt", "left", "--json"])
+    out = capsys.readouterr()
+    got = json.loads(out.out)["results"]
+    ids = load_tokenizer(folder).prompt_ids(long)
+    assert got[0]["prompt_tokens"] == ids[-56:] and got[0]["prompt_truncated_from"] == 100
+    assert got[1]["prompt_tokens"] == load_tokenizer(folder).prompt_ids(short) and "prompt_truncated_from" not in got[1]
+    assert 1 <= len(got[0]["tokens"]) <= 8
+    assert "prompt 1 cut from 100 to its last 56 tokens (context 64 - --max-new-tokens 8)" in out.err
+    with pytest.raises(SystemExit, match="--max-new-tokens 64 leaves no room for a prompt in the model's context"):
+        main(["generate", "--model", str(folder), "--prompt", short, "--max-new-tokens", "64", "--truncate-prompt",
+              "left"])

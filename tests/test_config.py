@@ -3,8 +3,11 @@ what is allowed: ranges (``codraft.config.RULES``), rules between keys, YAML fil
 `--config` names, and `codraft train` / `codraft plot` on the command line (nothing written)."""
 import json
 import math
+import subprocess
+import sys
 
 import pytest
+import yaml
 
 import codraft.policy
 import codraft.policy.warmstart
@@ -111,6 +114,61 @@ def test_rules_between_keys():
     assert taps_rule(cfg) is None
 
 
+def _policy_folder(tmp_path, layers: int) -> str:
+    """A policy folder as far as the config reads it: config.json with the layer count."""
+    folder = tmp_path / f"policy{layers}"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"num_hidden_layers": layers}))
+    return str(folder)
+
+
+def test_draft_taps_rules(tmp_path):
+    """draft.taps: auto, or the EAGLE-3 draft's three target layers (what every serving stack builds),
+    each below the policy's last layer (whose output no stack captures); a folder policy's layer count
+    is read from its config.json before anything is loaded."""
+    four = f"policy.init={_policy_folder(tmp_path, 4)}"
+    eagle = ["draft.kind=eagle3", "draft.init=random", four]
+    assert load_config(None, [*eagle, "draft.taps=2,0,1"]).draft.taps == "2,0,1"
+    assert load_config(None, eagle).draft.taps == "auto"
+    assert _refused([*eagle, "draft.taps=2,5,8"]) == (
+        "config key 'draft.taps' must be layer ids in [0, 2] for the 4-layer policy (layer 3's output, the last, "
+        "is no serving stack's tap), got '2,5,8'")
+    assert _refused([*eagle, "draft.taps=1,1,2"]) == (
+        "config key 'draft.taps' must be auto or distinct layer ids >= 0, comma-separated (e.g. 2,5,8), got '1,1,2'")
+    assert _refused([*eagle, "draft.taps=two"]).startswith("config key 'draft.taps' must be auto or distinct")
+    assert _refused([*eagle, "draft.taps=0,1"]) == (
+        "config key 'draft.taps' must name 3 layers with draft.kind=eagle3 (vLLM, SGLang and SpecForge build its "
+        "fc for exactly 3 taps), got '0,1'")
+    assert _refused([four, "draft.kind=dflash", "draft.taps=0,1,2"]) == (
+        "config key 'draft.taps' must be auto with draft.kind=dflash (it sets the EAGLE-3 draft's taps), "
+        "got '0,1,2'")
+    load_config(None, [four, "draft.kind=dflash", "draft.mode=none", "draft.taps=0,1,2"])  # no draft: unused
+    # a named policy's depth is known once it is loaded: the trainer checks then, before building the draft
+    load_config(None, ["draft.kind=eagle3", "draft.taps=2,5,8"])
+
+
+def test_trainer_checks_draft_taps_against_the_loaded_policy(tmp_path, monkeypatch):
+    """A policy whose depth the config cannot read without loading it (tiny-sft, smollm2-135m): the
+    trainer checks draft.taps once the policy is loaded, with the config's message, before the draft."""
+    import torch
+
+    import codraft.config.taps
+    from codraft.models import Transformer, save_pretrained
+    from codraft.policy.warmstart import CHAR_TOKENIZER_FILE, tiny_model_config
+    from codraft.tokenizer import CharTokenizer
+    tok = CharTokenizer()
+    config = tiny_model_config(tok)
+    config.hidden_size, config.intermediate_size, config.head_dim = 32, 64, 8
+    torch.manual_seed(0)
+    save_pretrained(Transformer(config), tmp_path / "policy",
+                    extra_files={CHAR_TOKENIZER_FILE: json.dumps({"alphabet": tok.alphabet})})
+    monkeypatch.setattr(codraft.config.taps, "_policy_layers", lambda init: None)  # as for a named policy
+    cfg = load_config(None, [f"policy.init={tmp_path / 'policy'}", "draft.kind=eagle3", "draft.init=random",
+                             "draft.taps=1,2,3", f"run_dir={tmp_path / 'run'}"])
+    with pytest.raises(ConfigError, match=r"^config key 'draft.taps' must be layer ids in \[0, 2\] for the 4-layer"):
+        Trainer(cfg, progress=False)
+
+
 def test_boundary_values_are_accepted():
     cfg = load_config(None, ["rollout.temperature=0", "rollout.top_p=1", "grpo.lr=0", "log.val_every=0",
                              "log.speedup_every=0", "log.checkpoint_every=0", "log.keep_last=0", "draft.gamma=1",
@@ -167,6 +225,23 @@ def test_malformed_yaml_file_names_the_file_and_the_line(tmp_path):
         load_config(str(f))
 
 
+def test_a_key_given_twice_in_a_yaml_file_is_refused_with_both_lines(tmp_path):
+    """yaml keeps the last of two equal keys silently; a config key written nested and dotted is the same key."""
+    f = tmp_path / "twice.yaml"
+    for text, key, lines in (("steps: 3\nseed: 1\nsteps: 0\n", "steps", (1, 3)),
+                             ("rollout:\n  group_size: 2\n  top_p: 1\n  group_size: 4\n", "rollout.group_size", (2, 4)),
+                             ("grpo.lr: 0.1\ngrpo:\n  kl_coef: 0\n  lr: 0.2\n", "grpo.lr", (1, 4)),
+                             ("grpo:\n  lr: 0.1\nseed: 1\ngrpo:\n  kl_coef: 0\n", "grpo", (1, 4))):
+        f.write_text(text)
+        with pytest.raises(ConfigError) as e:
+            load_config(str(f))
+        assert str(e.value) == f"config file '{f}': config key {key!r} is given twice (lines {lines[0]} and " \
+                               f"{lines[1]}); give each key once"
+    f.write_text("grpo.lr: 0.1\ngrpo:\n  kl_coef: 0.5\n")  # one section, keys written both ways: each once
+    cfg = load_config(str(f))
+    assert (cfg.grpo.lr, cfg.grpo.kl_coef) == (0.1, 0.5)
+
+
 def test_config_names_a_preset_or_a_file(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError,
@@ -216,6 +291,31 @@ def test_cli_train_refuses_before_any_work(tmp_path, monkeypatch, args, message)
     with pytest.raises(SystemExit, match=f"^codraft train: error: {message}"):
         main(["train", f"run_dir={run}", *args])
     assert not run.exists() and list(tmp_path.iterdir()) == []
+
+
+def _codraft(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "codraft", *args], cwd=cwd, capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("args, first, second", [
+    (["steps=3", "steps=0"], "steps=3", "steps=0"),
+    (["grpo.lr=1e-3", "seed=2", " grpo.lr =1e-4"], "grpo.lr=1e-3", " grpo.lr =1e-4"),  # spaces: the same key
+])
+def test_cli_train_refuses_a_key_given_twice(tmp_path, args, first, second):
+    """On the command line, fresh or on --resume, a key given twice is one error line naming it: the run
+    does not pick one of the two values."""
+    key = first.split("=")[0].strip()
+    message = f"config key {key!r} is given twice ({first!r} and {second!r}); give it once"
+    done = _codraft("train", f"run_dir={tmp_path / 'run'}", *args, cwd=tmp_path)
+    assert (done.returncode, done.stderr) == (1, f"codraft train: error: {message}\n")
+    run = tmp_path / "saved"  # a run folder to resume: its config.yaml is all a resume reads before refusing
+    run.mkdir()
+    (run / "config.yaml").write_text(yaml.safe_dump(RunConfig(run_dir=str(run)).to_dict()))
+    done = _codraft("train", "--resume", str(run), *args, cwd=tmp_path)
+    assert (done.returncode, done.stderr) == (1, f"codraft train: error: {message}\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["saved"]
+    assert [p.name for p in run.iterdir()] == ["config.yaml"]
 
 
 # ---------------------------------------------------------------- codraft plot

@@ -1,14 +1,19 @@
 """Context-parallel faults fail loudly and in bounded time, naming the CP rank and ring step:
-a peer that never sends, a peer that dies, ranks that disagree on the packed row."""
+a peer that never sends, a peer that dies, ranks that disagree on the packed row; `codraft train` says in
+one line (a rank's carrying the rank) what is wrong with its launch."""
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 
+import codraft
 from codraft.parallel.comm import CPError, CPGroup, init_cp, on_host
 from codraft.parallel.context import ShardedRow
 from codraft.parallel.mesh import build_mesh
@@ -105,6 +110,37 @@ def test_torchrun_ranks_do_not_all_take_one_gpu(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(CPError, match=r"device=cuda:1 would put every rank on GPU 1: give device=cuda"):
         init_cp("cuda:1")
+
+
+@pytest.mark.parametrize("keys", [["parallel.cp=2"], ["parallel.pp=2"], ["parallel.pp=2", "parallel.cp=2"]])
+def test_parallel_train_without_torchrun_is_one_line(tmp_path, keys):
+    """Without torchrun the parallel keys are one error line saying how to launch (no traceback, exit 1)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    run = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "codraft", "train", *keys, f"run_dir={run}"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    procs = 2 ** len(keys)  # each key asks for 2
+    assert done.returncode == 1, done.stderr
+    assert done.stderr.splitlines() == [
+        f"codraft train: error: {' '.join(keys)} needs torchrun, one process per rank: torchrun --standalone "
+        f"--nproc-per-node {procs} -m codraft train [...] {' '.join(keys)}"]
+    assert not run.exists()
+
+
+def test_each_rank_prints_its_own_error_line(tmp_path):
+    """Under torchrun every rank that refuses says so in one line carrying its rank, without a traceback
+    from codraft (torchrun then reports the failed ranks in its own words)."""
+    run = tmp_path / "run"
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+                           "codraft", "train", "parallel.cp=3", "rollout.prompts_per_step=3", f"run_dir={run}",
+                           "parallel.timeout=60"], cwd=tmp_path, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    ours = sorted(line for line in done.stderr.splitlines() if line.startswith("codraft train"))
+    assert ours == [f"codraft train (rank {r} of 2): error: parallel.pp=1 × parallel.cp=3 but torchrun started 2 "
+                    "processes; launch with torchrun --nproc-per-node 3" for r in (0, 1)], done.stderr
+    assert f'File "{Path(codraft.__file__).parent}' not in done.stderr  # no traceback through codraft's code
+    assert not run.exists()
 
 
 def test_gathered_objects_go_through_the_host():

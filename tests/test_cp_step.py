@@ -56,10 +56,9 @@ def _step(policy, draft, batch, adv, cp, reference, kl, dtype=torch.float32):
     """One step's loss, metrics, gradients and norms; ``dtype``: the policy's and the draft's products."""
     policy.zero_grad(set_to_none=True)
     draft.zero_grad(set_to_none=True)
-    torch.manual_seed(5)  # the block drafts' anchors: the same draw on every rank and in the reference
     loss, m = cotrain_loss(policy, draft, batch, adv, temperature=1.0, lam=0.7, eps_low=0.2, eps_high=0.28,
                            norm="token" if kl == 0 else "sequence", kl_coef=kl, reference=reference, cp=cp,
-                           policy_dtype=dtype, draft_dtype=dtype)
+                           policy_dtype=dtype, draft_dtype=dtype, draft_seed=5)
     loss.backward()
     dparams = list(draft.trainable_parameters())
     if cp is not None:

@@ -20,6 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -249,7 +251,9 @@ def test_eagle3_d2t_maps_every_draft_id(tmp_path, target, policy_dir):
 
 @pytest.mark.parametrize("layers", [[0, 1], [0, 1, 2, 4]])
 def test_eagle3_with_two_or_four_taps_is_refused(tmp_path, target, policy_dir, layers):
-    with pytest.raises(ValueError, match=rf"taps {len(layers)} target layers \[{', '.join(map(str, layers))}\]"):
+    # the message names the taps and what to train with instead (this 6-layer target's default taps are two)
+    with pytest.raises(ValueError, match=rf"taps {len(layers)} target layers \[{', '.join(map(str, layers))}\].*"
+                                         r"draft.taps=0,1,2 \(codraft train\) or --taps 0,1,2 \(train-draft\)"):
         _export(tmp_path, target, policy_dir, "eagle3", layers=layers)
     assert not (tmp_path / "x").exists()
 
@@ -271,7 +275,7 @@ def test_a_tap_at_the_last_layer_is_refused(tmp_path, target, policy_dir):
 def test_block_drafts_load_in_every_stack(tmp_path, target, policy_dir, kind, kw):
     draft, e, cfg, tensors = _export(tmp_path, target, policy_dir, kind, dtype="bfloat16", **kw)
     dc = cfg["dflash_config"]
-    assert cfg["architectures"] == [{"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel"}[kind]]
+    assert cfg["architectures"] == [{"dflash": "DFlashDraftModel", "dspark": "Qwen3DSparkModel"}[kind]]
     assert cfg["model_type"] == "qwen3" and cfg["layer_types"] == ["full_attention"] * cfg["num_hidden_layers"]
     assert cfg["block_size"] == draft.config.block_size and cfg["num_target_layers"] == L
     assert dc["target_layer_ids"] == sorted(draft.feature_layers)
@@ -317,6 +321,61 @@ def test_block_tap_ids_point_at_the_trained_layers(tmp_path, target, policy_dir,
     assert written == [1, 3] and "eagle_aux_hidden_state_layer_ids" not in cfg  # else vLLM would read that first
     for tap in written:
         assert torch.equal(inputs[tap + 1], feats[tap])  # vLLM and SGLang both add 1 to dflash ids
+
+
+# What the DSpark loaders take (docs/serving.md, block.py): Qwen3DSparkModel in vLLM and SGLang (older vLLM
+# routes DSparkDraftModel elsewhere), DSparkDraftModel in SpecForge; a gated Markov head not in vLLM.
+DSPARK_STACKS = {  # --stack -> (architecture, stacks loading it: vanilla head, gated head)
+    "all": ("Qwen3DSparkModel", ["vllm", "sglang"], ["sglang"]),
+    "vllm": ("Qwen3DSparkModel", ["vllm", "sglang"], None),  # gated: refused
+    "sglang": ("Qwen3DSparkModel", ["vllm", "sglang"], ["sglang"]),
+    "specforge": ("DSparkDraftModel", ["specforge"], ["specforge"]),
+}
+
+
+@pytest.mark.parametrize("markov", ["vanilla", "gated"])
+@pytest.mark.parametrize("stack", list(DSPARK_STACKS))
+def test_dspark_architecture_and_head_per_stack(tmp_path, target, policy_dir, stack, markov):
+    from transformers import AutoConfig
+    draft = _draft("dspark", target, markov=markov, markov_rank=12)
+    draft.save(tmp_path / "src")
+    arch, vanilla, gated = DSPARK_STACKS[stack]
+    loads = vanilla if markov == "vanilla" else gated
+    if loads is None:
+        with pytest.raises(ValueError, match="--stack vllm: vLLM builds only the plain 'vanilla' DSpark head"):
+            export_draft(tmp_path / "src", tmp_path / "out", target=str(policy_dir), mask_token_id=0, stack=stack)
+        assert not (tmp_path / "out").exists()
+        return
+    e = export_draft(tmp_path / "src", tmp_path / "out", target=str(policy_dir), mask_token_id=0, stack=stack)
+    cfg = json.loads((e.path / "config.json").read_text())
+    assert cfg["architectures"] == [arch] and e.stacks == loads
+    record = cfg["codraft_export"]
+    assert record["stack"] == stack and record["stacks"] == loads
+    assert record["markov_head"] == {"type": markov, "vanilla": vanilla, "gated": gated or ["sglang"]}
+    assert AutoConfig.from_pretrained(e.path).architectures == [arch]  # transformers reads it (model_type qwen3)
+    back = load_exported(e.path, target)  # either name reads back as the same draft
+    assert type(back) is type(draft) and back.markov_kind == markov
+    assert torch.equal(_propose(back, target, 4)[0], _propose(draft, target, 4)[0])
+
+
+def test_cli_says_which_stacks_take_the_folder(tmp_path, target, policy_dir, capsys):
+    _draft("dspark", target, markov="gated", markov_rank=12).save(tmp_path / "src")
+    parser = argparse.ArgumentParser(prog="codraft")
+    add_parser(parser.add_subparsers(dest="cmd", required=True)).set_defaults(fn=run)
+    base = ["export-draft", str(tmp_path / "src"), "--target", str(policy_dir), "--mask-token-id", "0"]
+    args = parser.parse_args([*base, "--out", str(tmp_path / "all")])  # --stack all: the default
+    args.fn(args)
+    printed = capsys.readouterr().out
+    assert "loads in: SGLang (architecture Qwen3DSparkModel)" in printed
+    assert "Markov head 'gated': SGLang takes it as written" in printed and "--stack specforge" in printed
+    assert "--speculative-algorithm DSPARK" in printed and "vllm serve" not in printed  # vLLM: plain head only
+    args = parser.parse_args([*base, "--out", str(tmp_path / "sf"), "--stack", "specforge"])
+    args.fn(args)
+    printed = capsys.readouterr().out
+    assert "loads in: SpecForge (architecture DSparkDraftModel)" in printed
+    assert "vllm serve" not in printed and "sglang.launch_server" not in printed  # SpecForge trains, no server
+    with pytest.raises(SystemExit):
+        parser.parse_args([*base, "--out", str(tmp_path / "x"), "--stack", "tgi"])
 
 
 def test_learned_mask_needs_a_token_id(tmp_path, target, policy_dir):
@@ -410,6 +469,48 @@ def test_export_from_a_run_checkpoint(tmp_path, target):
         export_draft(step, tmp_path / "o3", target="tiny-sft", mask_token_id=0)
 
 
+def test_eagle3_trained_with_chosen_taps_exports(tmp_path):
+    """draft.taps on the command line: a policy as deep as the tiny preset's (4 layers, default taps [0, 1],
+    two, which no stack builds) co-trains an EAGLE-3 draft on layers 0, 1, 2 for one step; its checkpoint
+    exports with those taps in both countings, transformers reads the config, and the folder reads back
+    as the trained draft."""
+    from transformers import AutoConfig
+
+    from codraft.cli import main
+    from codraft.policy.warmstart import CHAR_TOKENIZER_FILE, load_tiny, tiny_model_config
+    from codraft.tokenizer import CharTokenizer
+    tok = CharTokenizer()
+    config = tiny_model_config(tok)
+    config.hidden_size, config.intermediate_size, config.head_dim = 32, 64, 8
+    torch.manual_seed(0)
+    save_pretrained(Transformer(config), tmp_path / "policy",
+                    extra_files={CHAR_TOKENIZER_FILE: json.dumps({"alphabet": tok.alphabet})})
+    run_dir = tmp_path / "run"
+    main(["train", f"policy.init={tmp_path / 'policy'}", "steps=1", f"run_dir={run_dir}", "rollout.prompts_per_step=1",
+          "rollout.group_size=2", "rollout.max_new_tokens=8", "log.val_every=0", "log.speedup_every=0",
+          "draft.kind=eagle3", "draft.init=random", "draft.gamma=2", "draft.taps=2,0,1", "log.checkpoint_every=1"])
+    step = ckpt.list_checkpoints(run_dir)[-1]
+    assert yaml.safe_load((step / "config.yaml").read_text())["draft"]["taps"] == "2,0,1"
+    e = export_draft(step, tmp_path / "out")
+    cfg = json.loads((e.path / "config.json").read_text())
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]  # SGLang, SpecForge
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 2, 3]                  # vLLM: layer inputs
+    assert cfg["codraft_export"]["taps"] == {"layer_output": [0, 1, 2], "vllm_layer_input": [1, 2, 3]}
+    hf = AutoConfig.from_pretrained(e.path)
+    assert hf.architectures == ["LlamaForCausalLMEagle3"]
+    assert hf.eagle_config["eagle_aux_hidden_state_layer_ids"] == [0, 1, 2]
+    policy, _ = load_tiny(step / "policy")
+    back = load_exported(e.path, policy)
+    trained = ckpt.load_file(step / "draft.pt")
+    assert back.layers == [0, 1, 2] and torch.equal(back.fc.weight, trained["fc.weight"])
+    # the default taps of this depth: the checkpoint's draft is refused, naming the taps to train with
+    main(["train", f"policy.init={tmp_path / 'policy'}", "steps=1", f"run_dir={tmp_path / 'auto'}",
+          "rollout.prompts_per_step=1", "rollout.group_size=2", "rollout.max_new_tokens=8", "log.val_every=0",
+          "log.speedup_every=0", "draft.kind=eagle3", "draft.init=random", "draft.gamma=2", "log.checkpoint_every=1"])
+    with pytest.raises(ValueError, match=r"taps 2 target layers \[0, 1\].*draft.taps=0,1,2"):
+        export_draft(ckpt.list_checkpoints(tmp_path / "auto")[-1], tmp_path / "out2")
+
+
 def test_checkpoint_problems_are_named(tmp_path, target):
     _, step = _checkpoint(tmp_path, target, init=str(tmp_path / "gone"))
     with pytest.raises(ValueError, match="is gone"):
@@ -455,6 +556,67 @@ def test_bad_input_is_refused_clearly(tmp_path, target, policy_dir):
     save_pretrained(bigger, tmp_path / "bigger")
     with pytest.raises(ValueError, match="hidden_size"):
         run("c", target=str(tmp_path / "bigger"))
+
+
+def _cli(*args) -> tuple[int, str, str]:
+    """``codraft export-draft ARGS`` in its own process: (exit status, stdout, stderr)."""
+    done = subprocess.run([sys.executable, "-m", "codraft", "export-draft", *map(str, args)], capture_output=True,
+                          text=True, timeout=300)
+    return done.returncode, done.stdout, done.stderr
+
+
+def test_corrupt_weights_are_one_line(tmp_path, target, policy_dir):
+    """A draft folder's model.safetensors cut short: export-draft prints one line naming it; an exported
+    folder's, read back: a ValueError naming it."""
+    _, e, _, _ = _export(tmp_path, target, policy_dir, "dflash")
+    for f in (tmp_path / "x-src" / "model.safetensors", e.path / "model.safetensors"):
+        f.write_bytes(f.read_bytes()[:-100])
+    rc, out, err = _cli(tmp_path / "x-src", "--target", policy_dir, "--out", tmp_path / "o", "--mask-token-id", 0)
+    f = tmp_path / "x-src" / "model.safetensors"
+    assert rc == 1 and out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"codraft export-draft: error: {f} cannot be loaded: not a valid safetensors file, "
+                          "truncated or corrupt (")
+    with pytest.raises(ValueError, match=f"^{e.path / 'model.safetensors'} cannot be loaded: not a valid safetensors"):
+        load_exported(e.path, target)
+
+
+class _RunsCommand:
+    """A pickle that runs a shell command when loaded (unsafely)."""
+
+    def __init__(self, flag):
+        self.flag = str(flag)
+
+    def __reduce__(self):
+        return os.system, (f"touch '{self.flag}'",)
+
+
+def test_a_pickle_that_carries_code_is_refused_in_one_line(tmp_path, target):
+    """A planted draft.pt in a checkpoint (its checksum updated): one line saying what was refused and
+    why, none of torch's advice to load it with weights_only=False; the command never runs."""
+    _, step = _checkpoint(tmp_path, target)
+    flag = tmp_path / "ran"
+    torch.save({"fc.weight": _RunsCommand(flag)}, step / "draft.pt")
+    marker = json.loads((step / ckpt.MARKER).read_text())
+    f = step / "draft.pt"
+    marker["files"]["draft.pt"] = {"size": f.stat().st_size, "sha256": ckpt._sha256(f)}
+    (step / ckpt.MARKER).write_text(json.dumps(marker))
+    rc, out, err = _cli(step, "--out", tmp_path / "o", "--mask-token-id", 0)
+    assert rc == 1 and out == "" and not flag.exists()
+    assert err == (f"codraft export-draft: error: {step / 'draft.pt'}: refused: it would run code when loaded "
+                   f"(pickled GLOBAL '{os.system.__module__}.system'); codraft loads only tensors and plain data\n")
+
+
+def test_a_draft_folder_with_stray_files_is_a_draft_folder(tmp_path, target, policy_dir):
+    """A stray draft.pt and policy/ beside a draft's config.json make no run checkpoint (it has no
+    state.json): the draft is exported. With a state.json too, what it is cannot be told: refused."""
+    _draft("eagle3", target).save(tmp_path / "src")
+    torch.save({}, tmp_path / "src" / "draft.pt")
+    (tmp_path / "src" / "policy").mkdir()
+    e = export_draft(tmp_path / "src", tmp_path / "out", target=str(policy_dir))
+    assert e.kind == "eagle3" and e.origin == f"draft folder {tmp_path / 'src'}"
+    (tmp_path / "src" / ckpt.MARKER).write_text(json.dumps({"step": 3}))
+    with pytest.raises(ValueError, match="has both a run checkpoint's state.json and a draft folder's config.json"):
+        export_draft(tmp_path / "src", tmp_path / "out2", target=str(policy_dir))
 
 
 def test_cli_prints_the_serving_commands(tmp_path, target, policy_dir, capsys):

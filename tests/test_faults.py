@@ -2,12 +2,14 @@
 import math
 import os
 import signal
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from codraft.models import load_pretrained
-from codraft.rl import trainer as trainer_mod
+from codraft.rl import update_phase
 from codraft.train.checkpoint import list_checkpoints, load_policy_from
 from codraft.rl.logger import read_metrics
 from codraft.tasks import ArithTask, Problem
@@ -50,7 +52,7 @@ def _trained(ckpt_dir, policy_dir):
 
 def _nan_on(steps):
     """cotrain_loss that returns a NaN loss (still differentiable) on the given step indices."""
-    real, calls = trainer_mod.cotrain_loss, []
+    real, calls = update_phase.cotrain_loss, []
 
     def loss(*a, **k):
         calls.append(1)
@@ -98,7 +100,7 @@ def test_reward_errors_score_zero_and_training_continues(tmp_path, tiny_policy_d
 
 
 def test_nonfinite_loss_skips_the_update(tmp_path, tiny_policy_dir, monkeypatch, varied_reward):
-    monkeypatch.setattr(trainer_mod, "cotrain_loss", _nan_on({1}))
+    monkeypatch.setattr(update_phase, "cotrain_loss", _nan_on({1}))
     t = Trainer(_cfg(tiny_policy_dir, tmp_path / "run", 3), progress=False)
     t.step(0)
     before, lr_before = _state(t), t.sched.get_last_lr()
@@ -127,7 +129,7 @@ def test_nonfinite_streak_stops_run_and_keeps_last_good_checkpoint(tmp_path, tin
         if not snapshot and (run / "step_2").is_dir():
             snapshot.update({p.relative_to(run): p.read_bytes() for p in (run / "step_2").rglob("*") if p.is_file()})
         return nan_loss(*a, **k)
-    monkeypatch.setattr(trainer_mod, "cotrain_loss", loss)
+    monkeypatch.setattr(update_phase, "cotrain_loss", loss)
     cfg = _cfg(tiny_policy_dir, run, 8)
     cfg.log.keep_last = 1  # a checkpoint written mid-streak would rotate step_2 out
     with pytest.warns(UserWarning, match="non-finite"), \
@@ -139,6 +141,29 @@ def test_nonfinite_streak_stops_run_and_keeps_last_good_checkpoint(tmp_path, tin
     assert snapshot and now == snapshot
     rows = read_metrics(run)
     assert [(r["step"], r.get("nonfinite_streak")) for r in rows[-3:]] == [(3, 1), (4, 2), (5, 3)]
+
+
+def test_nonfinite_stop_via_the_cli_is_one_line_and_keeps_the_run(tmp_path, tiny_policy_dir):
+    """A draft lr so large that its first update overflows the draft: every later loss is NaN. The stop is
+    one error line naming the last good checkpoint (no traceback), and the run keeps its metrics (the NaN
+    steps included), its plots and that checkpoint."""
+    run, limit = tmp_path / "run", 2
+    done = subprocess.run(
+        [sys.executable, "-m", "codraft", "train", f"policy.init={tiny_policy_dir}", "steps=6", f"run_dir={run}",
+         "rollout.prompts_per_step=1", "rollout.group_size=2", "rollout.max_new_tokens=8", "log.val_every=0",
+         "draft.kind=eagle3", "draft.init=random", "draft.gamma=2", "log.checkpoint_every=1", "log.keep_last=1",
+         "draft.lr=1e38", "draft.warmup_steps=0", f"grpo.max_nonfinite_steps={limit}"],
+        capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    rows = read_metrics(run)
+    streak = [r for r in rows if r.get("nonfinite_streak")]
+    assert [r["nonfinite_streak"] for r in streak] == list(range(1, limit + 1)) and streak[-1] == rows[-1]
+    last_good = run / f"step_{streak[0]['step'] - 1}"  # the step before the streak, the checkpoint kept
+    assert [p.name for p in list_checkpoints(run)] == [last_good.name]
+    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.stderr.rstrip("\n").splitlines()[-1] == (
+        f"codraft train: error: step {rows[-1]['step'] - 1}: {limit} non-finite (NaN/inf) steps in a row "
+        f"(grpo.max_nonfinite_steps={limit}); stopping. Last good checkpoint: {last_good}")
+    assert (run / "reward.png").is_file() and (run / "config.yaml").is_file()
 
 
 def test_max_nonfinite_steps_is_a_config_key(tmp_path, tiny_policy_dir):

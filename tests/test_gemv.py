@@ -1,8 +1,12 @@
 """The CPU few-row product kernel (codraft.kernels.gemv), fp32 and bf16 weights, against fp64 torch
 products, the fast ``linear`` that routes to it, and how the C kernels (it and
 codraft.kernels.decode_ops) are built, cached, and switched off."""
+import _ctypes
 import copy
 import ctypes
+import hashlib
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -246,11 +250,43 @@ def test_linear_routes_and_agrees():
 def test_build_is_cached_and_fails_loudly(tmp_path, monkeypatch):
     first = cbuild.build(cache_dir=tmp_path)
     assert first.is_file() and cbuild.build(cache_dir=tmp_path) == first
-    assert [p.name for p in tmp_path.iterdir()] == [first.name]  # no temp files left behind
+    assert sorted(p.name for p in tmp_path.iterdir()) == [first.name, first.name + ".sha256"]  # no temp files
     monkeypatch.setenv("CC", "false")  # a "compiler" that always fails
     with pytest.raises(RuntimeError, match="false failed on gemv.c, amx.c, decode_ops.c"):
         cbuild.build(cache_dir=tmp_path / "other")
     assert list((tmp_path / "other").iterdir()) == []
+
+
+@pytest.fixture(scope="module")
+def built_kernels(tmp_path_factory):
+    """The kernels built once in a folder of their own; tests change copies of it (a build takes seconds)."""
+    return cbuild.build(cache_dir=tmp_path_factory.mktemp("built") / "kernels")
+
+
+def _sha256(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+def test_a_replaced_library_is_rebuilt_before_loading(built_kernels, tmp_path, monkeypatch, fresh_kernels):
+    """Another library put under the kernels' name (one that loads: a C extension of Python's) no longer
+    matches the sha256 recorded when they were built: built again, and the rebuilt one is what loads."""
+    monkeypatch.setenv("CODRAFT_CACHE", str(tmp_path))
+    shutil.copytree(built_kernels.parent, tmp_path / "kernels")
+    lib = tmp_path / "kernels" / built_kernels.name
+    shutil.copy(_ctypes.__file__, lib)
+    loaded = cbuild.library()
+    assert loaded is not None and loaded._name == str(lib) and hasattr(loaded, "amx_ready")
+    assert _sha256(lib) == lib.with_name(lib.name + ".sha256").read_text() != _sha256(Path(_ctypes.__file__))
+
+
+def test_a_library_without_its_record_is_rebuilt(built_kernels, tmp_path):
+    """No record (a library from before records, or one put there): not trusted, built again."""
+    shutil.copytree(built_kernels.parent, tmp_path / "kernels")
+    lib, record = tmp_path / "kernels" / built_kernels.name, tmp_path / "kernels" / (built_kernels.name + ".sha256")
+    record.unlink(missing_ok=True)
+    before = lib.stat().st_ino
+    assert cbuild.build(cache_dir=tmp_path / "kernels") == lib
+    assert lib.stat().st_ino != before and record.read_text() == _sha256(lib)  # a new file, recorded
 
 
 def test_no_compiler_warns_and_falls_back(tmp_path, monkeypatch, fresh_kernels):

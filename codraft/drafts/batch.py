@@ -53,6 +53,9 @@ class DraftBatch:
     # None: teacher_logits span the whole vocabulary. Else (K,) the target tokens of its columns, which
     # then hold log-probabilities normalised over the whole vocabulary (for a draft vocabulary of K)
     teacher_tokens: torch.Tensor | None = None
+    # None: a loss's random choices come from its generator. Else (n,) int64 one seed per sequence of
+    # cu_seqlens (``codraft.train.seeding.sequence_seeds``), which ``uniforms`` draws from
+    seeds: torch.Tensor | None = None
 
     def __post_init__(self):
         t = self.input_ids.shape[1]
@@ -74,9 +77,27 @@ class DraftBatch:
                 or self.teacher_logits.shape[0] != self.teacher_rows.shape[0]:
             raise ValueError(f"DraftBatch.teacher_logits must be (R,V) and teacher_rows (R,); got "
                              f"{tuple(self.teacher_logits.shape)} and {tuple(self.teacher_rows.shape)}")
+        if self.seeds is not None and self.seeds.shape != (self.cu_seqlens.shape[0] - 1,):
+            raise ValueError(f"DraftBatch.seeds has shape {tuple(self.seeds.shape)}, expected one seed per "
+                             f"sequence ({self.cu_seqlens.shape[0] - 1},)")
         if self.teacher_tokens is not None and self.teacher_tokens.shape != self.teacher_logits.shape[1:]:
             raise ValueError(f"DraftBatch.teacher_tokens {tuple(self.teacher_tokens.shape)} must name the "
                              f"{self.teacher_logits.shape[1]} columns of teacher_logits")
+
+    def uniforms(self, generator: torch.Generator | None = None) -> torch.Tensor:
+        """(T,) uniforms in [0,1), one per packed position (the block drafts' anchor scores).
+
+        With ``seeds``, sequence s draws its tokens' uniforms in order from a CPU generator seeded by
+        seeds[s]: what a sequence draws depends on its seed alone, not on the row it is packed in, its
+        micro-batch, the rank or the device. Padding past the last sequence gets 1. Without ``seeds``:
+        ``torch.rand`` from ``generator`` (None: the global RNG)."""
+        t = self.input_ids.shape[1]
+        if self.seeds is None:
+            dev = generator.device if generator is not None else self.device
+            return torch.rand(t, generator=generator, device=dev).to(self.device)
+        lens = self.cu_seqlens.diff().tolist()  # one host sync: training only
+        parts = [torch.rand(n, generator=torch.Generator().manual_seed(int(s))) for n, s in zip(lens, self.seeds.tolist())]
+        return torch.cat(parts + [torch.ones(t - sum(lens))]).to(self.device)
 
     @classmethod
     def from_full_logits(cls, input_ids, cu_seqlens, loss_mask, features, logits: torch.Tensor,

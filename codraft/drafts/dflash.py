@@ -13,7 +13,7 @@ was trained (still lossless, just lower acceptance).
 
 Training (``loss``), per packed row of a ``DraftBatch``:
   * anchors: up to ``num_anchors`` random a per sequence with loss_mask[a] and loss_mask[a+1]
-    in the same sequence (``sample_anchors``, redrawn every call; pass a generator to repeat);
+    in the same sequence (``sample_anchors``: from the batch's per-sequence seeds, else redrawn every call);
   * context of block n: target features at positions < a_n of the same sequence;
   * labels: slot k ≥ 1 predicts x_{a+k}; masked (m = 0) where a+k is past the sequence end or
     loss_mask[a+k] is 0;
@@ -51,9 +51,11 @@ class DFlashDraft(BlockDraftBase):
 
     # ---- training ----
 
-    def loss(self, batch: DraftBatch, *, generator: torch.Generator | None = None):
+    def loss(self, batch: DraftBatch, *, generator: torch.Generator | None = None,
+             normaliser: torch.Tensor | None = None):
         """-> (scalar loss, metrics {name: detached 0-dim tensor}); see the module docstring.
 
+        normaliser: the step's ``loss_normaliser`` (``Draft.loss``); None: this batch's.
         Context parallelism (``batch.main``): every rank returns the global loss and metrics, the
         gradient flowing through the blocks it holds. Collective calls, the same on every rank:
         ``branch`` × num_hidden_layers (``block_hidden``), then one ``total`` of a (2S,) vector;
@@ -65,16 +67,9 @@ class DFlashDraft(BlockDraftBase):
         if n == 0:
             z = self.zero_loss()
             return z, {"loss": z.detach(), "acc": z.detach(), "num_blocks": z.detach()}
-        t, dev = batch.input_ids.shape[1], batch.device
-        # labels and masks of every block (global), then the blocks this rank runs
-        lab_pos = blocks.anchors[:, None] + torch.arange(s, device=dev)  # (N,S): slot k -> a+k
-        in_seq = lab_pos < blocks.seq_end[:, None]
-        lab_pos = lab_pos.clamp(max=t - 1)
-        labels, in_vocab = self.vocab_labels(batch.input_ids[0, lab_pos])  # (N,S) in the draft's vocabulary
-        m = in_seq & batch.loss_mask[0, lab_pos] & in_vocab
-        m[:, 0] = False  # slot 0 is the anchor, not a prediction
-        m = m.float()
-        count = m.sum(0)  # (S,) global
+        dev = batch.device
+        labels, m = self._targets(batch, blocks)  # every block's (global), then the blocks this rank runs
+        count = m.sum(0) if normaliser is None else normaliser.to(dev)  # (S,) global
         held = self.held_blocks(batch, blocks)
         sel = held[0]
         h = self.block_hidden(batch, blocks, s, held)[0]  # (N_l,S,H)
@@ -97,6 +92,25 @@ class DFlashDraft(BlockDraftBase):
         for k in range(1, s):
             metrics[f"acc_{k}"] = acc[k]
         return loss, metrics
+
+    def _targets(self, batch: DraftBatch, blocks) -> tuple[torch.Tensor, torch.Tensor]:
+        """(labels (N,S) in the draft's vocabulary, m (N,S) float: slot k ≥ 1 predicts a loss token
+        x_{a+k} of a's sequence) of every block."""
+        s, t = self.config.block_size, batch.input_ids.shape[1]
+        lab_pos = blocks.anchors[:, None] + torch.arange(s, device=batch.device)  # (N,S): slot k -> a+k
+        in_seq = lab_pos < blocks.seq_end[:, None]
+        lab_pos = lab_pos.clamp(max=t - 1)
+        labels, in_vocab = self.vocab_labels(batch.input_ids[0, lab_pos])
+        m = in_seq & batch.loss_mask[0, lab_pos] & in_vocab
+        m[:, 0] = False  # slot 0 is the anchor, not a prediction
+        return labels, m.float()
+
+    def loss_normaliser(self, batch: DraftBatch) -> torch.Tensor | None:
+        """(S,) the supervised slots k of the batch's blocks (the loss divides by Σ_k w_k·count_k, acc_k by
+        count_k); None without per-sequence seeds (the loss then draws other anchors)."""
+        if batch.seeds is None:
+            return None
+        return self._targets(batch, self.sample_anchors(batch, label_offset=1))[1].sum(0)
 
     # ---- decoding ----
 

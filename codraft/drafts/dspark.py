@@ -22,7 +22,7 @@ Training (teacher forcing: previous tokens are the ground truth x_a, x_{a+1}, �
     L = ce_weight·Σ w m CE/Σ w m + tv_weight·Σ w m L1/Σ w m + conf_weight·Σ w m BCE/Σ w m,
     w_k = exp(−k/decay) (k = 0..S−1), m_{n,k} = a+k+1 inside the sequence and a loss token;
     default weights 0.1 / 0.9 / 1.0, decay 4.0 (DeepSpec's configs). With a draft vocabulary of K
-  tokens (block_backbone.py) p_d,k lives on those K, W2 has K outputs and W1 K + 1 rows (the last for
+  tokens (block_vocab.py) p_d,k lives on those K, W2 has K outputs and W1 K + 1 rows (the last for
   a previous token outside the vocabulary), labels outside it get no loss, and L1 is taken against
   the teacher over the whole vocabulary (its mass outside the K tokens counts in full). CE and L1
   with their gradient in one function: slot_loss.py.
@@ -120,9 +120,11 @@ class DSparkDraft(BlockDraftBase):
 
     # ---- training ----
 
-    def loss(self, batch: DraftBatch, *, generator: torch.Generator | None = None):
+    def loss(self, batch: DraftBatch, *, generator: torch.Generator | None = None,
+             normaliser: torch.Tensor | None = None):
         """-> (scalar loss, metrics {name: detached 0-dim tensor}); see the module docstring.
 
+        normaliser: the step's ``loss_normaliser`` (``Draft.loss``); None: this batch's.
         Context parallelism (``batch.main``): every rank returns the global loss and metrics, the
         gradient flowing through the blocks it holds. Collective calls, the same on every rank:
         ``branch`` × num_hidden_layers (``block_hidden``), then one ``total`` of a (5S+1,) vector;
@@ -134,17 +136,11 @@ class DSparkDraft(BlockDraftBase):
         if n == 0:
             z = self.zero_loss()
             return z, {"loss": z.detach(), "acc": z.detach(), "num_blocks": z.detach()}
-        t, dev = batch.input_ids.shape[1], batch.device
-        # labels and masks of every block (global), then the blocks this rank runs
-        src = blocks.anchors[:, None] + torch.arange(s, device=dev)  # (N,S) a+k: prev token, teacher row
-        in_seq = src + 1 < blocks.seq_end[:, None]
-        src = src.clamp(max=t - 1)
-        lab_pos = (src + 1).clamp(max=t - 1)
-        ids = batch.input_ids[0]
-        labels, in_vocab = self.vocab_labels(ids[lab_pos])  # (N,S) x_{a+k+1} in the draft's vocabulary
-        prev = ids[src]  # (N,S) x_{a+k}
-        m = (in_seq & batch.loss_mask[0, lab_pos] & in_vocab).float()
-        count = m.sum(0)  # (S,) global
+        dev = batch.device
+        src, labels, m = self._targets(batch, blocks)  # every block's (global), then the blocks this rank runs
+        prev = batch.input_ids[0, src]  # (N,S) x_{a+k}
+        count = m.sum(0) if normaliser is None else normaliser[:s].to(dev)  # (S,) global
+        step_blocks = None if normaliser is None else normaliser[s].to(dev)
         held = self.held_blocks(batch, blocks)
         sel = held[0]
         h = self.block_hidden(batch, blocks, s, held)[0]  # (N_l,S,H)
@@ -172,12 +168,33 @@ class DSparkDraft(BlockDraftBase):
         ce, tv, conf = ((w * x).sum() / denom for x in (ce_s, l1_s, bce_s))
         loss = self.ce_weight * ce + self.tv_weight * tv + self.conf_weight * conf
         metrics = {"loss": loss.detach(), "ce": ce.detach(), "tv": tv.detach(), "conf": conf.detach(),
-                   "acc": ((w * hit_s).sum() / denom).detach(), "tau_est": 1 + tau_s.detach() / n,
+                   "acc": ((w * hit_s).sum() / denom).detach(),
+                   # with the step's normaliser: this batch's share of the step's 1 + Σ tau / Σ n
+                   "tau_est": 1 + tau_s.detach() / n if normaliser is None else (n + tau_s.detach()) / step_blocks,
                    "num_blocks": torch.tensor(float(n))}
         for k in range(s):
             metrics[f"acc_{k + 1}"] = hit_s[k].detach() / count[k].clamp_min(1)
             metrics[f"alpha_{k + 1}"] = alpha_s[k].detach() / count[k].clamp_min(1)
         return loss, metrics
+
+    def _targets(self, batch: DraftBatch, blocks) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(src (N,S) a+k: the previous token's and the teacher's row, labels (N,S) x_{a+k+1} in the draft's
+        vocabulary, m (N,S) float: x_{a+k+1} is a loss token of a's sequence) of every block."""
+        s, t = self.config.block_size, batch.input_ids.shape[1]
+        src = blocks.anchors[:, None] + torch.arange(s, device=batch.device)
+        in_seq = src + 1 < blocks.seq_end[:, None]
+        src = src.clamp(max=t - 1)
+        lab_pos = (src + 1).clamp(max=t - 1)
+        labels, in_vocab = self.vocab_labels(batch.input_ids[0, lab_pos])
+        return src, labels, (in_seq & batch.loss_mask[0, lab_pos] & in_vocab).float()
+
+    def loss_normaliser(self, batch: DraftBatch) -> torch.Tensor | None:
+        """(S+1,) the supervised slots k of the batch's blocks (the loss divides by Σ_k w_k·count_k, acc_k
+        and alpha_k by count_k), then its blocks (tau_est's); None without per-sequence seeds."""
+        if batch.seeds is None:
+            return None
+        m = self._targets(batch, self.sample_anchors(batch, label_offset=1))[2]
+        return torch.cat([m.sum(0), m.new_full((1,), float(m.shape[0]))])
 
     def teacher_columns(self) -> torch.Tensor | None:
         return self.draft_vocab

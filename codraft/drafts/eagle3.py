@@ -47,7 +47,7 @@ from typing import NamedTuple, Sequence
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from codraft.atomic import atomic_dir
 from codraft.attention import branch_local_part, cache_causal_mask, merge_lse, sdpa
@@ -57,6 +57,7 @@ from codraft.drafts.eagle3_layer import Eagle3Layer, check_layers, default_layer
 from codraft.models.config import ModelConfig
 from codraft.models.kv_cache import KVCache
 from codraft.models.layers import RMSNorm, rope_cos_sin, rope_inv_freq
+from codraft.models.tensor_files import load_safetensors
 from codraft.spec.sampling import Sampler
 
 ARCHITECTURE = "LlamaForCausalLMEagle3"
@@ -197,7 +198,8 @@ class Eagle3Draft(nn.Module, Draft):
             logits.append(self.head_logits(hidden))  # (1,T_l,V_d)
         return logits
 
-    def loss(self, batch: DraftBatch, *, reduction: str = "mean") -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss(self, batch: DraftBatch, *, reduction: str = "mean", normaliser: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """TTT loss Σ_j decay^j · L_j and detached metrics.
 
         L_j = soft cross-entropy -Σ_v p·log q over positions where the predicted token x_{t+2+j}
@@ -207,7 +209,8 @@ class Eagle3Draft(nn.Module, Draft):
         across micro-batches: metrics carry the counts). Metrics: ``loss``,
         ``step{j}/loss``, ``step{j}/acc`` (top-1 of the draft, mapped through d2t, equals the
         teacher's over valid loss_mask positions) and ``step{j}/positions``. No host sync
-        without context parallelism.
+        without context parallelism. normaliser: the step's ``loss_normaliser`` (``Draft.loss``): each
+        step's positions, then its accuracy's; None: this batch's.
 
         Context parallelism (``batch.main``): every rank returns the same (global) loss and
         metrics; the gradient flows through this rank's rows only. Collective calls, the same
@@ -220,18 +223,11 @@ class Eagle3Draft(nn.Module, Draft):
             raise ValueError(f"teacher_logits have vocab {batch.teacher_logits.shape[-1]}, draft target vocab "
                              f"is {self.vocab_size}")
         step_logits = self.ttt_logits(batch)
-        main = batch.context
-        cu, t, dev = batch.cu_seqlens.to(batch.device), batch.input_ids.shape[1], batch.device
-        n_seq = cu.numel() - 1
-        end = cu[1:][torch.searchsorted(cu[1:], torch.arange(t, device=dev), right=True).clamp(max=n_seq - 1)]
-        # (T,) end of t's sequence (cu[-1] for padding: never valid)
-        # Only teacher rows r with loss_mask[r+1] are read: step j at row t = r - s (s = 1 + j) reads
-        # teacher row r and predicts x_{r+1}, valid when r+1 lies in t's sequence. The masks and
-        # counts below are global (every rank computes them alike); the draft row t is local to
-        # one rank only, so the numerators are summed over ranks (``main.total``) before dividing.
+        main, dev = batch.context, batch.device
+        # The masks and counts below are global (every rank computes them alike); the draft row t is
+        # local to one rank only, so the numerators are summed over ranks (``main.total``) before dividing.
         rows = batch.teacher_rows.to(dev)  # (R,)
         teacher = batch.teacher_logits.detach()  # (R,V)
-        supervised = (rows + 1 < t) & batch.loss_mask[0, (rows + 1).clamp(max=t - 1)].bool()  # (R,)
         top = teacher.argmax(-1)  # (R,) teacher top-1 over the full vocab
         in_vocab = self.t2d[top]  # (R,)
         sub = teacher if self.draft_vocab_size == self.vocab_size else teacher.index_select(-1, self.used_ids())
@@ -239,10 +235,8 @@ class Eagle3Draft(nn.Module, Draft):
         p = sub.to(dt).softmax(-1)  # (R,V_d) teacher renormalised over the draft vocab
         used = self.used_ids()
         ce_sums, hit_sums, n_pos, n_acc = [], [], [], []
-        for j, logits in enumerate(step_logits):
-            s = 1 + j
-            row = rows - s  # (R,) the draft row trained toward teacher row r (global)
-            acc_mask = supervised & (row >= 0) & (rows + 1 < end[row.clamp_min(0)])  # (R,)
+        for j, (logits, acc_mask) in enumerate(zip(step_logits, self._step_masks(batch))):
+            row = rows - 1 - j  # (R,) the draft row trained toward teacher row r (global)
             pos_mask = acc_mask & in_vocab
             n_pos.append(pos_mask.sum())
             n_acc.append(acc_mask.sum())
@@ -259,6 +253,9 @@ class Eagle3Draft(nn.Module, Draft):
         # one cross-rank sum for every numerator (hits carry no gradient)
         steps = len(step_logits)
         sums = main.total(torch.stack(ce_sums + [h.detach() for h in hit_sums]))
+        positions = n_pos
+        if normaliser is not None:
+            n_pos, n_acc = normaliser.to(dev).split(steps)
         total = torch.zeros((), dtype=dt, device=dev)
         metrics: dict[str, torch.Tensor] = {}
         for j in range(steps):
@@ -268,9 +265,31 @@ class Eagle3Draft(nn.Module, Draft):
             total = total + self.loss_decay ** j * l_j
             metrics[f"step{j}/loss"] = l_j.detach()
             metrics[f"step{j}/acc"] = sums[steps + j].detach() / n_acc[j].clamp_min(1)
-            metrics[f"step{j}/positions"] = n_pos[j]
+            metrics[f"step{j}/positions"] = positions[j]
         metrics["loss"] = total.detach()
         return total, metrics
+
+    def _step_masks(self, batch: DraftBatch) -> list[torch.Tensor]:
+        """Per TTT step j, (R,) bool over ``batch.teacher_rows``: step j trains the draft at row
+        t = r − 1 − j toward teacher row r, which predicts x_{r+1}; valid when x_{r+1} is a loss token of
+        t's sequence (only those teacher rows are read). Global: the same on every rank."""
+        cu, t, dev = batch.cu_seqlens.to(batch.device), batch.input_ids.shape[1], batch.device
+        n_seq = cu.numel() - 1
+        end = cu[1:][torch.searchsorted(cu[1:], torch.arange(t, device=dev), right=True).clamp(max=n_seq - 1)]
+        # (T,) end of t's sequence (cu[-1] for padding: never valid)
+        rows = batch.teacher_rows.to(dev)  # (R,)
+        supervised = (rows + 1 < t) & batch.loss_mask[0, (rows + 1).clamp(max=t - 1)].bool()  # (R,)
+        return [supervised & (rows - 1 - j >= 0) & (rows + 1 < end[(rows - 1 - j).clamp_min(0)])
+                for j in range(self.ttt_steps)]
+
+    def loss_normaliser(self, batch: DraftBatch) -> torch.Tensor | None:
+        """(2·ttt_steps,) int64: each step's positions (its loss's denominator), then the positions its
+        accuracy counts. The loss keeps only positions whose teacher top-1 is in the draft vocabulary:
+        known before the policy's forward with the full vocabulary only (else None)."""
+        if self.draft_vocab_size != self.vocab_size:
+            return None
+        n = torch.stack([m.sum() for m in self._step_masks(batch)])
+        return torch.cat([n, n])
 
     # ---- decoding --------------------------------------------------------------------------
 
@@ -415,7 +434,7 @@ def load(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
                             t2d=torch.zeros(v, dtype=torch.bool), ttt_steps=extra.get("ttt_steps", 7),
                             loss_decay=extra.get("loss_decay", 0.8), default_gamma=extra.get("default_gamma", 4))
     expected = draft.state_dict()
-    tensors = load_file(str(weights))
+    tensors = load_safetensors(weights)
     tensors.pop("embed_tokens.weight", None)
     missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
     if missing or unexpected:

@@ -72,6 +72,27 @@ def default_layers(num_layers: int) -> list[int]:
     return sorted({min(max(i, 0), num_layers - 1) for i in ids})
 
 
+# fc is Linear(3·hidden, hidden) in vLLM, SGLang and SpecForge alike (docs/serving.md): only three-tap
+# EAGLE-3 drafts can be served (codraft.export.eagle3 refuses others; ``draft.taps`` asks for three)
+SERVED_TAPS = 3
+
+
+def parse_taps(text: str) -> list[int] | None:
+    """``draft.taps`` / ``train-draft --taps``: "auto" -> None (``default_layers``), "2,5,8" -> [2, 5, 8]
+    (layer outputs, 0-based, ascending: the order is no choice, the stacks concatenate taps in layer
+    order). ValueError for anything else: empty, not an integer, negative, a duplicate."""
+    text = str(text).strip()
+    if text == "auto":
+        return None
+    try:
+        taps = [int(t) for t in text.split(",")]
+    except ValueError:
+        raise ValueError(f"taps must be auto or comma-separated layer ids such as 2,5,8, got {text!r}") from None
+    if any(t < 0 for t in taps) or len(set(taps)) != len(taps):
+        raise ValueError(f"taps must be distinct layer ids >= 0, got {text!r}")
+    return sorted(taps)
+
+
 def check_layers(layers: Sequence[int], num_layers: int) -> list[int]:
     layers = [int(i) for i in layers]
     if not layers or len(set(layers)) != len(layers) or any(not 0 <= i < num_layers for i in layers):

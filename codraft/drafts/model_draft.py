@@ -22,11 +22,11 @@ from typing import NamedTuple
 
 import torch
 import torch.nn as nn
-from safetensors.torch import load_file
 
 from codraft.drafts.base import Draft, Features
 from codraft.drafts.batch import DraftBatch
 from codraft.models import KVCache, ModelConfig, Transformer, load_pretrained, save_pretrained
+from codraft.models.tensor_files import load_pickle, load_safetensors
 from codraft.spec.sampling import Sampler
 
 
@@ -44,28 +44,36 @@ class ModelDraft(nn.Module, Draft):
         self.vocab_size = net.config.vocab_size
         self.default_gamma = default_gamma
 
-    def loss(self, batch: DraftBatch):
+    def loss(self, batch: DraftBatch, *, normaliser: torch.Tensor | None = None):
         """Distillation: soft cross-entropy to the target's next-token distribution.
 
         Position t predicts token t+1; it is supervised where token t+1 is a loss target
         (a completion token, always preceded by its own prompt, so never across sequences).
         The net reads tokens only, so under context parallelism every rank computes the whole
         loss: each counts 1/num_ranks of it, and the ranks' summed gradients are the gradient.
+        normaliser: the step's ``loss_normaliser`` (``Draft.loss``); None: this batch's.
         """
         rows = batch.teacher_rows  # the net's head runs on these rows only
-        t = batch.input_ids.shape[1]
-        nxt = rows + 1
-        mask = (nxt < t) & batch.loss_mask[0, nxt.clamp(max=t - 1)]  # (R,) extra teacher rows are dropped
+        mask = self._supervised(batch)
         h = self.net(batch.input_ids, cu_seqlens=batch.cu_seqlens, head=False)  # (1,T,H)
         logits = self.net.logits(h[0, rows])  # (R,V)
         dt = torch.promote_types(torch.promote_types(logits.dtype, batch.teacher_logits.dtype), torch.float32)
         logits, teacher = logits.to(dt), batch.teacher_logits.to(dt).softmax(-1)  # the loss in >= fp32
         ce = -(teacher * logits.log_softmax(-1)).sum(-1)  # (R,)
-        n = mask.sum().clamp_min(1)
+        n = (mask.sum() if normaliser is None else normaliser[0].to(mask.device)).clamp_min(1)
         ctx = batch.context
         loss = ctx.total((ce * mask).sum() / n / ctx.num_ranks)
         acc = ((logits.argmax(-1) == teacher.argmax(-1)) & mask).sum() / n
         return loss, {"loss": loss.detach(), "acc": acc.detach()}
+
+    def _supervised(self, batch: DraftBatch) -> torch.Tensor:
+        """(R,) teacher rows t whose next token is a loss target (extra teacher rows are dropped)."""
+        nxt, t = batch.teacher_rows + 1, batch.input_ids.shape[1]
+        return (nxt < t) & batch.loss_mask[0, nxt.clamp(max=t - 1)]
+
+    def loss_normaliser(self, batch: DraftBatch) -> torch.Tensor | None:
+        """(1,) the supervised rows (the loss's and the accuracy's denominator)."""
+        return self._supervised(batch).sum()[None]
 
     def save(self, path: str | os.PathLike) -> Path:
         save_pretrained(self.net, path)
@@ -152,7 +160,6 @@ def build(target_config: ModelConfig, *, num_hidden_layers: int = 1,
             path = Path(weights)
             if not path.is_file():
                 raise FileNotFoundError(f"draft weights {str(path)!r} do not exist")
-            weights = load_file(str(path)) if path.suffix == ".safetensors" else \
-                torch.load(path, map_location="cpu", weights_only=True)
+            weights = load_safetensors(path) if path.suffix == ".safetensors" else load_pickle(path)
         net.load_state_dict(weights)
     return ModelDraft(net.eval(), default_gamma=gamma or 4)

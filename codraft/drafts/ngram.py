@@ -38,7 +38,7 @@ class NgramDraft(Draft):
             raise ValueError(f"ngram draft needs n >= 2 (matches the last n-1..1 tokens), got n={n}")
         self.vocab_size, self.n, self.default_gamma = vocab_size, n, default_gamma
 
-    def loss(self, batch: DraftBatch):
+    def loss(self, batch: DraftBatch, *, normaliser=None):
         raise ValueError("the ngram draft has no weights: there is nothing to train")
 
     def save(self, path: str | os.PathLike) -> Path:

@@ -38,7 +38,8 @@ class DraftKind:
 
 
 KINDS: dict[str, DraftKind] = {
-    "eagle3": DraftKind(eagle3.build, eagle3.Eagle3Draft, doc="EAGLE-3, training-time test over tapped features"),
+    "eagle3": DraftKind(eagle3.build, eagle3.Eagle3Draft, ("layers",),  # layers: the taps (draft.taps)
+                        doc="EAGLE-3, training-time test over tapped features"),
     "dflash": DraftKind(dflash.build, dflash.DFlashDraft, ("num_anchors",),
                         doc="block diffusion conditioned on tapped features"),
     "dspark": DraftKind(dspark.build, dspark.DSparkDraft, ("num_anchors",),
@@ -91,8 +92,8 @@ def init_draft(kind: str, target, *, init: str | os.PathLike = "random", gamma: 
                **options) -> Draft:
     """The draft a run starts from: ``init`` "random" or a folder saved by a draft of ``kind``.
 
-    options: shared options (``num_anchors``; 0/None = the draft's own), passed to the kinds
-    that take them and ignored by the others."""
+    options: shared options (``num_anchors``, ``layers``; 0/None = the draft's own), passed to the
+    kinds that take them and ignored by the others."""
     row = draft_kind(kind)
     if str(init) == "random":
         return _attach(row.build(target.config, gamma=gamma, **_shared(row, options)), target)

@@ -2,6 +2,7 @@
 so the ``codraft`` parser can be built with it on every start; cli.py runs the command.
 
     codraft export-draft DRAFT_DIR --target POLICY --out DIR [--dtype bfloat16] [--mask-token-id ID] [--force]
+                         [--stack all|vllm|sglang|specforge]
     codraft export-draft RUN_DIR/step_N --out DIR [--dtype bfloat16]
 """
 from __future__ import annotations
@@ -21,5 +22,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--dtype", default="float32", help="weights' dtype: float32 (default), bfloat16 or float16")
     s.add_argument("--mask-token-id", type=int, help="DFlash/DSpark drafts with a learned MASK vector: the token id "
                                                      "MASK slots are fed as (one the policy never emits)")
+    s.add_argument("--stack", choices=("all", "vllm", "sglang", "specforge"), default="all",
+                   help="the stack the folder is for; only DSpark differs: vLLM and SGLang serve Qwen3DSparkModel, "
+                        "SpecForge trains DSparkDraftModel (all: the serving name; the command says which stacks load it)")
     s.add_argument("--force", action="store_true", help="replace a non-empty --out")
     return s

@@ -21,6 +21,10 @@ is written where each stack can take it:
 DSpark folders carry ``embed_tokens.weight`` and ``lm_head.weight`` (copies of the target's, as
 DeepSpec's model owns them); DFlash folders carry neither (the stacks share the target's).
 
+DSpark's architecture name and Markov head decide which stacks load the folder (``--stack``,
+``DSPARK_ARCHITECTURE``): Qwen3DSparkModel loads in vLLM and SGLang, DSparkDraftModel in SpecForge;
+a gated head not in vLLM. The written ``codraft_export`` record lists them.
+
 Not here: tap conventions (taps.py), writing the folder (write.py), reading it back (reader.py).
 """
 from __future__ import annotations
@@ -28,10 +32,24 @@ from __future__ import annotations
 import torch
 
 from codraft.drafts.block_backbone import BlockDraftBase
-from codraft.export.layout import Layout, cast, dtype_name
+from codraft.drafts.dspark import MARKOV_KINDS
+from codraft.export.layout import STACK_NAMES, STACKS, Layout, cast, dtype_name
 from codraft.export.taps import ascending_order, check_servable
 
 ARCHITECTURES = {"dflash": "DFlashDraftModel", "dspark": "DSparkDraftModel"}
+# DSpark's architecture name per --stack, as read in the loaders' sources (2026-12-05): vLLM's Qwen3 DSpark
+# class is Qwen3DSparkModel, and it takes the legacy DSparkDraftModel only where its config override renames a
+# qwen3-typed one to it (older releases route DSparkDraftModel to the DeepSeek-V4 weights-in-target draft);
+# SGLang registers only Qwen3DSparkModel; SpecForge trains and saves DSparkDraftModel (renamed before serving).
+# Not checked: whether SpecForge reads Qwen3DSparkModel. So the serving stacks get Qwen3DSparkModel and
+# SpecForge (continued training) its own name.
+SERVING_DSPARK = "Qwen3DSparkModel"
+DSPARK_ARCHITECTURE = {"all": SERVING_DSPARK, "vllm": SERVING_DSPARK, "sglang": SERVING_DSPARK,
+                       "specforge": "DSparkDraftModel"}
+_TAKES_NAME = {"DSparkDraftModel": ("specforge",), SERVING_DSPARK: ("vllm", "sglang")}
+# the Markov heads each DSpark loader builds (docs/serving.md: vLLM only the vanilla one; SGLang's dspark_config
+# and SpecForge both)
+_TAKES_HEAD = {"vanilla": ("vllm", "sglang", "specforge"), "gated": ("sglang", "specforge")}
 # codraft parameter name prefix -> public one (DSpark heads; the backbone's names already match)
 PUBLIC_NAMES = {"markov_head.w1.": "markov_head.markov_w1.", "markov_head.w2.": "markov_head.markov_w2.",
                 "markov_head.gate.": "markov_head.gate_proj.", "confidence_head.": "confidence_head.proj."}
@@ -53,8 +71,9 @@ def codraft_name(name: str) -> str:
 
 
 def layout(draft: BlockDraftBase, kind: str, target, dtype: torch.dtype, *,
-           mask_token_id: int | None = None) -> Layout:
-    """The exported folder's config, tensors and extra files for a DFlash / DSpark ``draft``."""
+           mask_token_id: int | None = None, stack: str = "all") -> Layout:
+    """The exported folder's config, tensors and extra files for a DFlash / DSpark ``draft``; ``stack``
+    (all, vllm, sglang, specforge) picks DSpark's architecture name."""
     c = draft.config
     if c.draft_vocab_size:
         raise ValueError(f"this {kind} draft predicts {c.draft_vocab_size} of the target's {c.vocab_size} tokens "
@@ -77,21 +96,50 @@ def layout(draft: BlockDraftBase, kind: str, target, dtype: torch.dtype, *,
         notes.append(f"MASK is a learned vector, fed as token {mask_id}: {exact}; SpecForge and SGLang embed MASK "
                      f"with the target's own row {mask_id}, a different vector (still lossless, lower acceptance). "
                      "Train with mask_token_id set to serve exactly everywhere")
+    arch, stacks, record = ARCHITECTURES[kind], list(STACKS), {}
     if kind == "dspark":
         embed = cast(target.embed_tokens.weight, dtype)
         if learned:
             embed[mask_id] = vector
         tensors["embed_tokens.weight"] = embed
         tensors["lm_head.weight"] = cast(target.head_weight, dtype)
-        if draft.markov_kind != "vanilla":
-            notes.append(f"Markov head {draft.markov_kind!r}: vLLM serves only 'vanilla' DSpark heads and refuses "
-                         "this folder; SGLang, SpecForge and DeepSpec load it")
+        arch = DSPARK_ARCHITECTURE[stack]
+        # per Markov head, the stacks that load a folder of this name with it
+        heads = {h: [s for s in STACKS if s in _TAKES_NAME[arch] and s in _TAKES_HEAD[h]] for h in MARKOV_KINDS}
+        stacks, record = heads[draft.markov_kind], {"markov_head": {"type": draft.markov_kind, **heads}}
+        if stack != "all" and stack not in stacks:  # vLLM asked for with a gated head
+            raise ValueError(f"--stack {stack}: {STACK_NAMES[stack]} builds only the plain 'vanilla' DSpark head, and "
+                             f"this draft's is {draft.markov_kind!r}; SGLang loads it (--stack sglang or all), "
+                             "SpecForge with --stack specforge; or train the draft with the vanilla head")
+        notes += _dspark_notes(arch, draft.markov_kind, stacks)
     ascending = [taps[i] for i in order]
     if ascending != taps:
         notes.append(f"taps {taps} written ascending as {ascending} (fc input blocks permuted to match)")
-    config = _config(draft, kind, ascending, mask_id, learned, dtype)
+    config = _config(draft, kind, arch, ascending, mask_id, learned, dtype)
     gamma = c.block_size - 1 if kind == "dflash" else c.block_size
-    return Layout(config, tensors, extra, taps=ascending, gamma=gamma, mask_token_id=mask_id, notes=notes)
+    return Layout(config, tensors, extra, taps=ascending, gamma=gamma, mask_token_id=mask_id, notes=notes,
+                  stacks=stacks, record=record)
+
+
+def _dspark_notes(arch: str, markov: str, stacks: list[str]) -> list[str]:
+    """What the DSpark name and head mean for each stack (the tables above ``layout``); ``stacks``: those
+    that load this folder."""
+    if arch == SERVING_DSPARK:
+        name = (f"architecture {arch}, the name vLLM and SGLang register; SpecForge reads DSparkDraftModel: export "
+                "again with --stack specforge to continue training there")
+        elsewhere = "SpecForge takes gated heads too, under DSparkDraftModel (--stack specforge)"
+    else:
+        name = (f"architecture {arch}, the name SpecForge reads; vLLM and SGLang serve {SERVING_DSPARK}: export "
+                "again with --stack all to serve")
+        elsewhere = f"SGLang takes gated heads too, under {SERVING_DSPARK} (--stack sglang)"
+    if markov == "vanilla":
+        head = "Markov head 'vanilla', the plain head, which vLLM, SGLang and SpecForge all build (a gated head: " \
+               "SGLang and SpecForge only)"
+    else:
+        taker = " and ".join(STACK_NAMES[s] for s in stacks)
+        head = f"Markov head {markov!r}: {taker} takes it as written; {elsewhere}; vLLM builds only the plain " \
+               "'vanilla' head"
+    return [name, head]
 
 
 def _mask_token(c, option: int | None, vocab: int, kind: str) -> tuple[int, bool]:
@@ -111,12 +159,12 @@ def _mask_token(c, option: int | None, vocab: int, kind: str) -> tuple[int, bool
     return int(option), True
 
 
-def _config(draft: BlockDraftBase, kind: str, taps: list[int], mask_id: int, learned: bool,
+def _config(draft: BlockDraftBase, kind: str, arch: str, taps: list[int], mask_id: int, learned: bool,
             dtype: torch.dtype) -> dict:
     c, k = draft.config, draft.config.num_hidden_layers
     name = dtype_name(dtype)
     config = {
-        "architectures": [ARCHITECTURES[kind]], "model_type": "qwen3",
+        "architectures": [arch], "model_type": "qwen3",
         "vocab_size": c.vocab_size, "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
         "num_hidden_layers": k, "num_attention_heads": c.num_attention_heads,
         "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "hidden_act": "silu",

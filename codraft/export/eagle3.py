@@ -21,11 +21,11 @@ from __future__ import annotations
 import torch
 
 from codraft.drafts.eagle3 import Eagle3Draft
-from codraft.drafts.eagle3_layer import default_layers
+from codraft.drafts.eagle3_layer import SERVED_TAPS, default_layers
 from codraft.export.layout import Layout, cast, dtype_name
 from codraft.export.taps import ascending_order, check_servable, vllm_ids
 
-NUM_TAPS = 3  # fc: Linear(3·hidden, hidden) in vLLM, SGLang and SpecForge alike
+NUM_TAPS = SERVED_TAPS  # fc: Linear(3·hidden, hidden) in vLLM, SGLang and SpecForge alike
 
 
 def layout(draft: Eagle3Draft, target, dtype: torch.dtype) -> Layout:
@@ -56,9 +56,11 @@ def layout(draft: Eagle3Draft, target, dtype: torch.dtype) -> Layout:
 
 
 def _suggestion(num_layers: int) -> str:
+    """Which taps to train with. The refusal is right for the small targets whose default taps collapse
+    to two (``default_layers``: the tiny preset's 4 layers give [0, 1]); only their choice is open."""
     usable = num_layers - 1  # the last layer's output cannot be captured (taps.py)
     if usable < NUM_TAPS:
         return f" (this {num_layers}-layer target has only {max(usable, 0)} servable taps: none is possible)"
     default = default_layers(num_layers)
-    taps = default if len(default) == NUM_TAPS and max(default) < usable else list(range(NUM_TAPS))
-    return f", e.g. layers={taps}"
+    taps = ",".join(map(str, default if len(default) == NUM_TAPS and max(default) < usable else range(NUM_TAPS)))
+    return f", e.g. draft.taps={taps} (codraft train) or --taps {taps} (train-draft)"

@@ -9,6 +9,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+STACKS = ("vllm", "sglang", "specforge")  # the loaders an export is written for (docs/serving.md)
+STACK_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "specforge": "SpecForge"}
+
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
           "float16": torch.float16, "fp16": torch.float16}
 
@@ -40,3 +43,5 @@ class Layout:
     gamma: int = 0                      # tokens drafted per round as trained (block drafts: from block_size)
     mask_token_id: int | None = None
     notes: list[str] = field(default_factory=list)          # what the stacks do differently, for the user
+    stacks: list[str] = field(default_factory=lambda: list(STACKS))  # those that load the folder as written
+    record: dict = field(default_factory=dict)              # more of the codraft_export record (DSpark: heads)

@@ -20,17 +20,17 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from codraft import kernels
 from codraft.drafts import Draft, load_draft
 from codraft.drafts.block_backbone import BlockDraftConfig, check_target
 from codraft.drafts.dflash import DFlashDraft
 from codraft.drafts.dspark import DSparkDraft
-from codraft.export.block import ARCHITECTURES, MASK_FILE, codraft_name
+from codraft.export.block import ARCHITECTURES, MASK_FILE, SERVING_DSPARK, codraft_name
 from codraft.export.source import EXPORT_MARK
+from codraft.models.tensor_files import load_pickle, load_safetensors
 
-_KINDS = {arch: kind for kind, arch in ARCHITECTURES.items()}
+_KINDS = {**{arch: kind for kind, arch in ARCHITECTURES.items()}, SERVING_DSPARK: "dspark"}  # --stack sglang
 
 
 def load_exported(path: str | os.PathLike, target, *, dtype: torch.dtype | None = None) -> Draft:
@@ -65,10 +65,10 @@ def load_exported(path: str | os.PathLike, target, *, dtype: torch.dtype | None 
     else:
         draft = DSparkDraft(config, markov=d["markov_head_type"], markov_rank=d["markov_rank"],
                             **{k: extra[k] for k in ("ce_weight", "tv_weight", "conf_weight") if k in extra})
-    tensors = {codraft_name(k): v for k, v in load_file(str(path / "model.safetensors")).items()
+    tensors = {codraft_name(k): v for k, v in load_safetensors(path / "model.safetensors").items()
                if k not in ("embed_tokens.weight", "lm_head.weight")}
     if learned:
-        tensors["mask_embedding"] = torch.load(path / MASK_FILE, weights_only=True)["embedding"]
+        tensors["mask_embedding"] = load_pickle(path / MASK_FILE)["embedding"]
     want = draft.state_dict()
     missing, unexpected = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
     if missing or unexpected:

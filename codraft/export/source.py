@@ -8,7 +8,7 @@ the target itself (the export ships some of the target's tensors and names its f
   smollm2-135m or an HF folder); a ``target.json`` record beside the draft is checked against it;
 * a run checkpoint ``RUN_DIR/step_N`` (``codraft.train.checkpoint``): verified against its marker's
   sizes and checksums; the target is its ``policy/`` (the RL-trained policy) and the draft is rebuilt
-  from ``config.yaml`` (kind, gamma, and the folder it started from, if any) and filled from
+  from ``config.yaml`` (kind, gamma, taps, and the folder it started from, if any) and filled from
   ``draft.pt``. A run folder itself is refused with the name of its newest checkpoint.
 
 Not here: the public layouts (eagle3.py, block.py), writing (write.py).
@@ -24,6 +24,7 @@ import torch
 import yaml
 
 from codraft.drafts import Draft, draft_kind, init_draft, load_draft
+from codraft.drafts.eagle3_layer import parse_taps
 from codraft.drafts.registry import saved_kind
 from codraft.models import load_pretrained
 from codraft.policy.resolve import resolve_policy_dir
@@ -49,12 +50,18 @@ def open_source(path: str | os.PathLike, target: str | None = None) -> Source:
         raise FileNotFoundError(f"{str(path)!r} does not exist")
     if not path.is_dir():
         raise ValueError(f"{str(path)!r} is a file: give a draft folder or a run checkpoint folder (RUN_DIR/step_N)")
-    if (path / ckpt.MARKER).is_file() or (path / "draft.pt").is_file():
+    # each kind by the file only it has: a checkpoint its marker, a draft folder its config.json (a
+    # checkpoint's is policy/config.json); a stray draft.pt or policy/ beside a draft makes no checkpoint
+    is_checkpoint, is_draft = (path / ckpt.MARKER).is_file(), (path / "config.json").is_file()
+    if is_checkpoint and is_draft:
+        raise ValueError(f"{str(path)!r} has both a run checkpoint's {ckpt.MARKER} and a draft folder's "
+                         "config.json, so which it is cannot be told; remove the file that does not belong")
+    if is_checkpoint:
         if target is not None:
             raise ValueError(f"--target {target!r} with a run checkpoint: the checkpoint carries the policy its "
                              f"draft was co-trained with ({path / 'policy'}); drop --target")
         return _from_checkpoint(path)
-    if (path / "config.json").is_file():
+    if is_draft:
         return _from_draft_folder(path, target)
     steps = ckpt.list_checkpoints(path)
     if steps:
@@ -105,8 +112,8 @@ def _from_checkpoint(path: Path) -> Source:
               if state[k].shape != want[k].shape]
     if missing or unexpected or shapes:
         raise ValueError(f"{path / 'draft.pt'} does not fit the {kind} draft its config.yaml describes (gamma="
-                         f"{d.get('gamma')}, init={d.get('init')!r}): missing {missing}, unexpected {unexpected}, "
-                         f"shapes {sorted(shapes)}")
+                         f"{d.get('gamma')}, taps={d.get('taps', 'auto')}, init={d.get('init')!r}): missing {missing}, "
+                         f"unexpected {unexpected}, shapes {sorted(shapes)}")
     draft.load_state_dict(state)
     step = json.loads((path / ckpt.MARKER).read_text())["step"]
     return Source(draft, kind, policy, path / "policy", f"checkpoint {path} (step {step})")
@@ -114,8 +121,10 @@ def _from_checkpoint(path: Path) -> Source:
 
 def _rebuild(kind: str, d: dict, policy, path: Path) -> Draft:
     """The draft's architecture as the run built it: from the folder it started from, else the kind's
-    defaults for the run's gamma ("random" and "offline" starts are both built that way)."""
-    init, options = str(d.get("init", "random")), {"num_anchors": d.get("num_anchors") or 0}
+    defaults for the run's gamma and taps ("random" and "offline" starts are both built that way)."""
+    init = str(d.get("init", "random"))
+    # draft.taps: EAGLE-3's chosen layers (a config.yaml from before the key has none: auto)
+    options = {"num_anchors": d.get("num_anchors") or 0, "layers": parse_taps(str(d.get("taps", "auto")))}
     if init not in ("random", "offline") and not Path(init).is_dir():
         raise ValueError(f"checkpoint {path}: the run started its draft from {init!r}, which is gone, so the "
                          "draft's shape (taps, vocabulary, layers) cannot be rebuilt; restore that folder")

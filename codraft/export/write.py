@@ -7,7 +7,9 @@ file, the source itself or a folder around or inside it) before any work; open t
 place (``codraft.atomic``), so an interrupted export leaves no half-written folder under ``out``.
 
 The written ``config.json`` carries a ``codraft_export`` record (no stack reads it): the source,
-the dtype, the taps in each stack's counting and the notes on what a stack does differently.
+the dtype, the taps in each stack's counting, the ``--stack`` asked for, the stacks that load the
+folder as written (``stacks``; DSpark also per Markov head, ``markov_head``) and the notes on what a
+stack does differently.
 
 Not here: the command line (args.py, cli.py), reading an exported folder back (reader.py).
 """
@@ -23,7 +25,7 @@ from safetensors.torch import save_file
 
 from codraft.atomic import atomic_dir
 from codraft.export import block, eagle3
-from codraft.export.layout import dtype_name, parse_dtype
+from codraft.export.layout import STACKS, dtype_name, parse_dtype
 from codraft.export.source import EXPORT_MARK, open_source
 from codraft.export.taps import vllm_ids
 
@@ -39,6 +41,9 @@ class Exported:
     origin: str
     taps: dict[str, list[int]]  # layer_output / vllm_layer_input -> ids (taps.py)
     gamma: int              # tokens drafted per round as trained
+    architecture: str = ""  # config.json's architectures[0]
+    stack: str = "all"      # the --stack asked for
+    stacks: list[str] = field(default_factory=lambda: list(STACKS))  # those loading the folder as written
     mask_token_id: int | None = None
     files: list[str] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
@@ -46,12 +51,15 @@ class Exported:
 
 def export_draft(source: str | os.PathLike, out: str | os.PathLike, *, target: str | None = None,
                  dtype: str | torch.dtype = "float32", force: bool = False,
-                 mask_token_id: int | None = None) -> Exported:
+                 mask_token_id: int | None = None, stack: str = "all") -> Exported:
     """Export the draft in ``source`` (a draft folder, with ``target`` naming its policy, or a run
     checkpoint ``RUN_DIR/step_N``) to the folder ``out`` in ``dtype`` (float32, bfloat16, float16).
 
     force: replace a non-empty ``out``. mask_token_id: the token id MASK slots are fed as, for a
-    DFlash / DSpark draft trained with a learned MASK vector (block.py)."""
+    DFlash / DSpark draft trained with a learned MASK vector (block.py). stack: the stack the folder is
+    for (vllm, sglang, specforge), or all; only DSpark's folder differs (block.py)."""
+    if stack not in ("all", *STACKS):
+        raise ValueError(f"unknown --stack {stack!r}; choose all, {', '.join(STACKS)}")
     dt = parse_dtype(dtype)
     out = Path(out)
     _check_out(out, Path(source), force)
@@ -61,18 +69,20 @@ def export_draft(source: str | os.PathLike, out: str | os.PathLike, *, target: s
             raise ValueError("--mask-token-id applies to DFlash and DSpark drafts; EAGLE-3 has no MASK slots")
         lay = eagle3.layout(src.draft, src.target, dt)
     else:
-        lay = block.layout(src.draft, src.kind, src.target, dt, mask_token_id=mask_token_id)
+        lay = block.layout(src.draft, src.kind, src.target, dt, mask_token_id=mask_token_id, stack=stack)
     # the two countings of taps.py: codraft / SpecForge / DeepSpec / SGLang keys, and vLLM's top-level key
     taps = {"layer_output": lay.taps, "vllm_layer_input": vllm_ids(lay.taps)}
     lay.config[EXPORT_MARK] = {"format": 1, "kind": src.kind, "source": src.origin, "dtype": dtype_name(dt),
-                               "target": str(src.target_dir), "taps": taps, "notes": lay.notes}
+                               "target": str(src.target_dir), "taps": taps, "stack": stack, "stacks": lay.stacks,
+                               **lay.record, "notes": lay.notes}
     with atomic_dir(out) as tmp:
         (tmp / "config.json").write_text(json.dumps(lay.config, indent=2) + "\n")
         save_file(lay.tensors, str(tmp / WEIGHTS), metadata={"format": "pt"})
         for name, obj in lay.extra.items():
             torch.save(obj, tmp / name)
         _plain_modes(tmp)
-    return Exported(out, src.kind, dtype_name(dt), src.target_dir, src.origin, taps, lay.gamma, lay.mask_token_id,
+    return Exported(out, src.kind, dtype_name(dt), src.target_dir, src.origin, taps, lay.gamma,
+                    lay.config["architectures"][0], stack, lay.stacks, lay.mask_token_id,
                     ["config.json", WEIGHTS, *lay.extra], lay.notes)
 
 

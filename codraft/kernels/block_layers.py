@@ -1,5 +1,5 @@
 """A block draft's decode in one C call: its layers over one block of slots per row
-(``BlockDecoderLayer.decode`` in ``codraft.drafts.block_backbone``: q/k norms, every slot of a row sees
+(``BlockDecoderLayer.decode`` in ``codraft.drafts.block_layer``: q/k norms, every slot of a row sees
 the row's cached context and the whole block), where that is measured faster than the layers' own
 per-op decode; and its commit's context K/V in one call (``commit``), where the same choice holds.
 

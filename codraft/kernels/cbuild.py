@@ -7,6 +7,11 @@ the products; both include ``vec.h``) are built with the system C compiler (``$C
 ``-march=native``), renamed into place atomically so concurrent builders (``pytest -n``) are
 safe. OpenMP comes from the compiler's libgomp, the same ``libgomp.so.1`` torch runs on, so
 ``torch.set_num_threads`` applies to the kernels too.
+
+Each library's sha256 is recorded beside it when built (``kernels-KEY.so.sha256``) and checked before
+it is returned: a library that does not match its record, or has none, is built again. The record sits
+in the same cache, so this catches a library corrupted or replaced on its own (a torn copy, a stray
+file under its name), not someone who can write the cache: they can rewrite the record too.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from codraft.atomic import atomic_write_text
 from codraft.cache import cache_root, cpu_id as _cpu_id  # (tests replace _cpu_id to pose as another CPU)
 from codraft.models import bf16
 
@@ -38,7 +44,8 @@ def build(sources: tuple[Path, ...] = SOURCES, cache_dir: Path | None = None, de
     key = hashlib.sha256("\0".join([*texts, cc, *flags, _cpu_id()]).encode()).hexdigest()[:16]
     folder = Path(cache_dir) if cache_dir is not None else cache_root() / "kernels"
     lib = folder / f"kernels-{key}.so"
-    if lib.is_file():
+    record = lib.with_name(lib.name + ".sha256")
+    if _recorded(lib, record):
         return lib
     folder.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=".kernels-", suffix=".so", dir=folder)
@@ -49,11 +56,25 @@ def build(sources: tuple[Path, ...] = SOURCES, cache_dir: Path | None = None, de
         if done.returncode != 0:
             names = ", ".join(s.name for s in sources)
             raise RuntimeError(f"{cc} failed on {names}: {done.stderr.strip()[-500:]}")
+        atomic_write_text(record, _sha256(tmp))  # racing builders that disagreed would only cost a rebuild
         os.replace(tmp, lib)  # atomic: concurrent builders each rename a complete file
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return lib
+
+
+def _sha256(path: str | Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def _recorded(lib: Path, record: Path) -> bool:
+    """``lib`` is there and its sha256 is the one recorded when it was built."""
+    try:
+        return record.read_text().strip() == _sha256(lib)
+    except OSError:  # either missing
+        return False
 
 
 @functools.cache

@@ -10,12 +10,12 @@ import os
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 
 from codraft.atomic import atomic_dir
 from codraft.models.config import ModelConfig
 from codraft.models.layers import rope_inv_freq
+from codraft.models.tensor_files import load_safetensors
 from codraft.models.transformer import Transformer
 
 INDEX = "model.safetensors.index.json"
@@ -65,18 +65,18 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     expected = {_hf_name(k): v for k, v in model.state_dict().items()}
     state, unexpected = {}, []
     for f in _weight_files(path):
-        with safe_open(str(f), framework="pt", device="cpu") as sf:
-            for name in sf.keys():
-                if name not in expected:
-                    if config.tie_word_embeddings and name == "lm_head.weight":
-                        continue  # some exporters write the tied head anyway
-                    unexpected.append(name)
-                    continue
-                t = sf.get_tensor(name)
-                if tuple(t.shape) != tuple(expected[name].shape):
-                    raise ValueError(f"tensor {name} in {f.name} has shape {tuple(t.shape)}, "
-                                     f"expected {tuple(expected[name].shape)} from config.json")
-                state[_our_name(name)] = t.to(dtype)
+        tensors = load_safetensors(f)
+        for name in list(tensors):
+            t = tensors.pop(name)  # popped: each file's tensors freed as they are converted
+            if name not in expected:
+                if config.tie_word_embeddings and name == "lm_head.weight":
+                    continue  # some exporters write the tied head anyway
+                unexpected.append(name)
+                continue
+            if tuple(t.shape) != tuple(expected[name].shape):
+                raise ValueError(f"tensor {name} in {f.name} has shape {tuple(t.shape)}, "
+                                 f"expected {tuple(expected[name].shape)} from config.json")
+            state[_our_name(name)] = t.to(dtype)
     missing = sorted(set(expected) - {_hf_name(k) for k in state})
     if missing or unexpected:
         raise ValueError(f"checkpoint {path} does not match config.json: "

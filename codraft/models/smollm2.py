@@ -24,6 +24,7 @@ import torch
 
 from codraft.atomic import build_lock
 from codraft.cache import cache_root
+from codraft.errors import MissingPackageError
 from codraft.models.config import ModelConfig
 from codraft.models.hf_io import save_pretrained
 from codraft.models.transformer import Transformer
@@ -74,7 +75,7 @@ def find_gguf() -> Path:
         except importlib.metadata.PackageNotFoundError:
             pass
     if not folders:
-        raise ModuleNotFoundError(f"the package {PACKAGE!r} (which ships the SmolLM2-135M-Instruct GGUF) "
+        raise MissingPackageError(f"the package {PACKAGE!r} (which ships the SmolLM2-135M-Instruct GGUF) "
                                   f"is not installed; install it with: {INSTALL_HINT}")
     found = sorted(p for folder in folders for p in folder.glob("*.gguf"))
     if not found:
@@ -140,7 +141,7 @@ def _require_gguf():
     try:
         import gguf  # noqa: F401
     except ImportError as e:
-        raise ModuleNotFoundError(f"reading the SmolLM2 GGUF needs the `gguf` package: {INSTALL_HINT}") from e
+        raise MissingPackageError(f"reading the SmolLM2 GGUF needs the `gguf` package: {INSTALL_HINT}") from e
     return gguf
 
 

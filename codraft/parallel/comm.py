@@ -20,8 +20,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from codraft.errors import CodraftError
 
-class CPError(RuntimeError):
+
+class CPError(CodraftError, RuntimeError):
     """A context-parallel peer did not deliver in time (or died)."""
 
 
@@ -149,12 +151,15 @@ def backend_for(device: torch.device | str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
-def init_cp(device: torch.device | str = "cpu", timeout: float = 300.0) -> CPGroup:
+def init_cp(device: torch.device | str = "cpu", timeout: float = 300.0, needs: str = "parallel.cp=C",
+            nproc: int | str = "C") -> CPGroup:
     """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT) once; the
-    whole world is the CP group. A single process without torchrun gets a group of one."""
+    whole world is the CP group. Without torchrun: a CPError saying how to launch ``nproc`` processes
+    for the keys ``needs`` (as the user wrote them)."""
     if not dist.is_initialized():
         if "RANK" not in os.environ:
-            raise CPError("parallel.cp > 1 needs torchrun: torchrun --nproc-per-node C -m codraft train parallel.cp=C")
+            raise CPError(f"{needs} needs torchrun, one process per rank: torchrun --standalone --nproc-per-node "
+                          f"{nproc} -m codraft train [...] {needs}")
         d, bound = torch.device(device), {}
         if d.type == "cuda":  # one GPU per rank: "cuda" means this rank's (LOCAL_RANK)
             if d.index is not None and int(os.environ.get("WORLD_SIZE", 1)) > 1:

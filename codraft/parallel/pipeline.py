@@ -24,10 +24,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from codraft.errors import CodraftError
 from codraft.parallel.comm import wait_all
 
 
-class PipelineError(RuntimeError):
+class PipelineError(CodraftError, RuntimeError):
     """A pipeline peer did not deliver in time (or died), or the split is impossible."""
 
 

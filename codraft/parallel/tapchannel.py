@@ -44,10 +44,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from codraft.errors import CodraftError
 from codraft.parallel.comm import time_left
 
 
-class TapChannelError(RuntimeError):
+class TapChannelError(CodraftError, RuntimeError):
     """The tap channel was misused or a peer misbehaved."""
 
 

@@ -13,7 +13,8 @@ import torch
 from codraft import kernels
 from codraft.models import load_pretrained
 from codraft.models.smollm2 import prepare_smollm2
-from codraft.policy.warmstart import CHAR_TOKENIZER_FILE, load_tiny, warm_start
+from codraft.models.hf_io import read_config
+from codraft.policy.warmstart import CHAR_TOKENIZER_FILE, load_tiny, read_tiny, warm_start
 from codraft.tokenizer import load_tokenizer
 
 
@@ -36,3 +37,14 @@ def load_policy(init: str, dtype: torch.dtype = torch.float32):
         return kernels.enable(model.to(dtype)), tok, folder
     model = load_pretrained(folder, dtype=dtype)
     return kernels.enable(model), load_tokenizer(folder), folder
+
+
+def policy_config(init: str):
+    """(ModelConfig, tokenizer) of the policy as ``load_policy`` gives them, without reading its weights:
+    what a run checks before loading anything. tiny-sft's are known before its warm start is trained."""
+    if init == "tiny-sft":
+        return read_tiny()
+    folder = resolve_policy_dir(init)
+    if (folder / CHAR_TOKENIZER_FILE).is_file():
+        return read_tiny(folder)
+    return read_config(folder), load_tokenizer(folder)

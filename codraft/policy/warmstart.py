@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from codraft.cache import cache_root
 from codraft.models import ModelConfig, Transformer, load_pretrained, save_pretrained
+from codraft.models.hf_io import read_config
 from codraft.train.packing import Packed, pack
 from codraft.train.schedule import warmup_cosine
 from codraft.train.seeding import step_seed
@@ -170,9 +171,21 @@ def warm_start(cfg: SFTConfig | None = None, *, cache_dir: str | os.PathLike | N
     return folder
 
 
+def read_tiny(folder: str | os.PathLike | None = None) -> tuple[ModelConfig, CharTokenizer]:
+    """The config and tokenizer ``load_tiny`` gives, without the weights: a saved folder's, or (None) the
+    warm start's before it is trained (what a run checks before loading anything)."""
+    if folder is None:
+        tok = CharTokenizer()
+        config = tiny_model_config(tok)
+    else:
+        tok = CharTokenizer(json.loads((Path(folder) / CHAR_TOKENIZER_FILE).read_text())["alphabet"])
+        config = read_config(folder)
+    config.max_position_embeddings = max(config.max_position_embeddings, TINY_MAX_POSITIONS)
+    return config, tok
+
+
 def load_tiny(folder: str | os.PathLike):
-    folder = Path(folder)
-    alphabet = json.loads((folder / CHAR_TOKENIZER_FILE).read_text())["alphabet"]
+    config, tok = read_tiny(folder)
     model = load_pretrained(folder)
-    model.config.max_position_embeddings = max(model.config.max_position_embeddings, TINY_MAX_POSITIONS)
-    return model, CharTokenizer(alphabet)
+    model.config.max_position_embeddings = config.max_position_embeddings
+    return model, tok

@@ -38,6 +38,7 @@ from codraft.parallel.comm import CPGroup
 from codraft.parallel.context import ShardedRow
 from codraft.rl.grpo import entropy_from_logits, grpo_loss, token_logprobs
 from codraft.train.packing import Packed
+from codraft.train.seeding import sequence_seeds
 
 
 class PackedRow:
@@ -91,7 +92,7 @@ def cotrain_loss(policy, draft, batch: Packed, advantages: torch.Tensor, *, temp
                  eps_low: float, eps_high: float, norm: str, kl_coef: float = 0.0, reference=None,
                  tis_cap: float | None = None, train_draft: bool = True, phase=None, cp: CPGroup | None = None,
                  totals=None, policy_dtype: torch.dtype = torch.float32,
-                 draft_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, dict]:
+                 draft_dtype: torch.dtype = torch.float32, draft_seed: int | None = None) -> tuple[torch.Tensor, dict]:
     """Total loss and metrics for one packed batch (the caller runs backward and the optimisers).
 
     phase: optional timing hook, a callable returning a context manager (e.g. the trainer's
@@ -105,6 +106,9 @@ def cotrain_loss(policy, draft, batch: Packed, advantages: torch.Tensor, *, temp
     policy_dtype, draft_dtype: the products of the policy's forward (its LM head and the reference's
     included) and of the draft's loss, fp32 or bf16 (``codraft.models.bf16``; chosen by
     ``codraft.train.precision``); everything else stays fp32.
+    draft_seed: the step's seed (``train.seeding.step_seed``): the draft loss draws each sequence's anchors
+    from a seed of (draft_seed, the sequence's index in the step: ``totals.first`` + its index here;
+    ``train.seeding.sequence_seeds``), the same at every layout. None: from the global RNG.
     """
     row = packed_row(batch, cp)
     with products(policy_dtype):
@@ -112,20 +116,21 @@ def cotrain_loss(policy, draft, batch: Packed, advantages: torch.Tensor, *, temp
     return loss_from_hidden(policy, draft, batch, row, hidden, feats, advantages, temperature=temperature, lam=lam,
                             eps_low=eps_low, eps_high=eps_high, norm=norm, kl_coef=kl_coef, reference=reference,
                             tis_cap=tis_cap, train_draft=train_draft, phase=phase, totals=totals,
-                            policy_dtype=policy_dtype, draft_dtype=draft_dtype)
+                            policy_dtype=policy_dtype, draft_dtype=draft_dtype, draft_seed=draft_seed)
 
 
 def loss_from_hidden(policy, draft, batch: Packed, row, hidden: torch.Tensor, feats: dict, advantages: torch.Tensor,
                      *, temperature: float, lam: float, eps_low: float, eps_high: float, norm: str,
                      kl_coef: float = 0.0, reference=None, tis_cap: float | None = None, train_draft: bool = True,
                      phase=None, totals=None, policy_dtype: torch.dtype = torch.float32,
-                     draft_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, dict]:
+                     draft_dtype: torch.dtype = torch.float32, draft_seed: int | None = None
+                     ) -> tuple[torch.Tensor, dict]:
     """The two losses from the policy's last-layer output ``hidden`` (row's layout) and the detached
     taps ``feats`` (drafts' layout): what the last pipeline stage runs (see ``cotrain_loss``).
 
     totals (``codraft.rl.microbatch.Totals``): the whole step's token and sequence counts, so the RL
-    losses of the micro-batches add up to the step's, and this micro-batch's weight in the draft
-    loss (its share of the draft's targets)."""
+    losses of the micro-batches add up to the step's, and its draft normaliser (``draft_normaliser``
+    summed over the micro-batches) for the draft loss, or else this micro-batch's weight in it."""
     # logprob of token t comes from the logits at t-1. Only those rows (one per completion token,
     # ~30 % of the packed row) go through the LM head; they are also the draft's teacher rows.
     t = max(temperature, 1e-6)
@@ -159,13 +164,29 @@ def loss_from_hidden(policy, draft, batch: Packed, row, hidden: torch.Tensor, fe
     if draft is not None and train_draft:
         db = DraftBatch(input_ids=batch.input_ids, cu_seqlens=batch.cu_seqlens, loss_mask=batch.completion,
                         features=feats, teacher_logits=row.assemble(logits.detach(), live), teacher_rows=rows,
-                        main=row.main)
+                        main=row.main, seeds=_draft_seeds(batch, draft_seed, 0 if totals is None else totals.first))
+        norm = None if totals is None else totals.draft_norm  # the step's: this micro-batch's share of its loss
         with phase("draft_loss") if phase is not None else contextlib.nullcontext(), products(draft_dtype):
-            draft_loss, dm = draft.loss(db)
+            draft_loss, dm = draft.loss(db) if norm is None else draft.loss(db, normaliser=norm)
         metrics.update({f"draft/{k}": v for k, v in dm.items()})
         metrics["draft/loss"] = draft_loss.detach()
-        loss = loss + lam * (draft_loss if totals is None else totals.draft_weight * draft_loss)
+        loss = loss + lam * (draft_loss if totals is None or norm is not None else totals.draft_weight * draft_loss)
     return loss, metrics
+
+
+def draft_normaliser(draft, batch: Packed, *, draft_seed: int | None, first: int = 0) -> torch.Tensor | None:
+    """``draft.loss_normaliser`` of the draft batch ``loss_from_hidden`` builds from ``batch`` (its tokens,
+    layout, teacher rows and seeds; ``first``: its first sequence's index in the step), before any
+    forward: the batch holds no features and no teacher columns. Global (the same on every CP rank)."""
+    rows = (batch.index[batch.index_mask] - 1).clamp_min(0)
+    db = DraftBatch(input_ids=batch.input_ids, cu_seqlens=batch.cu_seqlens, loss_mask=batch.completion, features={},
+                    teacher_logits=torch.zeros(rows.shape[0], 0, device=rows.device), teacher_rows=rows,
+                    seeds=_draft_seeds(batch, draft_seed, first))
+    return draft.loss_normaliser(db)
+
+
+def _draft_seeds(batch: Packed, draft_seed: int | None, first: int) -> torch.Tensor | None:
+    return None if draft_seed is None else sequence_seeds(draft_seed, first, batch.cu_seqlens.shape[0] - 1)
 
 
 def _unflatten(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -3,20 +3,28 @@
 The batch is cut at GRPO group boundaries (a group's shared prompt stays packed once), each
 micro-batch packed on its own. The RL loss of a micro-batch is normalised by the *step's* token
 (or sequence) count (``Totals``), so the micro-batch losses, and their gradients, add up to the
-one-batch loss exactly. The draft loss is a mean over the anchors each micro-batch draws; the
-step's draft loss weighs micro-batch m by its share of the draft's targets (completion tokens
-that follow a completion token), which is the one-batch loss in expectation over the anchors.
+one-batch loss exactly. The draft loss likewise: each micro-batch's numerators are divided by the
+step's denominators (``Totals.draft_norm``: the draft's ``loss_normaliser``, e.g. DFlash's supervised
+slots per position weight, summed over the micro-batches before any forward by
+``with_draft_normaliser``), so its value, gradients and metrics add up to the one-batch step's. That
+needs the same anchors at every split: a sequence's are seeded by its index in the step
+(``Totals.first``; ``codraft.train.seeding.sequence_seeds``). A draft whose denominators need the
+teacher (EAGLE-3 with a draft vocabulary smaller than the target's: positions whose teacher top-1 it
+holds) or unseeded anchors keeps its own per micro-batch, weighted by its share of the draft's targets
+(completion tokens that follow a completion token): the one-batch loss only approximately.
 
 ``merge_metrics`` combines the micro-batches' metrics the same way: sums where the metric is a
-share of the step's loss or a count, min/max where it is one, otherwise token-weighted means
-(RL) or target-weighted means (draft).
+share of the step's loss or a count (every draft metric, with the step's draft normaliser), min/max
+where it is one, otherwise token-weighted means (RL) or target-weighted means (draft).
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
+from codraft.rl.cotrain import draft_normaliser
 from codraft.train.packing import Packed, pack
 
 _SUMS = ("policy/loss", "policy/pg_loss", "policy/num_tokens", "draft/loss")
@@ -26,7 +34,9 @@ _SUMS = ("policy/loss", "policy/pg_loss", "policy/num_tokens", "draft/loss")
 class Totals:
     tokens: int          # completion tokens of the whole step (the RL loss's token normaliser)
     sequences: int       # non-empty completions of the whole step (its sequence normaliser)
-    draft_weight: float  # this micro-batch's share of the step's draft targets
+    draft_weight: float  # this micro-batch's share of the step's draft targets (without draft_norm)
+    first: int = 0       # index of its first sequence in the step (seeds the draft's anchors)
+    draft_norm: torch.Tensor | None = None  # the step's draft loss denominators (with_draft_normaliser)
 
 
 @dataclass
@@ -54,8 +64,19 @@ def split_microbatches(prompts: list, completions: list, logprobs: list, advanta
     tokens = sum(int(p.index_mask.sum()) for p in parts)
     sequences = sum(int((p.index_mask.sum(-1) > 0).sum()) for p in parts)
     targets = [draft_targets(p) for p in parts]
-    return [MicroBatch(p, advantages[a:b], Totals(max(tokens, 1), max(sequences, 1), t / max(sum(targets), 1)))
+    return [MicroBatch(p, advantages[a:b], Totals(max(tokens, 1), max(sequences, 1), t / max(sum(targets), 1), a))
             for p, (a, b), t in zip(parts, zip(cuts, cuts[1:]), targets)]
+
+
+def with_draft_normaliser(mbs: list[MicroBatch], draft, draft_seed: int | None) -> list[MicroBatch]:
+    """The micro-batches with the step's draft normaliser in their ``Totals``: the draft's
+    ``loss_normaliser`` summed over them (before any forward). As they are where the draft cannot tell
+    it from the batch (then each micro-batch's draft loss is normalised alone and weighted)."""
+    norms = [draft_normaliser(draft, mb.batch, draft_seed=draft_seed, first=mb.totals.first) for mb in mbs]
+    if any(n is None for n in norms):
+        return mbs
+    step = torch.stack(norms).sum(0)
+    return [dataclasses.replace(mb, totals=dataclasses.replace(mb.totals, draft_norm=step)) for mb in mbs]
 
 
 def merge_metrics(parts: list[dict], mbs: list[MicroBatch]) -> dict:
@@ -64,13 +85,17 @@ def merge_metrics(parts: list[dict], mbs: list[MicroBatch]) -> dict:
         return parts[0]
     tokens = [float(mb.batch.index_mask.sum()) for mb in mbs]
     weights = [mb.totals.draft_weight for mb in mbs]
+    shares = mbs[0].totals.draft_norm is not None  # every draft metric is the micro-batch's share or count
     out = {}
-    for k in parts[0]:
-        vals = [p[k] for p in parts]
+    # (a micro-batch without draft targets reports fewer draft metrics: 0, with no weight in them)
+    for k in dict.fromkeys(k for p in parts for k in p):
+        vals = [p.get(k, 0.0) for p in parts]
         if k.endswith("_min"):
             out[k] = min(vals)
         elif k.endswith("_max"):
             out[k] = max(vals)
+        elif shares and k.startswith("draft/"):
+            out[k] = sum(vals)
         elif k == "draft/loss":
             out[k] = sum(w * v for w, v in zip(weights, vals))
         elif k in _SUMS:

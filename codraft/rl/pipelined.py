@@ -31,7 +31,7 @@ from codraft.parallel.pipeline import PipelineError, StageLink, run_schedule, st
 from codraft.parallel.tap_staging import open_staging_channel
 from codraft.parallel.tapchannel import TapSpec, open_tap_channel
 from codraft.rl.cotrain import draft_taps, loss_from_hidden, packed_row
-from codraft.rl.microbatch import MicroBatch, merge_metrics
+from codraft.rl.microbatch import MicroBatch, merge_metrics, with_draft_normaliser
 
 TRANSPORTS = ("shm", "p2p", "staging", "relay")
 
@@ -98,6 +98,8 @@ def pipeline_cotrain(pipe: Pipeline, policy, draft, mbs: list[MicroBatch], *, st
     """Forward and backward of the step's micro-batches on this stage (1F1B); gradients accumulate in
     the parameters this stage runs. Returns the step's loss and metrics, on every rank."""
     mesh, last = pipe.mesh, pipe.last
+    if last and len(mbs) > 1 and draft is not None and train_draft:  # the draft loss's denominators: the step's
+        mbs = with_draft_normaliser(mbs, draft, loss_kw.get("draft_seed"))
     taps = draft_taps(draft, train_draft) or ()
     mine = tuple(t for t in taps if t in pipe.layers)
     before = [t for t in taps if t < pipe.layers.start]  # relay: what arrives with the activations
@@ -188,8 +190,8 @@ def reduce_gradients(pipe: Pipeline, policy, draft_params: list) -> tuple[list, 
         try:
             dist.all_reduce(g, group=mesh.embedding)
         except RuntimeError as e:
-            raise RuntimeError(f"{mesh.where()}: summing the tied embedding's gradient with the other end of "
-                               f"the pipeline failed: {e}") from e
+            raise PipelineError(f"{mesh.where()}: summing the tied embedding's gradient with the other end of "
+                                f"the pipeline failed: {e}") from e
     return own, drafts
 
 
@@ -208,8 +210,8 @@ def clip_gradients(pipe: Pipeline, policy, own: list, drafts: list, max_policy: 
         try:
             dist.all_reduce(sq, group=pipe.mesh.pp_group)
         except RuntimeError as e:
-            raise RuntimeError(f"{pipe.mesh.where()}: summing the gradient norms over the pipeline's stages failed: "
-                               f"{e}") from e
+            raise PipelineError(f"{pipe.mesh.where()}: summing the gradient norms over the pipeline's stages "
+                                f"failed: {e}") from e
     norms = sq.sqrt().float()
     for params, norm, limit in ((own, norms[0], max_policy), (drafts, norms[1], max_draft)):
         if limit is not None:
@@ -237,7 +239,7 @@ def _broadcast(params: list, src: int, mesh: Mesh, what: str) -> None:
         try:
             dist.broadcast(flat, src)
         except RuntimeError as e:
-            raise RuntimeError(f"{mesh.where()}: the weight sync of {what} from rank {src} failed: {e}") from e
+            raise PipelineError(f"{mesh.where()}: the weight sync of {what} from rank {src} failed: {e}") from e
         if mesh.world.rank != src:
             o = 0
             for p in params:

@@ -29,12 +29,14 @@ from codraft.train.run_dir import (
     append_resume_log,
     check_fresh,
     check_resumable,
+    lock_run,
 )
 
 # keys a resume may change: none of them alters what the restored state means
 RESUMABLE = (
     "steps",                     # the run's length, >= the steps completed; the lr cosine follows it
     "device",                    # where it runs (exact repetition holds on one device only)
+    "memory_check",              # a check before the run, not the run
     "parallel.cp", "parallel.pp", "parallel.taps", "parallel.tap_tokens", "parallel.timeout",  # how it is split:
     #                            the same math, other float rounding
     "parallel.microbatches",     # the RL loss is exact over micro-batches; the draft's anchors are drawn per one
@@ -85,18 +87,27 @@ def check_resume(cfg: RunConfig, saved: dict, step: int, run_dir) -> dict:
     return changed
 
 
-def open_run(cfg: RunConfig, resume, dtype):
-    """(config, run folder, restored checkpoint or None, changed keys) for a fresh run or a resume;
-    refuses before anything is loaded when the folder does not fit. Writes nothing (``record_start``)."""
-    if resume is None:
-        check_fresh(cfg.run_dir)
-        return cfg, Path(cfg.run_dir), None, {}
-    d = check_resumable(resume)
-    found = ckpt.load_latest(d, dtype)  # warns about each newer checkpoint it skips
-    changed = check_resume(cfg, found.config, found.step, d)
+def open_run(cfg: RunConfig, resume, dtype, lock: bool = True):
+    """(config, run folder, restored checkpoint or None, changed keys, the folder's lock) for a fresh run or a
+    resume; refuses before anything is loaded when the folder does not fit. With ``lock`` (the rank that
+    writes), the folder is locked first (``lock_run``: created if absent, with only its lock file), so two
+    runs started at once cannot both pass the checks; a refusal releases it. Writes nothing else
+    (``record_start``)."""
+    d = Path(cfg.run_dir) if resume is None else check_resumable(resume)  # (a missing resume folder: not created)
+    held = lock_run(d) if lock else None
+    try:
+        if resume is None:
+            check_fresh(d)
+            return cfg, d, None, {}, held
+        found = ckpt.load_latest(d, dtype)  # warns about each newer checkpoint it skips
+        changed = check_resume(cfg, found.config, found.step, d)
+    except BaseException:
+        if held is not None:
+            held.release()
+        raise
     cfg = copy.deepcopy(cfg)
     cfg.run_dir = str(d)
-    return cfg, d, found, changed
+    return cfg, d, found, changed, held
 
 
 def record_start(run_dir: Path, cfg: RunConfig, found, changed: dict):

@@ -89,12 +89,15 @@ class Engine:
 
     def generate(self, prompts: list[list[int]], max_new_tokens: int, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                 eos_id: int | list[int] | None = None) -> list[GenerationResult]:
+                 eos_id: int | list[int] | None = None, progress=None) -> list[GenerationResult]:
         """One result per prompt. temperature 0 = greedy. eos_id defaults to model.config.eos_token_id;
-        seed None draws one from torch's global RNG (so torch.manual_seed makes runs repeatable)."""
+        seed None draws one from torch's global RNG (so torch.manual_seed makes runs repeatable).
+        progress: called after every round with the number of rows finished (host-side, no extra sync)."""
         run = self.start(prompts, max_new_tokens, temperature, top_p, top_k, seed, eos_id)
         while not run.finished:
             run.step()
+            if progress is not None:
+                progress(len(prompts) - (0 if run.finished else run.rows.numel()))
         results = run.results()
         self.stats = run.stats
         return results

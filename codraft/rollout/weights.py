@@ -34,10 +34,11 @@ import torch
 import torch.nn as nn
 
 from codraft import kernels
+from codraft.errors import CodraftError
 from codraft.kernels import hugepages
 
 
-class StaleRolloutWeights(RuntimeError):
+class StaleRolloutWeights(CodraftError, RuntimeError):
     pass
 
 

@@ -6,6 +6,7 @@ import hashlib
 import importlib.util
 from typing import Any, ClassVar, Iterator
 
+from codraft.errors import MissingPackageError
 from codraft.tasks.base import Problem, Task
 
 
@@ -26,8 +27,8 @@ class ReasoningGymTask(Task):
         if self.chunk < 1:
             raise ValueError(f"{self.name}: chunk must be >= 1, got {self.chunk}")
         if importlib.util.find_spec("reasoning_gym") is None:
-            raise ImportError(f"task {self.name!r} needs the reasoning-gym package: "
-                              "pip install reasoning-gym  (or pip install 'codraft[real]')")
+            raise MissingPackageError(f"task {self.name!r} needs the reasoning-gym package: "
+                                      "pip install reasoning-gym  (or pip install 'codraft[real]')")
 
     def dataset_options(self) -> dict[str, Any]:
         """Keyword arguments of ``reasoning_gym.create_dataset`` besides size and seed."""

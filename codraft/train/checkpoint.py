@@ -36,7 +36,9 @@ import torch
 import yaml
 
 from codraft.atomic import atomic_dir
+from codraft.errors import CodraftError
 from codraft.models import load_pretrained, save_pretrained
+from codraft.models.tensor_files import load_pickle
 
 MARKER = "state.json"
 REQUIRED = ("policy/config.json", "optim.pt", "rng.pt", "config.yaml")  # in every checkpoint
@@ -44,7 +46,7 @@ _STEP = re.compile(r"^step_(\d+)$")
 _STALE = re.compile(r"^\..+\.(tmp|old|trash)-")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(CodraftError, ValueError):
     """No usable checkpoint (the message says why)."""
 
 
@@ -189,11 +191,9 @@ def verify(path: str | Path, *, hashes: bool = True) -> str | None:
 def load_file(path: Path):
     """torch.load, tensors and plain containers only: never unpickle code from a run folder."""
     try:
-        return torch.load(path, weights_only=True, map_location="cpu")
-    except Exception as e:
-        lines = str(e).splitlines() or [""]
-        why = next((l.strip() for l in lines if "Unsupported" in l), lines[0].strip())
-        raise CheckpointError(f"{path.name} cannot be loaded ({type(e).__name__}: {why[:200]})") from e
+        return load_pickle(path)
+    except ValueError as e:  # one line naming the file; a CheckpointError, skipped like a corrupt checkpoint
+        raise CheckpointError(str(e)) from e
 
 
 def read(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:

@@ -31,6 +31,7 @@ from codraft.cache import cache_root
 from codraft.drafts import DraftBatch
 from codraft.drafts.batch import supervised_rows
 from codraft.models.layers import linear
+from codraft.models.tensor_files import load_pickle
 from codraft.rollout import Engine
 from codraft.train.packing import pack
 
@@ -123,7 +124,7 @@ class FeatureCache:
         identity = json.loads((folder / "identity.json").read_text())
         if expect is not None:
             check_identity(identity, expect, folder)
-        state = torch.load(folder / "tensors.pt", weights_only=True)  # never unpickle code from a folder
+        state = load_pickle(folder / "tensors.pt")  # never unpickle code from a folder
         return cls(identity, [(list(p), list(c)) for p, c in state["sequences"]],
                    {int(l): f for l, f in state["features"].items()}, state["last"])
 

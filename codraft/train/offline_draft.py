@@ -28,6 +28,7 @@ from codraft.atomic import atomic_dir, build_lock
 from codraft.cache import cache_root
 from codraft.drafts import Draft, available_drafts, build_draft, draft_kind, init_draft, load_draft
 from codraft.models.bf16 import products
+from codraft.models.tensor_files import load_pickle
 from codraft.tasks import make_task
 from codraft.tokenizer import CharTokenizer
 from codraft.train import feature_cache
@@ -111,7 +112,7 @@ def _restore(folder: Path, draft, opt, sched) -> tuple[int, list[float]]:
     """(first step, loss history) from a ``resume/`` checkpoint, restoring the modules in place."""
     if not (folder / "state.pt").is_file():
         return 0, []
-    state = torch.load(folder / "state.pt", weights_only=True)  # never unpickle code from a folder
+    state = load_pickle(folder / "state.pt")  # never unpickle code from a folder
     draft.load_state_dict(state["draft"])
     opt.load_state_dict(state["opt"])
     sched.load_state_dict(state["sched"])
@@ -233,14 +234,17 @@ def offline_features(policy, tok, task, *, policy_dir: Path, layers, seed: int, 
 
 
 def offline_draft_dir(kind: str, *, policy, tok, task, policy_dir: Path, gamma: int | None, seed: int,
-                      recipe: Recipe | None = None, progress: bool = True) -> Path:
-    """A cached draft of ``kind`` trained offline on ``policy`` by ``recipe``; trained on first use."""
+                      recipe: Recipe | None = None, progress: bool = True, layers: list[int] | None = None) -> Path:
+    """A cached draft of ``kind`` trained offline on ``policy`` by ``recipe``; trained on first use.
+
+    layers: EAGLE-3's taps (``draft.taps``); None = the kind's default (and the cache entry without them)."""
     r = recipe or recipe_for(tok, kind)
     knobs = hashlib.sha256(json.dumps(task.problem_knobs, sort_keys=True).encode()).hexdigest()[:6]
     vocab = f"-dv{r.draft_vocab}" if r.draft_vocab else ""
+    taps = f"-taps{'.'.join(map(str, layers))}" if layers else ""  # chosen taps: another draft, its own entry
     precision = f"-{r.precision}" if r.precision != "float32" else ""  # the setting; report.json has what it chose
     key = (f"{kind}-g{gamma}-{task.name}.{knobs}-s{r.steps}x{r.batch_sequences}-p{r.n_prompts}x{r.max_new_tokens}"
-           f"{vocab}-lr{r.lr:g}{precision}-seed{seed}-{_policy_key(Path(policy_dir))}-v{CACHE_VERSION}")
+           f"{vocab}{taps}-lr{r.lr:g}{precision}-seed{seed}-{_policy_key(Path(policy_dir))}-v{CACHE_VERSION}")
     folder = cache_root() / "drafts" / key
     if (folder / "report.json").is_file():
         return folder / "draft"
@@ -248,10 +252,10 @@ def offline_draft_dir(kind: str, *, policy, tok, task, policy_dir: Path, gamma: 
     with build_lock(folder.with_name(f".{key}.lock"), f"the offline {kind} draft {folder}"):
         if (folder / "report.json").is_file():
             return folder / "draft"
-        features = offline_features(policy, tok, task, policy_dir=policy_dir, layers=shared_layers(policy.config),
+        features = offline_features(policy, tok, task, policy_dir=policy_dir, layers=layers or (),
                                     seed=seed, n_prompts=r.n_prompts, max_new_tokens=r.max_new_tokens,
-                                    progress=progress)
-        options, notes, tokens = {}, {}, None
+                                    progress=progress)  # the kinds' default taps, and these
+        options, notes, tokens = ({"layers": list(layers)} if layers else {}), {}, None
         if r.draft_vocab:
             tokens, covered = draft_vocabulary(features, policy.config.vocab_size, r.draft_vocab)
             notes = {"draft_vocab": r.draft_vocab, "draft_vocab_coverage": covered}
@@ -269,14 +273,19 @@ def offline_draft_dir(kind: str, *, policy, tok, task, policy_dir: Path, gamma: 
 
 
 def starting_draft(kind: str, init: str, *, policy, tok, task, policy_dir: Path, gamma: int | None, seed: int,
-                   progress: bool = True, **options) -> Draft:
+                   progress: bool = True, layers: list[int] | None = None, **options) -> Draft:
     """A run's initial draft: ``init`` "random", "offline" (cached short offline training) or a folder.
 
-    Kinds without weights have nothing to train offline: "offline" builds them as they are."""
+    Kinds without weights have nothing to train offline: "offline" builds them as they are. layers:
+    EAGLE-3's taps (``draft.taps``, None = its default); a folder must have been trained on them."""
     if init == "offline":
         init = offline_draft_dir(kind, policy=policy, tok=tok, task=task, policy_dir=policy_dir, gamma=gamma,
-                                 seed=seed, progress=progress) if draft_kind(kind).has_weights else "random"
-    draft = init_draft(kind, policy, init=init, gamma=gamma, **options)
+                                 seed=seed, progress=progress, layers=layers) \
+            if draft_kind(kind).has_weights else "random"
+    draft = init_draft(kind, policy, init=init, gamma=gamma, layers=layers, **options)
+    if layers and sorted(draft.feature_layers) != sorted(layers):
+        raise ValueError(f"draft.taps={','.join(map(str, layers))} but the draft in {init} was trained on taps "
+                         f"{sorted(draft.feature_layers)}: set draft.taps to those (or auto), or start another draft")
     if init != "random" and policy_dir is not None:
         check_target_record(Path(init), policy, Path(policy_dir), draft.feature_layers)
     return draft

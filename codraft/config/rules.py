@@ -1,0 +1,205 @@
+"""What each key of the run config allows: ``RULES`` (one row per key: a range, a set of choices, ...)
+and ``CROSS_RULES`` (rules between keys, each returning the error message or None)."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Callable
+
+import torch
+
+from codraft.config.taps import Taps, _taps_fit
+from codraft.drafts import available_drafts
+from codraft.tasks import TASKS
+
+if TYPE_CHECKING:
+    from codraft.config.schema import RunConfig
+
+
+@dataclass(frozen=True)
+class Range:
+    """The numbers a key allows: ``lo`` up to ``hi`` (None: unbounded), each bound closed unless
+    ``*_open``; never NaN or ±inf. ``note``: what a special value means, or where a bound comes from."""
+    lo: float
+    hi: float | None = None
+    lo_open: bool = False
+    hi_open: bool = False
+    note: str = ""
+
+    def allows(self, v) -> bool:
+        return math.isfinite(v) and (v > self.lo if self.lo_open else v >= self.lo) and \
+            (self.hi is None or (v < self.hi if self.hi_open else v <= self.hi))
+
+    def __str__(self) -> str:
+        if self.hi is None:
+            text = f"{'>' if self.lo_open else '>='} {self.lo:g}"
+        else:
+            text = f"in {'(' if self.lo_open else '['}{self.lo:g}, {self.hi}{')' if self.hi_open else ']'}"
+        return text + (f" ({self.note})" if self.note else "")
+
+
+@dataclass(frozen=True)
+class OneOf:
+    choices: tuple[str, ...]
+
+    def allows(self, v) -> bool:
+        return v in self.choices
+
+    def __str__(self) -> str:
+        return f"one of {', '.join(self.choices)}"
+
+
+@dataclass(frozen=True)
+class Text:
+    """A non-empty string; ``what`` says what it names."""
+    what: str
+
+    def allows(self, v) -> bool:
+        return bool(v.strip())
+
+    def __str__(self) -> str:
+        return self.what
+
+
+class Device:
+    """A torch device this machine has: cpu, or cuda[:N] / mps where available."""
+
+    def allows(self, v) -> bool:
+        try:
+            d = torch.device(v)
+        except (RuntimeError, ValueError):
+            return False
+        if d.type == "cuda":
+            return torch.cuda.is_available() and (d.index or 0) < torch.cuda.device_count()
+        if d.type == "mps":
+            return torch.backends.mps.is_available()
+        return d.type == "cpu"
+
+    def __str__(self) -> str:
+        return "a device of this machine: cpu, or cuda, cuda:N, mps where available"
+
+
+class Flag:
+    def allows(self, v) -> bool:
+        return True
+
+    def __str__(self) -> str:
+        return "true or false"
+
+
+COUNT = Range(1)
+EVERY = Range(0, note="every k steps; 0 = off")
+NON_NEGATIVE = Range(0)
+PRECISION = OneOf(("float32", "bfloat16", "auto"))  # a loss's products (codraft.train.precision)
+POSITIVE = Range(0, lo_open=True)
+
+# Every key of RunConfig, with the values it allows (tests/test_config.py checks the table is complete).
+RULES: dict[str, Range | OneOf | Text | Device | Flag | Taps] = {
+    "seed": Range(0, 2**63 - 1),
+    "steps": COUNT,
+    "run_dir": Text("a folder path (not empty)"),
+    "device": Device(),
+    "memory_check": Flag(),  # false: run a step estimated above the memory available (the estimate is an upper
+    #                          bound: it takes every completion at rollout.max_new_tokens)
+    "policy.init": Text("a policy name (tiny-sft, smollm2-135m) or an HF-format folder (not empty)"),
+    "policy.dtype": OneOf(("float32", "bfloat16")),
+    "task.name": OneOf(tuple(TASKS)),
+    "task.max_chars": Range(1, note="longer completions get reward 0"),
+    "task.format_reward": Range(0, 1, hi_open=True, note="below a correct answer's 1"),
+    "rollout.prompts_per_step": COUNT,
+    "rollout.group_size": COUNT,
+    "rollout.max_new_tokens": COUNT,
+    "rollout.temperature": Range(0, note="0 = greedy"),
+    "rollout.top_p": Range(0, 1, lo_open=True, note="1 = off"),
+    "rollout.shards": Range(0, note="0 = one per rank (parallel.pp × parallel.cp)"),
+    "rollout.dtype": OneOf(("policy", "float32", "bfloat16")),
+    "rollout.draft_length": OneOf(("fixed", "auto")),
+    "grpo.lr": Range(0, note="0 = the policy is not updated"),
+    "grpo.warmup_steps": Range(0, note="0 = no warm-up"),
+    "grpo.eps_low": Range(0, 1, note="the ratio is clipped below at 1 - eps_low"),
+    "grpo.eps_high": NON_NEGATIVE,
+    "grpo.norm": OneOf(("token", "sequence")),
+    "grpo.leave_one_out": Flag(),
+    "grpo.kl_coef": Range(0, note="0 = off"),
+    "grpo.tis_cap": Range(0, note="0 = off; else the cap on the token's weight min(π_train/π_rollout, cap)"),
+    "grpo.grad_clip": Range(0, lo_open=True, note="the largest gradient norm"),
+    "grpo.weight_decay": NON_NEGATIVE,
+    "grpo.max_nonfinite_steps": COUNT,
+    "grpo.precision": PRECISION,
+    "draft.mode": OneOf(("none", "frozen", "cotrain")),
+    "draft.kind": OneOf(available_drafts()),
+    "draft.taps": Taps(),
+    "draft.init": Text("offline, random or a draft folder"),
+    "draft.gamma": Range(1, note="tokens drafted per round, at most with rollout.draft_length=auto: dflash "
+                                 "builds blocks of gamma + 1 >= 2 slots, dspark blocks of gamma >= 1 slots"),
+    "draft.lam": NON_NEGATIVE,
+    "draft.num_anchors": Range(0, note="0 = the draft's own"),
+    "draft.precision": PRECISION,
+    "draft.lr": NON_NEGATIVE,
+    "draft.warmup_steps": Range(0, note="0 = no warm-up"),
+    "draft.grad_clip": Range(0, lo_open=True, note="the largest gradient norm"),
+    "log.val_every": EVERY,
+    "log.val_size": COUNT,
+    "log.speedup_every": EVERY,
+    "log.frozen_probe_every": EVERY,
+    "log.checkpoint_every": EVERY,
+    "log.keep_last": Range(0, note="0 = keep every checkpoint"),
+    "parallel.cp": Range(1, note="ranks that split each packed row (zigzag ring); > 1 needs torchrun"),
+    "parallel.pp": Range(1, note="pipeline stages, at most the policy's layers; > 1 needs torchrun"),
+    "parallel.microbatches": Range(1, note="at most rollout.prompts_per_step (whole groups)"),
+    "parallel.taps": OneOf(("shm", "p2p", "staging", "relay")),
+    "parallel.tap_tokens": Range(0, note="0 = sized from the first step"),
+    "parallel.timeout": POSITIVE,
+}
+
+
+def _auto_needs_a_draft(c: RunConfig) -> str | None:
+    if c.rollout.draft_length == "auto" and c.draft.mode == "none":
+        return "config key 'rollout.draft_length' must be fixed with draft.mode=none (auto sizes the draft's " \
+               "proposals), got 'auto'"
+    return None
+
+
+def _rollout_copy_is_narrower(c: RunConfig) -> str | None:
+    if c.rollout.dtype not in ("policy", c.policy.dtype) and c.policy.dtype != "float32":
+        return f"config key 'rollout.dtype' must be policy.dtype={c.policy.dtype} (a rollout copy is cast from fp32 " \
+               f"trainer weights), got {c.rollout.dtype!r}"
+    return None
+
+
+def _draft_folder_exists(c: RunConfig) -> str | None:
+    d = c.draft
+    if d.mode != "none" and d.init not in ("offline", "random") and not Path(d.init).is_dir():
+        return f"config key 'draft.init' must be offline, random or an existing draft folder, got {d.init!r} " \
+               "(no such folder)"
+    return None
+
+
+def _every_rank_has_work(c: RunConfig) -> str | None:
+    ranks = c.parallel.cp * c.parallel.pp
+    shards = c.rollout.shards or ranks
+    if shards % ranks:
+        return f"config key 'rollout.shards' must be 0 or a multiple of the ranks, parallel.pp × parallel.cp = " \
+               f"{ranks} (each rank decodes as many shards), got {c.rollout.shards}"
+    if c.rollout.prompts_per_step < shards:
+        return f"config key 'rollout.prompts_per_step' must be >= the rollout shards ({shards}: rollout.shards, " \
+               f"or parallel.pp × parallel.cp), so that every shard has a prompt group; got " \
+               f"{c.rollout.prompts_per_step}"
+    if c.parallel.microbatches > c.rollout.prompts_per_step:
+        return f"config key 'parallel.microbatches' must be <= rollout.prompts_per_step=" \
+               f"{c.rollout.prompts_per_step} (micro-batches hold whole groups), got {c.parallel.microbatches}"
+    return None
+
+
+def _taps_reach_the_device(c: RunConfig) -> str | None:
+    if c.parallel.pp > 1 and c.parallel.taps == "shm" and c.device != "cpu":
+        return f"config key 'parallel.taps' must not be shm on device={c.device}: the shared-memory channel is " \
+               "CPU only; give parallel.taps=p2p (point-to-point on the device's own group)"
+    return None
+
+
+# Rules between keys: each returns the error message, or None.
+CROSS_RULES: tuple[Callable[[RunConfig], str | None], ...] = (_auto_needs_a_draft, _rollout_copy_is_narrower,
+                                                               _draft_folder_exists, _every_rank_has_work,
+                                                               _taps_reach_the_device, _taps_fit)

@@ -1,0 +1,165 @@
+"""The run config's keys: typed sections with their defaults (``RunConfig``), and ``validate``, which
+checks a config's every key against its type, its row of ``RULES`` and ``CROSS_RULES``."""
+from __future__ import annotations
+
+import dataclasses
+import math
+import typing
+from dataclasses import dataclass, field
+
+from codraft.config.rules import CROSS_RULES, RULES
+from codraft.config.taps import taps_problem
+from codraft.errors import CodraftError
+
+
+@dataclass
+class PolicyConfig:
+    init: str = "tiny-sft"          # "tiny-sft" (cached warm start), "smollm2-135m", or an HF folder
+    dtype: str = "float32"
+
+
+@dataclass
+class TaskConfig:
+    name: str = "arith"
+    max_chars: int = 400            # longer completions get reward 0
+    format_reward: float = 0.0
+
+
+@dataclass
+class RolloutConfig:
+    prompts_per_step: int = 8
+    group_size: int = 4             # completions per prompt (GRPO group)
+    max_new_tokens: int = 64
+    temperature: float = 1.0
+    top_p: float = 1.0
+    shards: int = 0                 # decode in this many shards of whole groups, each with its own seed
+    #                                 (0 = one per CP rank); rollouts depend on (seed, shards), not on the ranks
+    dtype: str = "policy"           # the weights the engine decodes with: policy (the trainer's own), or a
+    #                                 weight-only bfloat16 copy refreshed after every update (codraft.rollout.weights)
+    draft_length: str = "fixed"     # fixed: draft.gamma tokens every round | auto: 0..draft.gamma per round, by a
+    #                                 calibrated cost model and the measured acceptance (docs/draft-length.md)
+
+
+@dataclass
+class GRPOConfig:
+    lr: float = 1e-5
+    warmup_steps: int = 2
+    eps_low: float = 0.2
+    eps_high: float = 0.28
+    norm: str = "token"             # token | sequence
+    leave_one_out: bool = False
+    kl_coef: float = 0.0
+    tis_cap: float = 0.0            # > 0: truncated importance sampling against the rollout logprobs, weights capped here
+    grad_clip: float = 1.0
+    weight_decay: float = 0.0
+    max_nonfinite_steps: int = 3    # stop after this many skipped (NaN/inf loss or grad norm) steps in a row
+    precision: str = "float32"      # the policy loss's products: float32, bfloat16 (fp32 masters) or auto (measured)
+
+
+@dataclass
+class DraftConfig:
+    mode: str = "cotrain"           # none | frozen | cotrain
+    kind: str = "dflash"            # a kind of codraft.drafts.available_drafts()
+    taps: str = "auto"              # eagle3: the policy layers it taps, e.g. 2,5,8 (auto = the draft's default)
+    init: str = "offline"           # "offline" (cached short offline training), "random", or a checkpoint folder
+    gamma: int = 7
+    lam: float = 1.0                # λ in L = L_RL + λ·L_draft
+    num_anchors: int = 0            # dflash/dspark: blocks per sequence in the draft loss (0 = the draft's own); others ignore it
+    precision: str = "float32"      # the draft loss's products: float32, bfloat16 or auto (measured)
+    lr: float = 3e-4
+    warmup_steps: int = 10          # a fresh Adam's first steps are sign-sized: they would knock an offline-trained draft back
+    grad_clip: float = 1.0
+
+
+@dataclass
+class LogConfig:
+    val_every: int = 5
+    val_size: int = 64
+    speedup_every: int = 5
+    frozen_probe_every: int = 0     # cotrain: every k steps, τ of a frozen copy of the initial draft on the same prompts
+    checkpoint_every: int = 10
+    keep_last: int = 2
+
+
+@dataclass
+class ParallelConfig:
+    cp: int = 1                     # context-parallel ranks (launch with torchrun --nproc-per-node pp·cp)
+    pp: int = 1                     # pipeline stages (the policy's decoder layers split over them)
+    microbatches: int = 1           # micro-batches of whole groups per update (1F1B under pp; else accumulation)
+    taps: str = "shm"               # how the taps reach the last stage: shm, p2p, or the baselines staging, relay
+    tap_tokens: int = 0             # TapChannel slot size in tokens (0 = from the first step's batch, with headroom)
+    timeout: float = 300.0          # seconds a rank waits for a peer before failing with its name
+
+
+@dataclass
+class RunConfig:
+    seed: int = 0
+    steps: int = 30
+    run_dir: str = "runs/latest"
+    device: str = "cpu"
+    memory_check: bool = True       # refuse a step estimated larger than the memory available (codraft.rl.memory)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    draft: DraftConfig = field(default_factory=DraftConfig)
+    log: LogConfig = field(default_factory=LogConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def validate(self) -> "RunConfig":
+        """Check every key's type and range and the rules between keys (``validate``); returns self."""
+        return validate(self)
+
+
+class ConfigError(CodraftError, ValueError):
+    pass
+
+
+def validate(cfg: RunConfig) -> RunConfig:
+    """Every key's type and ``RULES`` row, then ``CROSS_RULES``; the first violation raises a one-line
+    ``ConfigError`` naming the key, the value and what is allowed. Returns ``cfg``."""
+    for key, typ in _all_keys(RunConfig).items():
+        obj = cfg
+        for part in key.split("."):
+            obj = getattr(obj, part)
+        _check_type(key, obj, typ)
+        rule = RULES[key]
+        if not rule.allows(obj):
+            finite = "a finite number " if isinstance(obj, float) and not math.isfinite(obj) else ""
+            raise ConfigError(f"config key {key!r} must be {finite}{rule}, got {obj!r}")
+    for rule in CROSS_RULES:
+        message = rule(cfg)
+        if message:
+            raise ConfigError(message)
+    return cfg
+
+
+def check_taps(c: RunConfig, num_layers: int) -> None:
+    """``draft.taps`` against the loaded policy's depth (the trainer calls it: a named policy's depth is
+    unknown to ``validate``). ConfigError, as ``validate`` raises it."""
+    message = None if c.draft.mode == "none" else taps_problem(c.draft.taps, c.draft.kind, num_layers)
+    if message:
+        raise ConfigError(message)
+
+
+def _all_keys(cls, prefix="") -> dict[str, type]:
+    hints = typing.get_type_hints(cls)
+    keys = {}
+    for f in dataclasses.fields(cls):
+        t = hints[f.name]
+        if dataclasses.is_dataclass(t):
+            keys.update(_all_keys(t, f"{prefix}{f.name}."))
+        else:
+            keys[prefix + f.name] = t
+    return keys
+
+
+def _check_type(key: str, value, typ: type):
+    ok = isinstance(value, typ) and not (typ in (int, float) and isinstance(value, bool))
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        ok = True
+    if not ok:
+        raise ConfigError(f"config key {key!r} expects {typ.__name__}, got {value!r} ({type(value).__name__})")

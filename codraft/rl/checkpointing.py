@@ -1,0 +1,79 @@
+"""The trainer's checkpoints (``codraft.train.checkpoint`` writes and reads them): ``save`` writes the last
+completed step, ``resume_from`` continues from one.
+
+Only rank 0 writes, one consolidated checkpoint (under pp every rank holds every weight; the stages'
+optimiser states are gathered); a Ctrl-C during the write waits for it. A checkpoint carries the
+draft, optimisers and schedulers, the prompt counter and, with draft_length=auto, the running
+acceptance estimates, so a resumed run repeats an uninterrupted one's rollouts and updates.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from codraft.rl.pipelined import ConsolidatedState, keep_state
+from codraft.rl.update_phase import hold_ctrl_c
+from codraft.train import checkpoint as ckpt
+
+if TYPE_CHECKING:
+    from codraft.rl.trainer import Trainer
+
+
+def save(tr: Trainer) -> Path | None:
+    """Checkpoint the last completed step (`steps_done`); only rank 0 writes, one consolidated
+    checkpoint (under pp every rank holds every weight; the stages' optimiser states are gathered)."""
+    optimizers = tr._optimizers()
+    if tr.mesh is not None and tr.mesh.pp > 1:
+        own, drafts = tr._owned()
+        optimizers.update(policy=ConsolidatedState(tr.opt, own, tr.world),
+                          draft=tr.draft_opt and ConsolidatedState(tr.draft_opt, drafts, tr.world))
+    if not tr.is_main:
+        tr._saved = tr.steps_done
+        return None
+    with hold_ctrl_c():  # a Ctrl-C waits for the write: the step being saved is kept, then it stops
+        path = ckpt.save_checkpoint(tr.run_dir, tr.steps_done, policy=tr.policy, draft=tr.draft,
+                                    optimizers=optimizers,
+                                    state=_checkpoint_state(tr),
+                                    config=tr.cfg.to_dict(), keep_last=tr.cfg.log.keep_last,
+                                    extra_files=_tokenizer_files(tr.policy_dir))
+        tr._saved = tr.steps_done
+    return path
+
+
+def _checkpoint_state(tr: Trainer) -> dict:
+    state = {"prompts_used": tr._done_prompts}
+    if tr._done_acceptance:  # draft_length=auto: a resume continues the same estimates
+        state["acceptance"] = tr._done_acceptance
+    return state
+
+
+def _tokenizer_files(policy_dir: Path) -> dict[str, str]:
+    names = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "special_tokens_map.json",
+             "char_tokenizer.json")
+    return {n: (policy_dir / n).read_text() for n in names if (policy_dir / n).is_file()}
+
+
+def resume_from(tr: Trainer, found) -> None:
+    """Continue from checkpoint ``found``: the draft, optimisers and schedulers, the step and prompt
+    counters, the acceptance estimates (a "spec_pays" of checkpoints from before draft_length is
+    ignored)."""
+    state = ckpt.restore(found, draft=tr.draft, optimizers=tr._optimizers())
+    tr.rollout_weights.refresh()  # the engines' draft copies were made from the draft before this
+    tr.start_step, tr.prompts_used = state["step"], state["prompts_used"]
+    estimates = tr._estimates()  # (log.frozen_probe_every may have changed: no frozen probe now)
+    for name, saved in state.get("acceptance", {}).items():
+        if name in estimates:
+            estimates[name].load_state_dict(saved)
+    _follow_schedule(tr.sched)  # `steps` may have changed on resume: the lr is the cosine's
+    if tr.mesh is not None and tr.mesh.pp > 1:  # a stage keeps the optimiser state of what it trains only
+        own, drafts = tr._owned()
+        keep_state(tr.opt, own)
+        keep_state(tr.draft_opt, drafts)
+
+
+def _follow_schedule(sched):
+    """Set the optimiser's lr to the scheduler's own function of the restored step (LambdaLR's
+    formula): the same value when nothing changed, the new cosine's when `steps` did."""
+    for group, base, fn in zip(sched.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+        group["lr"] = base * fn(sched.last_epoch)
+    sched._last_lr = [group["lr"] for group in sched.optimizer.param_groups]

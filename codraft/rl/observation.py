@@ -1,0 +1,36 @@
+"""Step 4 of an RL step (``Trainer.observe``): the step's metrics row, which the trainer's loop logs
+(metrics.jsonl / TensorBoard, rank 0); every `log.val_every` steps it also holds the held-out accuracy.
+"""
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+from codraft.rl.rollout_phase import Probes, Rollout
+from codraft.rl.scoring import Scored
+from codraft.rl.update_phase import Update
+
+if TYPE_CHECKING:
+    from codraft.rl.trainer import Trainer
+
+
+def observe(tr: Trainer, step: int, rollout: Rollout, probes: Probes, scored: Scored, update: Update,
+            t_step: float) -> dict:
+    """4. The step's metrics row; every `log.val_every` steps also the held-out accuracy."""
+    m = {**rollout.metrics, **probes.metrics, "reward_errors": len(scored.errors),
+         "policy/grad_norm": update.policy_grad_norm}
+    if update.draft_grad_norm is not None:
+        m["draft/grad_norm"] = update.draft_grad_norm
+    m.update(skipped_update=int(not update.finite), nonfinite_streak=update.nonfinite_streak)
+    m.update({f"time_{k}": v for k, v in update.timings.items()})  # time_train and its breakdown
+    m.update(update.metrics)
+    lm, rewards, lens = update.metrics, scored.rewards, [len(o.tokens) for o in rollout.out]
+    m.update(reward_mean=rewards.mean(), reward_std=rewards.std() if len(rewards) > 1 else 0.0,
+             completion_len=sum(lens) / len(lens), lr=tr.sched.get_last_lr()[0],
+             mismatch_kl=lm.get("policy/rollout_kl"), token_mult_prob_error=lm.get("policy/token_mult_prob_error"))
+    # step time = rollout + reward + train; the measurement extras are not part of it
+    m["time_step"] = time.perf_counter() - t_step - probes.seconds
+    if tr.cfg.log.val_every and (step + 1) % tr.cfg.log.val_every == 0:
+        m["val_accuracy"] = tr.validate()
+    m["tokens_per_s"] = sum(lens) / rollout.seconds
+    return m

@@ -1,0 +1,154 @@
+"""Step 1 of an RL step (``Trainer.rollout``), the measurement extras on its prompts (``Trainer.probe``)
+and the held-out accuracy (``Trainer.validate``): every decode the trainer runs.
+
+The rollout engine (policy θ_t + draft φ_t, lossless speculative decoding) samples `group_size`
+completions for each of `prompts_per_step` training prompts (`rollout.draft_length=auto`: each round
+drafts 0..draft.gamma tokens, as many as pay off for the rows still running, none while a fresh draft is
+still poor; the draft co-trains either way, since it learns from the rollout tokens, not from its
+proposals); τ and the histogram of drafts per round (`gamma_chosen`) are logged. The probes run right
+after the rollout, on its prompts and seed, and are not in time_step: every `log.speedup_every` steps the
+measured rollout speedup (a plain-decoding rollout of the same prompts), and every
+`log.frozen_probe_every` steps τ of a frozen copy of the initial draft (drift).
+
+Context parallelism: the ranks decode the rollouts' shards and gather them (``generate``).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from tqdm import tqdm
+
+from codraft.rl import memory
+from codraft.rollout import Engine, SpecStats
+from codraft.train.seeding import step_seed
+
+if TYPE_CHECKING:
+    from codraft.rl.trainer import Trainer
+
+
+@dataclass
+class Rollout:
+    """Step 1: the step's sampled completions."""
+    group: list                 # the task problem of each completion (each prompt repeated group_size times)
+    prompts: list               # their prompt token ids
+    out: list                   # the engine's outputs (tokens, logprobs), one per completion
+    stats: object               # the engine's statistics of this rollout
+    seconds: float              # wall time of the rollout
+    seed: int                   # the sampling seed (the measurement extras reuse it)
+    metrics: dict = field(default_factory=dict)  # time_rollout, acceptance_*, gamma_*
+
+
+@dataclass
+class Probes:
+    """The measurement extras on the step's prompts: the plain rollout for the speedup figure and
+    the frozen-draft probe. Their time is not part of the step time."""
+    metrics: dict               # time_rollout_plain, rollout_speedup, frozen_acceptance_length (when run)
+    seconds: float              # wall time of both
+
+
+def next_prompts(tr: Trainer) -> list:
+    """The next training prompts from the task's train stream (position saved in checkpoints)."""
+    if tr._stream is None:  # (re)open at the loader position, e.g. after a resume
+        tr._stream = tr.task.stream("train", seed=tr.cfg.seed)
+        for _ in range(tr.prompts_used):
+            next(tr._stream)
+    n = tr.cfg.rollout.prompts_per_step
+    tr.prompts_used += n
+    return [next(tr._stream) for _ in range(n)]
+
+
+def generate(tr: Trainer, engine: Engine, prompts, seed: int, temperature=None, group: int = 1):
+    """-> (results for every prompt, seconds, SpecStats).
+
+    The prompts are decoded in ``rollout.shards`` shards of whole groups (0: one per CP rank),
+    shard i with its own seed; each CP rank decodes a contiguous run of shards and the results
+    are gathered in order. The rollouts are thus a function of (seed, shards), whatever the
+    number of ranks: cp=1 with shards=2 samples exactly what cp=2 does (with draft.gamma fixed;
+    draft_length=auto adapts to the rows each engine has seen). Stats are pooled; the time is
+    the slowest rank's, the gather included."""
+    r = tr.cfg.rollout
+    t0 = time.perf_counter()
+    ranks, rank = (1, 0) if tr.world is None else (tr.world.size, tr.world.rank)
+    shards = r.shards or ranks
+    groups = len(prompts) // group
+    bounds = [groups * i // shards * group for i in range(shards)] + [len(prompts)]
+    mine = range(shards * rank // ranks, shards * (rank + 1) // ranks)
+    out, stats = [], []
+    # a long rollout shows its rounds (at most max_new_tokens a shard) and its finished rows, after 2 s
+    bar = tqdm(total=len(mine) * r.max_new_tokens, desc="rollout", unit="round", leave=False, delay=2,
+               disable=not tr.progress, dynamic_ncols=True)
+    for k, i in enumerate(mine):
+        part = prompts[bounds[i]:bounds[i + 1]]
+        if part:
+            shard_seed = seed if i == 0 else (seed + i * 0x9E3779B97F4A7C15) % 2**63  # a stream per shard
+            out += engine.generate(part, r.max_new_tokens, temperature=r.temperature if temperature is None
+                                   else temperature, top_p=r.top_p, seed=shard_seed, eos_id=tr.tok.eos_id,
+                                   progress=lambda done, n=len(part): _round(bar, done, n))
+            stats.append(engine.stats)
+        bar.update((k + 1) * r.max_new_tokens - bar.n)
+    bar.close()
+    if tr.world is not None:
+        shares = tr.world.all_gather_object((out, stats), "the rollout shards")
+        out, stats = [o for share, _ in shares for o in share], [st for _, sts in shares for st in sts]
+    return out, time.perf_counter() - t0, stats[0] if len(stats) == 1 else SpecStats.pool(stats)
+
+
+def _round(bar, done: int, rows: int):
+    """One decode round of a rollout: the bar advances a round and shows the rows finished."""
+    bar.set_postfix_str(f"{done}/{rows} sequences done", refresh=False)
+    bar.update()
+
+
+def validate(tr: Trainer) -> float:
+    """The held-out accuracy: greedy decodes of the validation prompts, with their own engine."""
+    tr.policy.eval()
+    tr.rollout_weights.check("validation")
+    prompts = [tr.tok.prompt_ids(p.prompt) for p in tr.val]
+    out, _, _ = tr._generate(tr.val_engine, prompts, seed=0, temperature=0.0)
+    return sum(tr.task.reward(p, tr.tok.decode(o.tokens)) for p, o in zip(tr.val, out)) / len(tr.val)
+
+
+def rollout(tr: Trainer, step: int) -> Rollout:
+    """1. The step's prompts, `group_size` completions each, decoded with the draft (if any)."""
+    cfg, r = tr.cfg, tr.cfg.rollout
+    seed = step_seed(cfg.seed, step)
+    problems = next_prompts(tr)
+    group = [p for p in problems for _ in range(r.group_size)]
+    prompts = [tr.tok.prompt_ids(p.prompt) for p in group]
+    memory.check_prompts(tr.task.name, max(map(len, prompts)), r.max_new_tokens,
+                         tr.policy.config.max_position_embeddings, cfg.policy.init)
+    tr.policy.eval()
+    tr.rollout_weights.check(f"step {step}")
+    out, seconds, stats = tr._generate(tr.engine, prompts, seed, group=r.group_size)
+    tr.last_stats = stats
+    tr.last_rollout = out
+    m = {"time_rollout": seconds}
+    if tr.draft is not None:  # gamma_chosen[g]: rounds that drafted g tokens; gamma_mean: per row-round
+        m.update(acceptance_length=stats.acceptance_length, acceptance_per_position=stats.acceptance_per_position,
+                 gamma_chosen=stats.gamma_chosen, gamma_mean=stats.mean_gamma)
+    return Rollout(group, prompts, out, stats, seconds, seed, m)
+
+
+def _measures(tr: Trainer, step: int) -> bool:
+    """Does this step measure the rollout speedup (log.speedup_every)?"""
+    every = tr.cfg.log.speedup_every
+    return bool(every) and step % every == 0
+
+
+def probe(tr: Trainer, step: int, rollout: Rollout) -> Probes:
+    """The measurement extras on the rollout's prompts and seed: a plain rollout for the speedup
+    and the frozen initial draft's τ."""
+    m, seconds = {}, 0.0
+    if _measures(tr, step):
+        _, t_plain, _ = tr._generate(tr.plain_engine, rollout.prompts, rollout.seed,
+                                     group=tr.cfg.rollout.group_size)
+        m.update(time_rollout_plain=t_plain, rollout_speedup=t_plain / rollout.seconds)
+        seconds += t_plain
+    if tr.frozen_engine is not None and step % tr.cfg.log.frozen_probe_every == 0:
+        _, t_probe, frozen = tr._generate(tr.frozen_engine, rollout.prompts, rollout.seed,
+                                          group=tr.cfg.rollout.group_size)
+        m["frozen_acceptance_length"] = frozen.acceptance_length
+        seconds += t_probe
+    return Probes(m, seconds)

@@ -1,0 +1,199 @@
+"""Step 3 of an RL step (``Trainer.update``): the co-training update and its commit point.
+
+One packed policy forward -> L_RL(θ) + λ·L_draft(φ; x, sg(H_θ(x))), one backward, policy and draft
+optimisers step (draft.mode=cotrain); its phases are timed (``PhaseTimer``: time_loss_forward,
+time_draft_loss, time_backward, time_optimizer in the metrics, within time_train). With
+``parallel.pp`` / ``parallel.microbatches`` this stage runs its forward and backward over the
+micro-batches (1F1B) instead, and syncs every stage's update into every rank's weights.
+
+Context parallelism: every rank runs the same step on its zigzag rows (``cotrain_loss(..., cp=)``) and
+the gradients are summed over the ranks before clipping, so every rank applies the same update.
+
+Faults: a step whose loss or grad norm is NaN/inf is skipped (no optimiser step, `skipped_update`; the
+trainer stops the run after `grpo.max_nonfinite_steps` of those in a row). The commit point
+(``commit``) holds Ctrl-C until every optimiser and scheduler has stepped, so a step's update is
+all-or-nothing; with ``rollout.dtype=bfloat16`` it also refreshes the rollout weights' bf16 copy.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+import signal
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from codraft.config import RunConfig
+from codraft.parallel.context import sync_gradients
+from codraft.rl.cotrain import cotrain_loss
+from codraft.rl.microbatch import split_microbatches
+from codraft.rl.pipelined import build_pipeline, clip_gradients, pipeline_cotrain, reduce_gradients, sync_weights
+from codraft.rl.rollout_phase import Rollout
+from codraft.rl.scoring import Scored
+from codraft.train.packing import pack
+from codraft.train.seeding import step_seed
+
+if TYPE_CHECKING:
+    from codraft.rl.trainer import Trainer
+
+
+def adamw(params, **kw) -> torch.optim.AdamW:
+    """AdamW, with the fused kernel on CPU/CUDA: several times faster than foreach on CPU
+    (docs/bench-e2e.md has the figures)."""
+    params = list(params)
+    return torch.optim.AdamW(params, fused=all(p.device.type in ("cpu", "cuda") for p in params) or None, **kw)
+
+
+@contextlib.contextmanager
+def hold_ctrl_c():
+    """Defer SIGINT to the end of the block, so the block (the optimiser updates) is all-or-nothing."""
+    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
+        yield  # signals reach only the main thread; None: a handler set outside Python, leave it be
+        return
+    got = []
+    old = signal.signal(signal.SIGINT, lambda *a: got.append(a))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, old)
+        if got and callable(old):
+            old(*got[0])  # the default handler raises KeyboardInterrupt here
+
+
+class PhaseTimer:
+    """Wall time of named phases of one step: ``with timer("backward"): ...`` adds to ``seconds["backward"]``.
+
+    ``cotrain_loss`` takes one as its ``phase`` hook and times the draft loss with it, so the
+    caller reads the breakdown of the update (``Update.timings``) without wrapping any function.
+    """
+
+    def __init__(self, *names: str):
+        self.seconds: dict[str, float] = dict.fromkeys(names, 0.0)
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+
+@dataclass
+class Update:
+    """Step 3: the co-training update, committed (or skipped when non-finite)."""
+    loss: torch.Tensor          # detached total loss
+    metrics: dict               # cotrain_loss's policy/* and draft/* metrics
+    policy_grad_norm: torch.Tensor
+    draft_grad_norm: torch.Tensor | None  # None when the draft is not trained
+    finite: bool                # False: update skipped
+    nonfinite_streak: int       # skipped updates in a row, this one included
+    timings: dict               # seconds: train (the whole update), loss_forward (draft_loss included),
+    #                             draft_loss (when the draft trains), backward (with clipping), optimizer
+
+
+def update(tr: Trainer, step: int, rollout: Rollout, scored: Scored) -> Update:
+    """3. One packed forward, L_RL + λ·L_draft, one backward, clipping, then the commit (`commit`);
+    a non-finite loss or grad norm drops the gradients instead (the schedulers still step)."""
+    cfg, g = tr.cfg, tr.cfg.grpo
+    t_train = time.perf_counter()
+    timer = PhaseTimer("train", "loss_forward", "backward", "optimizer")
+    tr.policy.train()
+    loss_kw = dict(temperature=cfg.rollout.temperature, lam=cfg.draft.lam, eps_low=g.eps_low, eps_high=g.eps_high,
+                   norm=g.norm, kl_coef=g.kl_coef, reference=tr.reference, tis_cap=g.tis_cap or None,
+                   train_draft=tr.trains_draft, policy_dtype=tr.policy_dtype,
+                   draft_dtype=tr.draft_dtype, draft_seed=step_seed(cfg.seed, step),  # anchors: any layout
+                   phase=timer)
+    if tr.pipelined:
+        loss, lm, policy_norm, draft_norm = _pipelined_backward(tr, step, rollout, scored, timer, loss_kw)
+    else:
+        batch = pack(rollout.prompts, [o.tokens for o in rollout.out], [o.logprobs for o in rollout.out],
+                     device=cfg.device)
+        with timer("loss_forward"):
+            loss, lm = cotrain_loss(tr.policy, tr.draft, batch, scored.advantages.to(cfg.device), cp=tr.cp,
+                                    **loss_kw)
+        _zero_grad(tr)
+        with timer("backward"):
+            loss.backward()
+            if tr.cp is not None:  # each rank holds its share of the gradient: the sum is the gradient
+                sync_gradients(tr.policy.parameters(), tr.cp, "policy")
+                if tr.trains_draft:
+                    sync_gradients(tr.draft.trainable_parameters(), tr.cp, "draft")
+            policy_norm = torch.nn.utils.clip_grad_norm_(tr.policy.parameters(), g.grad_clip)
+            draft_norm = None if tr.draft_opt is None else torch.nn.utils.clip_grad_norm_(
+                tr.draft.trainable_parameters(), cfg.draft.grad_clip)
+    loss = loss.detach()
+    finite = all(math.isfinite(float(x)) for x in (loss, policy_norm, 0.0 if draft_norm is None else draft_norm))
+    tr.nonfinite_streak = 0 if finite else tr.nonfinite_streak + 1
+    if not finite:  # one bad batch must not corrupt θ, φ or the Adam moments: drop its gradients
+        _zero_grad(tr)
+        warnings.warn(f"step {step}: non-finite loss or grad norm (loss={float(loss):.4g}, policy grad norm="
+                      f"{float(policy_norm):.4g}); update skipped ({tr.nonfinite_streak} in a row)",
+                      stacklevel=4)  # at Trainer.step()'s caller
+    commit(tr, step, finite, timer)
+    timer.seconds["train"] = time.perf_counter() - t_train
+    return Update(loss, lm, policy_norm, draft_norm, finite, tr.nonfinite_streak, timer.seconds)
+
+
+def _pipelined_backward(tr: Trainer, step: int, rollout: Rollout, scored: Scored, timer: PhaseTimer,
+                        loss_kw: dict):
+    """parallel.pp / parallel.microbatches: this stage's forward and backward over the micro-batches
+    (1F1B), the gradient sums (CP, tied embedding) and the clipping by the global norms."""
+    cfg, par = tr.cfg, tr.cfg.parallel
+    _zero_grad(tr)
+    mbs = split_microbatches(rollout.prompts, [o.tokens for o in rollout.out], [o.logprobs for o in rollout.out],
+                             scored.advantages.to(cfg.device), cfg.rollout.group_size, par.microbatches,
+                             cfg.device)
+    if tr.pipe is None:  # collective (the tap channels): on the first update, sized from its batch
+        tr.pipe = build_pipeline(tr.policy, tr.draft if tr.trains_draft else None, tr.mesh,
+                                 transport=par.taps, max_tokens=par.tap_tokens or _tap_tokens(mbs, cfg),
+                                 timeout=par.timeout)
+    with timer("forward_backward"):
+        loss, lm = pipeline_cotrain(tr.pipe, tr.policy, tr.draft, mbs, step=step, **loss_kw)
+    with timer("backward"):  # here: the gradient sums and the clipping
+        own, drafts = reduce_gradients(tr.pipe, tr.policy, tr._owned()[1])
+        policy_norm, draft_norm = clip_gradients(tr.pipe, tr.policy, own, drafts, cfg.grpo.grad_clip,
+                                                 cfg.draft.grad_clip if tr.draft_opt is not None else None)
+    return loss, lm, policy_norm, draft_norm
+
+
+def _tap_tokens(mbs, cfg: RunConfig) -> int:
+    """TapChannel slots (tokens of one micro-batch at one rank) for the longest micro-batch the run can
+    produce: the largest group count per micro-batch, each with twice this step's longest prompt and
+    every completion at rollout.max_new_tokens; under CP a rank's share plus the zigzag padding."""
+    r, par = cfg.rollout, cfg.parallel
+    groups = -(-r.prompts_per_step // par.microbatches)
+    longest = max(int(mb.batch.cu_seqlens.diff().max()) for mb in mbs)  # a prompt and its completion
+    tokens = groups * (2 * longest + r.group_size * r.max_new_tokens)
+    return tokens if par.cp == 1 else -(-tokens // par.cp) + 2 * par.cp * groups * (r.group_size + 1)
+
+
+def _zero_grad(tr: Trainer):
+    tr.opt.zero_grad(set_to_none=True)
+    if tr.draft_opt is not None:
+        tr.draft_opt.zero_grad(set_to_none=True)
+
+
+def commit(tr: Trainer, step: int, finite: bool, timer: PhaseTimer):
+    """Commit point: a Ctrl-C here waits until every optimiser and scheduler has stepped, so the
+    step's update is all-or-nothing; from here on the step counts as completed. (Schedulers
+    step on skipped updates too: the LR stays a function of the step index.)"""
+    with hold_ctrl_c():
+        if finite:
+            with timer("optimizer"):
+                tr.opt.step()  # (under pp: the parameters with a gradient, i.e. this stage's)
+                if tr.draft_opt is not None:
+                    tr.draft_opt.step()
+            if tr.pipe is not None:  # every rank's rollout engine decodes with every stage's update
+                with timer("weight_sync"):
+                    sync_weights(tr.pipe, tr.policy,
+                                 list(tr.draft.trainable_parameters()) if tr.trains_draft else [])
+            tr.rollout_weights.refresh()
+        tr.sched.step()
+        if tr.draft_sched is not None:
+            tr.draft_sched.step()
+        tr.steps_done, tr._done_prompts, tr._done_acceptance = step + 1, tr.prompts_used, tr._acceptance()
