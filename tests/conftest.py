@@ -7,6 +7,8 @@ import pytest
 import torch
 
 from codraft.kernels import amx, cbuild, decode_ops, gemv
+from codraft.tasks import ArithTask
+from tiny_runs import save_tiny_policy
 
 torch.set_num_threads(1)
 
@@ -31,3 +33,14 @@ def fresh_kernels():
     for c in caches:
         c.cache_clear()
 
+
+@pytest.fixture
+def tiny_policy_dir(tmp_path):
+    return save_tiny_policy(tmp_path / "policy")
+
+
+@pytest.fixture
+def varied_reward(monkeypatch):
+    """A reward that differs within groups (the random tiny policy never solves arith), so the
+    advantages and the policy's updates are non-zero and weight comparisons mean something."""
+    monkeypatch.setattr(ArithTask, "_reward", lambda self, problem, completion: float(len(completion) % 2))

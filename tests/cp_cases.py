@@ -1,4 +1,4 @@
-"""The cases tests/test_cp_ring.py and tests/test_cp_baselines.py run in every rank: one CP
+"""The cases tests/distributed/test_cp_ring.py and tests/distributed/test_cp_baselines.py run in every rank: one CP
 attention method (``codraft.parallel.baselines.METHODS``) against the single-process dense
 masked reference, returning the max |error| of each output and gradient on this rank's rows."""
 from __future__ import annotations

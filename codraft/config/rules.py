@@ -94,7 +94,7 @@ NON_NEGATIVE = Range(0)
 PRECISION = OneOf(("float32", "bfloat16", "auto"))  # a loss's products (codraft.train.precision)
 POSITIVE = Range(0, lo_open=True)
 
-# Every key of RunConfig, with the values it allows (tests/test_config.py checks the table is complete).
+# Every key of RunConfig, with the values it allows (tests/unit/test_config.py checks the table is complete).
 RULES: dict[str, Range | OneOf | Text | Device | Flag | Taps] = {
     "seed": Range(0, 2**63 - 1),
     "steps": COUNT,

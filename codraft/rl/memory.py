@@ -22,7 +22,7 @@ What ``estimate`` counts (bytes, one rank; e = the policy dtype's bytes):
            (its block / TTT / sequence tokens at two layers' worth each, its tapped features); each rank's
            share of the row under parallel.cp, of the layers under parallel.pp;
   host     the step's prompts and results as Python lists.
-The peak is weights + max(rollout, train) + host. tests/test_memory.py compares it with measured steps.
+The peak is weights + max(rollout, train) + host. tests/integration/test_memory.py compares it with measured steps.
 
 ``out_of_memory`` is the one-line error for an allocation that fails anyway (the trainer removes the
 run folder when no step completed, so it does not block a rerun).

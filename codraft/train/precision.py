@@ -14,7 +14,7 @@ What changes under bf16: the products round their operands to bf16 (about 3 sign
 accumulate in fp32. A draft's loss moves by ~1e-3 relative and its gradients by ~0.5 %, and held-out
 acceptance after 300 offline steps is the same within 0.005 of tau_est; the policy's GRPO gradient moves
 by ~3 % of its norm, and its logprobs drift from the rollout's by a KL the run logs (``rollout_kl``)
-(tests/test_precision.py; the session notes).
+(tests/unit/test_precision.py; the session notes).
 """
 from __future__ import annotations
 

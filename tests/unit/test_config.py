@@ -17,6 +17,7 @@ from codraft.config import (CROSS_RULES, RULES, ConfigError, RunConfig, _all_key
                             validate)
 from codraft.rl.logger import read_metrics
 from codraft.rl.trainer import Trainer
+from tiny_runs import save_tiny_policy
 
 
 def _no_loading(monkeypatch):
@@ -150,18 +151,8 @@ def test_draft_taps_rules(tmp_path):
 def test_trainer_checks_draft_taps_against_the_loaded_policy(tmp_path, monkeypatch):
     """A policy whose depth the config cannot read without loading it (tiny-sft, smollm2-135m): the
     trainer checks draft.taps once the policy is loaded, with the config's message, before the draft."""
-    import torch
-
     import codraft.config.taps
-    from codraft.models import Transformer, save_pretrained
-    from codraft.policy.warmstart import CHAR_TOKENIZER_FILE, tiny_model_config
-    from codraft.tokenizer import CharTokenizer
-    tok = CharTokenizer()
-    config = tiny_model_config(tok)
-    config.hidden_size, config.intermediate_size, config.head_dim = 32, 64, 8
-    torch.manual_seed(0)
-    save_pretrained(Transformer(config), tmp_path / "policy",
-                    extra_files={CHAR_TOKENIZER_FILE: json.dumps({"alphabet": tok.alphabet})})
+    save_tiny_policy(tmp_path / "policy", layers=4)  # as deep as the tiny preset's
     monkeypatch.setattr(codraft.config.taps, "_policy_layers", lambda init: None)  # as for a named policy
     cfg = load_config(None, [f"policy.init={tmp_path / 'policy'}", "draft.kind=eagle3", "draft.init=random",
                              "draft.taps=1,2,3", f"run_dir={tmp_path / 'run'}"])

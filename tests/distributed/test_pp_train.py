@@ -2,7 +2,7 @@
 micro-batches (metrics per step and the saved weights), writes one consolidated checkpoint that
 loads in one process and in `transformers`, and resumes across PP = 2 ↔ PP = 1 in both directions
 with the same next step. (A random policy earns no reward, so its GRPO gradient is zero here; the
-draft's is not. tests/test_pp_step.py checks every gradient with non-zero advantages.)"""
+draft's is not. tests/distributed/test_pp_step.py checks every gradient with non-zero advantages.)"""
 from __future__ import annotations
 
 import json

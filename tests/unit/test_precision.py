@@ -22,6 +22,7 @@ from codraft.tokenizer import CharTokenizer
 from codraft.train import precision
 from codraft.train.offline_draft import Recipe, recipe_for, starting_draft, train_offline
 from codraft.train.packing import pack
+from precision_probe import Products
 
 
 def _policy_and_batch():
@@ -33,24 +34,6 @@ def _policy_and_batch():
     prompts = [tok.prompt_ids(s) for s in ["12+3=", "7*8-1=", "5+5=", "99-9*2="]]
     out = Engine(policy).generate(prompts, 12, temperature=1.0, seed=0, eos_id=tok.eos_id)
     return policy, pack(prompts, [o.tokens for o in out], [o.logprobs for o in out])
-
-
-class Products(torch.overrides.TorchFunctionMode):
-    """Records every ``F.linear`` and ``torch.mm`` it sees (``nn.Linear`` and ``layers.linear`` are F.linear):
-    its result's dtype and its first input's shape. Entered first, it sees the products that the modes
-    entered after it pass on: under bf16 products, the bf16 ``mm`` they run (attention's products are
-    neither: they stay fp32 by design)."""
-
-    def __init__(self):
-        super().__init__()
-        self.dtypes, self.inputs = set(), []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        if func in (torch.nn.functional.linear, torch.mm):
-            self.dtypes.add(out.dtype)
-            self.inputs.append(tuple(args[0].shape))
-        return out
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "dflash", "dspark", "model"])

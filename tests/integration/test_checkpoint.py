@@ -3,7 +3,7 @@ malicious checkpoint files, stale temporaries, and the rules for starting and re
 
 Oracle throughout: a resumed run's metrics (timings aside) and weights equal an uninterrupted run's.
 
-Run as a script (``python tests/test_checkpoint.py POLICY OUT SEEDS``), this file is the crash harness:
+Run as a script (``python tests/integration/test_checkpoint.py POLICY OUT SEEDS``), this file is the crash harness:
 one fresh interpreter runs the uninterrupted reference run, recording the file-system operations of
 its checkpoint saves, then per seed forks a child that repeats the run and SIGKILLs itself just
 before one of those operations, chosen by the seed.
@@ -23,8 +23,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from test_cotrain import _cfg, _comparable, tiny_policy_dir  # noqa: F401 (tiny_policy_dir is a fixture)
-from test_faults import _same, _weights, varied_reward  # noqa: F401 (varied_reward is a fixture)
+from tiny_runs import checkpoint_weights, comparable, run_config, same_tensors
 
 from codraft.config import ConfigError
 from codraft.rl import trainer as trainer_mod
@@ -105,7 +104,7 @@ def _harness(policy_dir: str, out: str, seeds: list[int]) -> dict:
     trainer_mod.plot_run = _no_plots
     state = {"phase": None, "saves": 0, "kill_at": None}
     events = _install_kill_hook(state)
-    train(_cfg(policy_dir, Path(out) / "full", 3, extra=CRASH_EXTRA), progress=False)
+    train(run_config(policy_dir, Path(out) / "full", 3, extra=CRASH_EXTRA), progress=False)
     reference, kills = list(events), []
     for seed in seeds:
         k = _kill_point(reference, seed)
@@ -115,7 +114,7 @@ def _harness(policy_dir: str, out: str, seeds: list[int]) -> dict:
             events.clear()
             state.update(saves=0, kill_at=k)
             try:
-                train(_cfg(policy_dir, Path(out) / f"cut{seed}", 3, extra=CRASH_EXTRA), progress=False)
+                train(run_config(policy_dir, Path(out) / f"cut{seed}", 3, extra=CRASH_EXTRA), progress=False)
             except BaseException:  # noqa: BLE001 - whatever went wrong, report it and exit below
                 traceback.print_exc()
             os._exit(3)  # not killed: the test fails on it
@@ -134,7 +133,7 @@ def _harness(policy_dir: str, out: str, seeds: list[int]) -> dict:
             continue  # nothing to resume from: the test reports it with the folder's listing
         with warnings.catch_warnings(record=True) as seen:
             warnings.simplefilter("always")
-            train(_cfg(policy_dir, run, 3, extra=CRASH_EXTRA), resume=str(run), progress=False)
+            train(run_config(policy_dir, run, 3, extra=CRASH_EXTRA), resume=str(run), progress=False)
         kill["warnings"] = [str(w.message) for w in seen]
     return {"events": len(reference), "kills": kills}
 
@@ -145,20 +144,22 @@ def _harness(policy_dir: str, out: str, seeds: list[int]) -> dict:
 def test_sigkill_during_checkpoint_writes_and_prunes_always_resumes(tmp_path, tiny_policy_dir, varied_reward,
                                                                    no_plots):
     seeds = [0, 1, 2, 3, 4, 5]
+    harnesses = os.pathsep.join([str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH", "")])  # tiny_runs
     r = subprocess.run([sys.executable, __file__, str(tiny_policy_dir), str(tmp_path), json.dumps(seeds)],
-                       capture_output=True, text=True, timeout=300, check=False)
+                       env={**os.environ, "PYTHONPATH": harnesses}, capture_output=True, text=True, timeout=300,
+                       check=False)
     assert r.returncode == 0, r.stdout + r.stderr
     result = json.loads(r.stdout.splitlines()[-1])
     assert {k["op"][1] for k in result["kills"]} == {"write", "prune"}
-    full = _comparable(read_metrics(tmp_path / "full"))
+    full = comparable(read_metrics(tmp_path / "full"))
     for kill in result["kills"]:
         run = tmp_path / f"cut{kill['seed']}"
         assert kill["signal"] == signal.SIGKILL, kill
         assert kill["latest"] is not None and kill["verify"] is None, kill
         assert not [w for w in kill["warnings"] if "not usable" in w], kill  # no fallback: the newest verifies
         assert read_resume_log(run)[-1]["step"] == int(kill["latest"].split("_")[1])
-        assert _comparable(read_metrics(run)) == full, kill
-        assert _same(_weights(tmp_path / "full" / "step_3"), _weights(run / "step_3"))
+        assert comparable(read_metrics(run)) == full, kill
+        assert same_tensors(checkpoint_weights(tmp_path / "full" / "step_3"), checkpoint_weights(run / "step_3"))
         assert [p.name for p in ckpt.list_checkpoints(run)] == ["step_2", "step_3"]
         assert not [p.name for p in run.iterdir() if p.name.startswith(".") and p.name != LOCK], kill  # temporaries
 
@@ -170,7 +171,7 @@ def test_sigkill_during_checkpoint_writes_and_prunes_always_resumes(tmp_path, ti
 def full_run(tmp_path, tiny_policy_dir, varied_reward, no_plots):
     """An uninterrupted 3-step run with a checkpoint every step (all kept), and a maker of copies."""
     full = tmp_path / "full"
-    train(_cfg(tiny_policy_dir, full, 3, extra=["log.checkpoint_every=1", "log.keep_last=3"]), progress=False)
+    train(run_config(tiny_policy_dir, full, 3, extra=["log.checkpoint_every=1", "log.keep_last=3"]), progress=False)
 
     def copy(name):
         shutil.copytree(full, tmp_path / name)
@@ -179,13 +180,13 @@ def full_run(tmp_path, tiny_policy_dir, varied_reward, no_plots):
 
 
 def _resume(policy_dir, run, **kw):
-    return train(_cfg(policy_dir, run, 3, extra=["log.checkpoint_every=1", "log.keep_last=3"]), resume=str(run),
+    return train(run_config(policy_dir, run, 3, extra=["log.checkpoint_every=1", "log.keep_last=3"]), resume=str(run),
                  progress=False, **kw)
 
 
 def _assert_matches(full, run):
-    assert _comparable(read_metrics(run)) == _comparable(read_metrics(full))
-    assert _same(_weights(full / "step_3"), _weights(run / "step_3"))
+    assert comparable(read_metrics(run)) == comparable(read_metrics(full))
+    assert same_tensors(checkpoint_weights(full / "step_3"), checkpoint_weights(run / "step_3"))
 
 
 @pytest.mark.parametrize("name", ["policy/model.safetensors", "optim.pt", "draft.pt", "rng.pt"])
@@ -378,10 +379,10 @@ def test_api_resume_checks_the_config_against_the_checkpoint(full_run, tiny_poli
     `steps` is taken, and the lr follows the cosine over the new total from the resumed step on."""
     _, copy = full_run
     run = copy("cut")
-    changed = _cfg(tiny_policy_dir, run, 3, extra=["log.checkpoint_every=1", "log.keep_last=3", "grpo.lr=5e-4"])
+    changed = run_config(tiny_policy_dir, run, 3, extra=["log.checkpoint_every=1", "log.keep_last=3", "grpo.lr=5e-4"])
     with pytest.raises(ConfigError, match=r"'grpo.lr' cannot change on resume \(the run has 0.001, asked for 0.0005\)"):
         Trainer(changed, resume=str(run), progress=False)
-    longer = _cfg(tiny_policy_dir, run, 6, extra=["log.checkpoint_every=1", "log.keep_last=3"])
+    longer = run_config(tiny_policy_dir, run, 6, extra=["log.checkpoint_every=1", "log.keep_last=3"])
     t = Trainer(longer, resume=str(run), progress=False)
     expected = 1e-3 * warmup_cosine(longer.grpo.warmup_steps, 6, floor=0.1)(3)
     assert t.opt.param_groups[0]["lr"] == expected and t.sched.get_last_lr() == [expected]

@@ -14,7 +14,7 @@ from codraft.train.checkpoint import list_checkpoints, load_policy_from
 from codraft.rl.logger import read_metrics
 from codraft.tasks import ArithTask, Problem
 from codraft.rl.trainer import Trainer, train
-from test_cotrain import _cfg, _comparable, tiny_policy_dir  # noqa: F401 (tiny_policy_dir is a fixture)
+from tiny_runs import checkpoint_weights, comparable, run_config, same_tensors
 
 
 def _state(t):
@@ -25,23 +25,6 @@ def _state(t):
         for i, st in opt.state.items():
             s.update({f"{name}.{i}.{k}": v.clone() for k, v in st.items()})
     return s
-
-
-def _same(a, b):
-    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def _weights(ckpt_dir):
-    s = {f"policy.{k}": v for k, v in load_policy_from(ckpt_dir).state_dict().items()}
-    s.update({f"draft.{k}": v for k, v in torch.load(ckpt_dir / "draft.pt", weights_only=True).items()})
-    return s
-
-
-@pytest.fixture
-def varied_reward(monkeypatch):
-    """A reward that differs within groups (the random tiny policy never solves arith), so the
-    advantages and the policy's updates are non-zero and weight comparisons mean something."""
-    monkeypatch.setattr(ArithTask, "_reward", lambda self, problem, completion: float(len(completion) % 2))
 
 
 def _trained(ckpt_dir, policy_dir):
@@ -84,7 +67,7 @@ def test_reward_errors_score_zero_and_training_continues(tmp_path, tiny_policy_d
             raise ValueError("reward bug")
         return 1.0
     monkeypatch.setattr(ArithTask, "_reward", flaky)
-    t = Trainer(_cfg(tiny_policy_dir, tmp_path / "run", 2), progress=False)
+    t = Trainer(run_config(tiny_policy_dir, tmp_path / "run", 2), progress=False)
     with pytest.warns(UserWarning, match=r"step \d: reward function failed on \d+/4 samples.*reward bug"):
         t.fit()
     expected = [0.0 if len(t.tok.decode(o.tokens)) % 2 == 0 else 1.0 for o in t.last_rollout]
@@ -101,13 +84,13 @@ def test_reward_errors_score_zero_and_training_continues(tmp_path, tiny_policy_d
 
 def test_nonfinite_loss_skips_the_update(tmp_path, tiny_policy_dir, monkeypatch, varied_reward):
     monkeypatch.setattr(update_phase, "cotrain_loss", _nan_on({1}))
-    t = Trainer(_cfg(tiny_policy_dir, tmp_path / "run", 3), progress=False)
+    t = Trainer(run_config(tiny_policy_dir, tmp_path / "run", 3), progress=False)
     t.step(0)
     before, lr_before = _state(t), t.sched.get_last_lr()
     with pytest.warns(UserWarning, match=r"step 1: non-finite loss.*update skipped \(1 in a row\)"):
         m = t.step(1)
     assert m["skipped_update"] == 1 and m["nonfinite_streak"] == 1
-    assert _same(before, _state(t))  # θ, φ and Adam moments untouched
+    assert same_tensors(before, _state(t))  # θ, φ and Adam moments untouched
     assert all(p.grad is None for p in t.policy.parameters())
     assert all(p.grad is None for p in t.draft.parameters())
     assert t.sched.get_last_lr() != lr_before  # the LR schedule still follows the step index
@@ -130,7 +113,7 @@ def test_nonfinite_streak_stops_run_and_keeps_last_good_checkpoint(tmp_path, tin
             snapshot.update({p.relative_to(run): p.read_bytes() for p in (run / "step_2").rglob("*") if p.is_file()})
         return nan_loss(*a, **k)
     monkeypatch.setattr(update_phase, "cotrain_loss", loss)
-    cfg = _cfg(tiny_policy_dir, run, 8)
+    cfg = run_config(tiny_policy_dir, run, 8)
     cfg.log.keep_last = 1  # a checkpoint written mid-streak would rotate step_2 out
     with pytest.warns(UserWarning, match="non-finite"), \
             pytest.raises(RuntimeError, match=r"step 4: 3 non-finite .* in a row .*max_nonfinite_steps=3.*step_2"):
@@ -170,7 +153,7 @@ def test_max_nonfinite_steps_is_a_config_key(tmp_path, tiny_policy_dir):
     from codraft.config import ConfigError, load_config
     assert load_config(None, []).grpo.max_nonfinite_steps == 3
     assert load_config(None, ["grpo.max_nonfinite_steps=5"]).grpo.max_nonfinite_steps == 5
-    cfg = _cfg(tiny_policy_dir, tmp_path / "run", 1)
+    cfg = run_config(tiny_policy_dir, tmp_path / "run", 1)
     cfg.grpo.max_nonfinite_steps = 0
     with pytest.raises(ConfigError, match="'grpo.max_nonfinite_steps' must be >= 1, got 0"):
         Trainer(cfg, progress=False)
@@ -181,7 +164,7 @@ def test_max_nonfinite_steps_is_a_config_key(tmp_path, tiny_policy_dir):
 
 def test_ctrl_c_mid_step_saves_last_completed_step_and_resumes(tmp_path, tiny_policy_dir, monkeypatch, capsys,
                                                                varied_reward):
-    train(_cfg(tiny_policy_dir, tmp_path / "full", 4), progress=False)
+    train(run_config(tiny_policy_dir, tmp_path / "full", 4), progress=False)
     real = Trainer._generate
 
     def interrupt_step_3(self, engine, prompts, seed, **kw):
@@ -190,17 +173,17 @@ def test_ctrl_c_mid_step_saves_last_completed_step_and_resumes(tmp_path, tiny_po
         return real(self, engine, prompts, seed, **kw)
     monkeypatch.setattr(Trainer, "_generate", interrupt_step_3)
     with pytest.raises(KeyboardInterrupt):
-        train(_cfg(tiny_policy_dir, tmp_path / "cut", 4), progress=False)
+        train(run_config(tiny_policy_dir, tmp_path / "cut", 4), progress=False)
     monkeypatch.setattr(Trainer, "_generate", real)
     assert [p.name for p in list_checkpoints(tmp_path / "cut")] == ["step_2", "step_3"]
     assert "latest checkpoint: " + str(tmp_path / "cut" / "step_3") in capsys.readouterr().err
     assert '"prompts_used": 6' in (tmp_path / "cut" / "step_3" / "state.json").read_text()  # data position rewound
 
-    train(_cfg(tiny_policy_dir, tmp_path / "cut", 4), resume=str(tmp_path / "cut"), progress=False)
+    train(run_config(tiny_policy_dir, tmp_path / "cut", 4), resume=str(tmp_path / "cut"), progress=False)
     full, cut = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "cut")
     assert [r["step"] for r in cut] == [0, 1, 2, 3, 4]
-    assert _comparable(full) == _comparable(cut)
-    assert _same(_weights(tmp_path / "full" / "step_4"), _weights(tmp_path / "cut" / "step_4"))
+    assert comparable(full) == comparable(cut)
+    assert same_tensors(checkpoint_weights(tmp_path / "full" / "step_4"), checkpoint_weights(tmp_path / "cut" / "step_4"))
     assert _trained(tmp_path / "cut" / "step_3", tiny_policy_dir)
 
 
@@ -216,8 +199,8 @@ def default_sigint():
 def test_ctrl_c_during_the_update_completes_it_first(tmp_path, tiny_policy_dir, varied_reward, default_sigint):
     """A real SIGINT right after the policy optimiser's step: the draft optimiser and both
     schedulers still step, and the checkpoint is the completed step, equal to an uninterrupted run's."""
-    train(_cfg(tiny_policy_dir, tmp_path / "full", 4), progress=False)
-    t = Trainer(_cfg(tiny_policy_dir, tmp_path / "cut", 4), progress=False)
+    train(run_config(tiny_policy_dir, tmp_path / "full", 4), progress=False)
+    t = Trainer(run_config(tiny_policy_dir, tmp_path / "cut", 4), progress=False)
     calls = []
 
     def sigint_after_step_1(opt, args, kwargs):  # runs inside opt.step(), after the update
@@ -228,14 +211,14 @@ def test_ctrl_c_during_the_update_completes_it_first(tmp_path, tiny_policy_dir, 
     with pytest.raises(KeyboardInterrupt):
         t.fit()
     assert [p.name for p in list_checkpoints(tmp_path / "cut")] == ["step_2"]
-    assert _same(_weights(tmp_path / "full" / "step_2"), _weights(tmp_path / "cut" / "step_2"))
+    assert same_tensors(checkpoint_weights(tmp_path / "full" / "step_2"), checkpoint_weights(tmp_path / "cut" / "step_2"))
     assert _trained(tmp_path / "cut" / "step_2", tiny_policy_dir)
 
-    train(_cfg(tiny_policy_dir, tmp_path / "cut", 4), resume=str(tmp_path / "cut"), progress=False)
+    train(run_config(tiny_policy_dir, tmp_path / "cut", 4), resume=str(tmp_path / "cut"), progress=False)
     full, cut = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "cut")
     assert [r["step"] for r in cut] == [0, 1, 3, 4]  # step 2's row was never written (interrupted before logging)
-    assert _comparable([r for r in full if r["step"] != 2]) == _comparable(cut)
-    assert _same(_weights(tmp_path / "full" / "step_4"), _weights(tmp_path / "cut" / "step_4"))
+    assert comparable([r for r in full if r["step"] != 2]) == comparable(cut)
+    assert same_tensors(checkpoint_weights(tmp_path / "full" / "step_4"), checkpoint_weights(tmp_path / "cut" / "step_4"))
 
 
 # ---------------------------------------------------------------- greedy rollouts
@@ -246,7 +229,7 @@ def test_greedy_first_step_rollouts_same_with_and_without_draft(tmp_path, tiny_p
     plain policy's, token for token, whatever the draft proposes."""
     tokens = {}
     for mode, kind in (("none", "dflash"), ("cotrain", "dflash"), ("cotrain", "ngram")):
-        cfg = _cfg(tiny_policy_dir, tmp_path / f"{mode}-{kind}", 1, kind=kind, mode=mode)
+        cfg = run_config(tiny_policy_dir, tmp_path / f"{mode}-{kind}", 1, kind=kind, mode=mode)
         cfg.rollout.temperature, cfg.rollout.max_new_tokens = 0.0, 24
         cfg.log.speedup_every = cfg.log.val_every = 0
         t = Trainer(cfg, progress=False)

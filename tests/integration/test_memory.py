@@ -17,7 +17,6 @@ from codraft.config import load_config
 from codraft.policy.warmstart import CHAR_TOKENIZER_FILE, read_tiny, tiny_model_config
 from codraft.rl import memory
 from codraft.train.run_dir import check_fresh
-from test_cotrain import tiny_policy_dir  # noqa: F401 (a fixture: 2 layers, hidden 32)
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 LINUX = os.path.isfile("/proc/meminfo") and os.path.isfile("/proc/self/clear_refs")
@@ -34,13 +33,13 @@ def _codraft(*args, address_space: int | None = None) -> subprocess.CompletedPro
 def short_context_policy(path: Path, context: int = 64) -> Path:
     """A random HF-format Llama folder with a byte-level tokenizer (no chat template) and a context of
     ``context`` positions: prompts that overflow it stay cheap."""
-    from test_tokenizer import _tiny_folder
+    from tokenizer_folder import tiny_tokenizer_folder
     from codraft.models import ModelConfig, Transformer, save_pretrained
     torch.manual_seed(0)
     save_pretrained(Transformer(ModelConfig(vocab_size=259, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                             num_attention_heads=4, num_key_value_heads=2,
                                             max_position_embeddings=context, eos_token_id=2)), path)
-    return _tiny_folder(path, template=None)
+    return tiny_tokenizer_folder(path, template=None)
 
 
 # ---------------------------------------------------------------- refused before anything is created

@@ -7,7 +7,6 @@ import pytest
 
 from codraft.cli import main
 from codraft.rollout import CostModel
-from test_cotrain import tiny_policy_dir  # noqa: F401 (a fixture)
 
 
 def test_draft_length_cells_add_up_and_predict_from_the_cost_model(tiny_policy_dir, tmp_path, monkeypatch):

@@ -13,7 +13,7 @@ import time
 
 import pytest
 from test_checkpoint import _cli_run
-from test_cotrain import _cfg, tiny_policy_dir  # noqa: F401 (tiny_policy_dir is a fixture)
+from tiny_runs import run_config
 
 from codraft.rl import trainer as trainer_mod
 from codraft.rl.logger import read_metrics
@@ -129,7 +129,7 @@ def _cp_ranks_into_a_held_folder(rank, world, policy_dir, run):
     from codraft.rl.trainer import Trainer
     t0 = time.monotonic()
     try:
-        Trainer(_cfg(policy_dir, run, 1, extra=["parallel.cp=2", "parallel.timeout=20"]), progress=False)
+        Trainer(run_config(policy_dir, run, 1, extra=["parallel.cp=2", "parallel.timeout=20"]), progress=False)
     except Exception as e:
         return type(e).__name__, str(e), time.monotonic() - t0
     return "no error", "", time.monotonic() - t0

@@ -8,7 +8,6 @@ import pytest
 
 from codraft.bench.gemv import paired_ratio
 from codraft.cli import main
-from test_cotrain import tiny_policy_dir  # noqa: F401 (a fixture)
 
 
 def test_precision_sides_compare_with_fp32_of_the_same_rounds(tiny_policy_dir, tmp_path, monkeypatch):

@@ -9,7 +9,7 @@ moves these metrics by far more.
 
 After an intended change of the math, regenerate the file and commit it with the change:
 
-    CODRAFT_GOLDEN_UPDATE=1 python -m pytest tests/test_golden.py
+    CODRAFT_GOLDEN_UPDATE=1 python -m pytest tests/integration/test_golden.py
 """
 import json
 import math
@@ -63,4 +63,4 @@ def test_the_tiny_preset_matches_its_golden_metrics(tmp_path):
             a, r = TOLERANCES[k]
             if not math.isclose(got[k], w, rel_tol=r, abs_tol=a):
                 off.append(f"step {got['step']} {k}: {got[k]:.6g}, golden {w:.6g}")
-    assert not off, "metrics moved from tests/golden/tiny_metrics.json:\n" + "\n".join(off)
+    assert not off, "metrics moved from tests/integration/golden/tiny_metrics.json:\n" + "\n".join(off)

@@ -18,8 +18,7 @@ from codraft.rl.trainer import Trainer
 from codraft.rollout import Engine
 from codraft.rollout.weights import RolloutWeights, StaleRolloutWeights
 from codraft.spec.sampling import Sampler
-from test_cotrain import _cfg, tiny_policy_dir  # noqa: F401 (fixtures)
-from test_faults import varied_reward  # noqa: F401
+from tiny_runs import run_config
 
 BF16 = torch.bfloat16
 
@@ -204,7 +203,7 @@ def test_refresh_follows_the_optimiser_and_a_stale_copy_is_loud():
 
 
 def test_trainer_decodes_the_refreshed_bf16_copy(tiny_policy_dir, tmp_path, monkeypatch, varied_reward):
-    cfg = _cfg(tiny_policy_dir, tmp_path / "run", 3, extra=("rollout.dtype=bfloat16", "grpo.tis_cap=2.0",
+    cfg = run_config(tiny_policy_dir, tmp_path / "run", 3, extra=("rollout.dtype=bfloat16", "grpo.tis_cap=2.0",
                                                              "log.val_every=0", "log.checkpoint_every=0"))
     t = Trainer(cfg, progress=False)
     assert t.engine.model is t.rollout_weights.policy and t.plain_engine.model is t.rollout_weights.policy

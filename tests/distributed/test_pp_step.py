@@ -17,7 +17,7 @@ from codraft.rl.pipelined import (build_pipeline, clip_gradients, pipeline_cotra
                                   stage_parameters, sync_weights)
 from dist_harness import run_ranks
 from test_cp_step import _models, _rel, bf16_gap
-from test_precision import Products
+from precision_probe import Products
 
 RTOL = 1e-4
 LOSS_KW = dict(temperature=1.0, lam=0.7, eps_low=0.2, eps_high=0.28, norm="token")

@@ -6,7 +6,6 @@ import json
 import torch
 
 from codraft.cli import main
-from test_cotrain import tiny_policy_dir  # noqa: F401 (a fixture)
 
 
 def test_bench_spec_compares_rollout_dtypes(tiny_policy_dir, tmp_path, capsys):

@@ -24,7 +24,7 @@ import pytest
 from codraft.cli import parser
 from codraft.config import RULES
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 PAGES = [README, *DOCS]

@@ -1,7 +1,7 @@
 """`codraft train parallel.cp=2` launched with torchrun equals the single-process run: the same
 sampled rollouts (both decode rollout.shards=2 shards, so the split cannot change them), losses,
 draft losses and gradient norms per step; rank 0 alone writes the run folder. (A random policy
-earns no reward, so the GRPO gradient is zero here; tests/test_cp_step.py checks it with
+earns no reward, so the GRPO gradient is zero here; tests/distributed/test_cp_step.py checks it with
 non-zero advantages.)"""
 from __future__ import annotations
 

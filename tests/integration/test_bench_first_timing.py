@@ -9,7 +9,6 @@ from codraft.cli import main
 from codraft.kernels import dispatch
 from codraft.policy import load_policy
 from codraft.rollout.weights import RolloutWeights
-from test_cotrain import tiny_policy_dir  # noqa: F401 (a fixture)
 
 
 def test_first_timing_times_every_table_privately(tiny_policy_dir, tmp_path, monkeypatch):

@@ -36,6 +36,7 @@ from codraft.export.write import export_draft
 from codraft.models import ModelConfig, Transformer, save_pretrained
 from codraft.rollout import Sampler
 from codraft.train import checkpoint as ckpt
+from tiny_runs import save_tiny_policy
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -477,14 +478,8 @@ def test_eagle3_trained_with_chosen_taps_exports(tmp_path):
     from transformers import AutoConfig
 
     from codraft.cli import main
-    from codraft.policy.warmstart import CHAR_TOKENIZER_FILE, load_tiny, tiny_model_config
-    from codraft.tokenizer import CharTokenizer
-    tok = CharTokenizer()
-    config = tiny_model_config(tok)
-    config.hidden_size, config.intermediate_size, config.head_dim = 32, 64, 8
-    torch.manual_seed(0)
-    save_pretrained(Transformer(config), tmp_path / "policy",
-                    extra_files={CHAR_TOKENIZER_FILE: json.dumps({"alphabet": tok.alphabet})})
+    from codraft.policy.warmstart import load_tiny
+    save_tiny_policy(tmp_path / "policy", layers=4)  # as deep as the tiny preset's
     run_dir = tmp_path / "run"
     main(["train", f"policy.init={tmp_path / 'policy'}", "steps=1", f"run_dir={run_dir}", "rollout.prompts_per_step=1",
           "rollout.group_size=2", "rollout.max_new_tokens=8", "log.val_every=0", "log.speedup_every=0",

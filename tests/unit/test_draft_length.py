@@ -27,7 +27,7 @@ from codraft.rl.logger import read_metrics
 from codraft.rl.trainer import Trainer, train
 from codraft.rollout import AcceptanceEstimate, CostModel, Engine, choose, load_or_calibrate
 from spec_harness import ADAPTIVE_CASES, SEEDS, harness, scaled
-from test_cotrain import _cfg, _comparable, tiny_policy_dir  # noqa: F401 (tiny_policy_dir is a fixture)
+from tiny_runs import run_config, comparable
 
 PROMPTS = [[5, 17, 3], [9, 9, 40, 2, 33, 7, 1, 12, 60], [4]]
 
@@ -275,7 +275,7 @@ def test_trainer_auto_logs_the_histogram_and_resumes_exactly(tmp_path, tiny_poli
     cost = CostModel((1,), ((1.0, 1.0, 1.0, 1.0),), ((0.0, 0.1, 0.2, 0.3),))
     monkeypatch.setattr(trainer_mod, "load_or_calibrate", lambda policy, draft, gamma, rows: cost)
     extra = ["rollout.draft_length=auto", "log.frozen_probe_every=1", "log.val_every=0"]
-    train(_cfg(tiny_policy_dir, tmp_path / "full", 4, extra=extra), progress=False)
+    train(run_config(tiny_policy_dir, tmp_path / "full", 4, extra=extra), progress=False)
     real_step = Trainer.step
 
     def crash_at_2(self, step):
@@ -284,13 +284,13 @@ def test_trainer_auto_logs_the_histogram_and_resumes_exactly(tmp_path, tiny_poli
         return real_step(self, step)
     monkeypatch.setattr(Trainer, "step", crash_at_2)
     with pytest.raises(KeyboardInterrupt):
-        train(_cfg(tiny_policy_dir, tmp_path / "cut", 4, extra=extra), progress=False)
+        train(run_config(tiny_policy_dir, tmp_path / "cut", 4, extra=extra), progress=False)
     monkeypatch.setattr(Trainer, "step", real_step)
     state = json.loads((tmp_path / "cut" / "step_2" / "state.json").read_text())
     assert set(state["acceptance"]) == {"rollout", "frozen"} and len(state["acceptance"]["rollout"]["drafted"]) == 3
-    train(_cfg(tiny_policy_dir, tmp_path / "cut", 4, extra=extra), resume=str(tmp_path / "cut"), progress=False)
+    train(run_config(tiny_policy_dir, tmp_path / "cut", 4, extra=extra), resume=str(tmp_path / "cut"), progress=False)
     full, cut = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "cut")
     steps = [r for r in full if "reward_mean" in r]
     assert len(steps) == 4 and all(len(r["gamma_chosen"]) == 4 and "acceptance_length" in r for r in steps)
     assert steps[0]["gamma_chosen"][3] >= 1 and all(0 <= r["gamma_mean"] <= 3 for r in steps)
-    assert _comparable(full) == _comparable(cut)
+    assert comparable(full) == comparable(cut)

@@ -16,7 +16,7 @@ from codraft.tasks import make_task
 from codraft.tokenizer import CharTokenizer
 from codraft.train.packing import pack
 from dist_harness import run_ranks
-from test_precision import Products
+from precision_probe import Products
 
 RTOL = 1e-4
 

@@ -13,7 +13,7 @@ engine's own reference ``codraft.rollout.engine.verify_drafts``. Draft mutants:
 its mutant on one case (* below) at test seed 0 and asserts rejection; an equivalent mutant (a
 valid rule with lower acceptance) must pass.
 
-Power study (``python tests/test_spec_mutations.py [n_seeds]``, a few minutes): every mutant on every
+Power study (``python tests/unit/test_spec_mutations.py [n_seeds]``, a few minutes): every mutant on every
 case at n = 10,000, study seeds 100..104 (not the test seeds). Entry: median of chi2/critical over
 the 5 seeds, then how many of the 5 rejected (inf: samples in probability-0 cells). Power on the
 test's case (*): with lam = mean(chi2) - df the statistic is ~ noncentral chi-square, mean df + lam,
@@ -238,7 +238,7 @@ def test_equivalent_mutant_passes(h, monkeypatch, mutation):
         assert ok, f"{mutation} failed {case.id}: chi2 {stat:.1f} >= {crit:.1f}"
 
 
-# ---- the power study (python tests/test_spec_mutations.py [SEEDS]): the table in the docstring ----
+# ---- the power study (python tests/unit/test_spec_mutations.py [SEEDS]): the table in the docstring ----
 
 def _power_study(seeds: range):
     """Every mutant on every case at the case's n, at study seeds (not the test seeds).

@@ -12,8 +12,7 @@ from codraft.drafts import init_draft
 from codraft.rl.cotrain import cotrain_loss
 from codraft.train.packing import pack
 from codraft.rl.grpo import entropy_from_logits, grpo_loss, token_logprobs
-from test_cotrain import _policy, _rollouts
-
+from tiny_runs import sample_rollouts, tiny_policy
 KW = dict(temperature=0.7, eps_low=0.2, eps_high=0.28, norm="token")
 
 
@@ -46,8 +45,8 @@ def _full_logits_cotrain_loss(policy, draft, batch, advantages, *, temperature, 
 
 
 def _setup(kind, n=4):
-    policy, tok = _policy(seed=3)
-    prompts, out = _rollouts(policy, tok, n=n)
+    policy, tok = tiny_policy(seed=3)
+    prompts, out = sample_rollouts(policy, tok, n=n)
     policy.double()
     batch = pack(prompts, [o.tokens for o in out], [o.logprobs for o in out])
     torch.manual_seed(1)
@@ -72,7 +71,7 @@ def _run(fn, policy, draft, batch, adv, **kw):
 def test_rows_only_head_equals_full_logits(kind):
     policy, draft, batch = _setup(kind)
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5], dtype=torch.float64)
-    reference = _policy(seed=4)[0].double().eval() if kind is None else None
+    reference = tiny_policy(seed=4)[0].double().eval() if kind is None else None
     kw = dict(KW, lam=0.7, kl_coef=0.05 if reference is not None else 0.0, reference=reference)
     new = _run(cotrain_loss, policy, draft, batch, adv, **kw)
     ref = _run(_full_logits_cotrain_loss, policy, draft, batch, adv, **kw)
@@ -154,11 +153,11 @@ def test_prefix_attention_equals_dense_mask():
 
 @pytest.mark.parametrize("kind", [None, "eagle3", "dflash", "dspark", "model"])
 def test_shared_prompt_train_step_equals_unshared(kind):
-    policy, _ = _policy(seed=3)
+    policy, _ = tiny_policy(seed=3)
     policy.double()
     torch.manual_seed(1)
     draft = None if kind is None else init_draft(kind, policy, gamma=3).double()
-    reference = _policy(seed=4)[0].double().eval() if kind is None else None
+    reference = tiny_policy(seed=4)[0].double().eval() if kind is None else None
     vocab = policy.config.vocab_size
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5, 0.25, 0.0], dtype=torch.float64)
     kw = dict(KW, lam=0.7, kl_coef=0.05 if reference is not None else 0.0, reference=reference)

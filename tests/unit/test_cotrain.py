@@ -8,35 +8,17 @@ import torch
 
 from codraft.config import ConfigError, load_config
 from codraft.drafts import init_draft
-from codraft.models import Transformer
 from codraft.rl import cotrain
 from codraft.rl.cotrain import cotrain_loss
 from codraft.train.packing import pack
 from codraft.rl.trainer import Trainer
-from codraft.rollout import Engine
-from codraft.tokenizer import CharTokenizer
-from codraft.policy.warmstart import CHAR_TOKENIZER_FILE, tiny_model_config
-
-
-def _policy(seed=0, layers=4, hidden=64):
-    tok = CharTokenizer()
-    cfg = tiny_model_config(tok)
-    cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers = hidden, 128, layers
-    cfg.head_dim = hidden // cfg.num_attention_heads
-    torch.manual_seed(seed)
-    return Transformer(cfg), tok
-
-
-def _rollouts(policy, tok, n=4, max_new=12, seed=0):
-    prompts = [tok.prompt_ids(s) for s in ["12+3=", "7*8-1=", "5+5=", "99-9*2="][:n]]
-    out = Engine(policy).generate(prompts, max_new, temperature=1.0, seed=seed, eos_id=tok.eos_id)
-    return prompts, out
+from tiny_runs import comparable, run_config, sample_rollouts, tiny_policy
 
 
 @pytest.mark.parametrize("kind", ["eagle3", "dflash", "dspark", "model"])
 def test_draft_loss_never_reaches_policy(kind):
-    policy, tok = _policy()
-    prompts, out = _rollouts(policy, tok)
+    policy, tok = tiny_policy()
+    prompts, out = sample_rollouts(policy, tok)
     batch = pack(prompts, [o.tokens for o in out], [o.logprobs for o in out])
     adv = torch.tensor([1.0, -1.0, 0.5, -0.5])
     torch.manual_seed(1)
@@ -63,38 +45,14 @@ def test_draft_loss_never_reaches_policy(kind):
 
 def test_packed_logprobs_match_rollout_engine():
     """The trainer's token alignment reproduces the engine's own logprobs (independent path)."""
-    policy, tok = _policy()
-    prompts, out = _rollouts(policy, tok)
+    policy, tok = tiny_policy()
+    prompts, out = sample_rollouts(policy, tok)
     batch = pack(prompts, [o.tokens for o in out], [o.logprobs for o in out])
     _, m = cotrain_loss(policy, None, batch, torch.zeros(4), temperature=1.0, lam=0.0, eps_low=0.2,
                         eps_high=0.2, norm="token")
     assert abs(float(m["policy/token_mult_prob_error"]) - 1.0) < 1e-4
     assert abs(float(m["policy/rollout_kl"])) < 1e-5
     assert m["policy/num_tokens"] == sum(len(o.tokens) for o in out)
-
-
-@pytest.fixture
-def tiny_policy_dir(tmp_path):
-    from codraft.models import save_pretrained
-    policy, tok = _policy(layers=2, hidden=32)
-    save_pretrained(policy, tmp_path / "policy",
-                    extra_files={CHAR_TOKENIZER_FILE: json.dumps({"alphabet": tok.alphabet})})
-    return tmp_path / "policy"
-
-
-def _cfg(policy_dir, run_dir, steps, kind="dflash", mode="cotrain", extra=()):
-    return load_config(None, [f"policy.init={policy_dir}", f"steps={steps}", f"run_dir={run_dir}",
-                              "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=10",
-                              "log.val_size=4", "log.val_every=2", "log.speedup_every=2", "log.checkpoint_every=2",
-                              "log.keep_last=3", f"draft.kind={kind}", f"draft.mode={mode}", "draft.init=random",
-                              "draft.gamma=3", "grpo.lr=1e-3", "grpo.kl_coef=0.01", *extra])
-
-
-_TIMING = ("time", "tokens_per_s", "rollout_speedup")
-
-
-def _comparable(rows):
-    return [{k: v for k, v in r.items() if not k.startswith(_TIMING) and "time" not in k} for r in rows]
 
 
 @pytest.mark.parametrize("rollout", [[], ["rollout.dtype=bfloat16"]], ids=["fp32", "bf16-copies"])
@@ -104,7 +62,7 @@ def test_resume_repeats_uninterrupted_run(tmp_path, tiny_policy_dir, monkeypatch
     from codraft.rl.logger import read_metrics
     from codraft.rl.trainer import train
     probe = ["log.frozen_probe_every=1", *rollout]  # the frozen copy must be the initial draft after a resume too
-    train(_cfg(tiny_policy_dir, tmp_path / "full", 4, extra=probe), progress=False)
+    train(run_config(tiny_policy_dir, tmp_path / "full", 4, extra=probe), progress=False)
 
     real_step = Trainer.step
 
@@ -115,14 +73,14 @@ def test_resume_repeats_uninterrupted_run(tmp_path, tiny_policy_dir, monkeypatch
 
     monkeypatch.setattr(Trainer, "step", crash_at_2)
     with pytest.raises(KeyboardInterrupt):
-        train(_cfg(tiny_policy_dir, tmp_path / "cut", 4, extra=probe), progress=False)
+        train(run_config(tiny_policy_dir, tmp_path / "cut", 4, extra=probe), progress=False)
     monkeypatch.setattr(Trainer, "step", real_step)
     assert (tmp_path / "cut" / "step_2" / "policy" / "config.json").is_file()
-    train(_cfg(tiny_policy_dir, tmp_path / "cut", 4, extra=probe), resume=str(tmp_path / "cut"), progress=False)
+    train(run_config(tiny_policy_dir, tmp_path / "cut", 4, extra=probe), resume=str(tmp_path / "cut"), progress=False)
     full, cut = read_metrics(tmp_path / "full"), read_metrics(tmp_path / "cut")
     assert all("frozen_acceptance_length" in r for r in full if "time_step" in r)
     assert [r["step"] for r in cut] == [0, 1, 2, 3, 4]
-    assert _comparable(full) == _comparable(cut)
+    assert comparable(full) == comparable(cut)
     from codraft.train.checkpoint import list_checkpoints
     assert [p.name for p in list_checkpoints(tmp_path / "full")] == ["step_2", "step_4"]
     for png in ("reward.png", "acceptance.png", "step_time.png"):
@@ -133,7 +91,7 @@ def test_frozen_copy_probe_measures_the_initial_draft(tmp_path, tiny_policy_dir)
     """log.frozen_probe_every: a frozen copy of the initial draft runs on the step's own prompts and
     seed. At step 0 both drafts are the same weights, so both rollouts and their τ are identical;
     then the co-trained draft moves and the copy does not."""
-    t = Trainer(_cfg(tiny_policy_dir, tmp_path / "run", 2, extra=["log.frozen_probe_every=1", "log.speedup_every=0"]),
+    t = Trainer(run_config(tiny_policy_dir, tmp_path / "run", 2, extra=["log.frozen_probe_every=1", "log.speedup_every=0"]),
                 progress=False)
     copy = t.frozen_engine.draft
     initial = {k: v.clone() for k, v in t.draft.state_dict().items()}
@@ -145,12 +103,12 @@ def test_frozen_copy_probe_measures_the_initial_draft(tmp_path, tiny_policy_dir)
     assert all(torch.equal(initial[k], v) for k, v in copy.state_dict().items())
     assert not all(torch.equal(initial[k], v) for k, v in t.draft.state_dict().items())
     with pytest.raises(ConfigError, match="frozen_probe_every"):
-        Trainer(_cfg(tiny_policy_dir, tmp_path / "b", 1, extra=["log.frozen_probe_every=-1"]), progress=False)
+        Trainer(run_config(tiny_policy_dir, tmp_path / "b", 1, extra=["log.frozen_probe_every=-1"]), progress=False)
 
 
 def test_frozen_draft_does_not_change(tmp_path, tiny_policy_dir):
     from codraft.rl.trainer import Trainer
-    t = Trainer(_cfg(tiny_policy_dir, tmp_path / "run", 1, kind="dspark", mode="frozen"), progress=False)
+    t = Trainer(run_config(tiny_policy_dir, tmp_path / "run", 1, kind="dspark", mode="frozen"), progress=False)
     before = {k: v.clone() for k, v in t.draft.state_dict().items()}
     t.step(0)
     assert all(torch.equal(before[k], v) for k, v in t.draft.state_dict().items())
@@ -188,20 +146,20 @@ def test_cli_train_writes_run_folder(tmp_path, tiny_policy_dir, capsys):
 def test_num_anchors_bounds_the_draft_loss(tmp_path, tiny_policy_dir):
     """draft.num_anchors caps the DFlash blocks per sequence (the draft loss's cost); kinds without
     anchors ignore it (a preset sets it for its block draft), a negative value is an error."""
-    t = Trainer(_cfg(tiny_policy_dir, tmp_path / "a", 1, extra=["draft.num_anchors=2"]), progress=False)
+    t = Trainer(run_config(tiny_policy_dir, tmp_path / "a", 1, extra=["draft.num_anchors=2"]), progress=False)
     m = t.step(0)
     n_seq = t.cfg.rollout.prompts_per_step * t.cfg.rollout.group_size
     assert t.draft.config.num_anchors == 2 and 0 < float(m["draft/num_blocks"]) <= 2 * n_seq
-    e = Trainer(_cfg(tiny_policy_dir, tmp_path / "b", 1, kind="eagle3", extra=["draft.num_anchors=2"]), progress=False)
+    e = Trainer(run_config(tiny_policy_dir, tmp_path / "b", 1, kind="eagle3", extra=["draft.num_anchors=2"]), progress=False)
     assert not hasattr(e.draft.config, "num_anchors")  # EAGLE-3 trains on every row; the knob is not its
     with pytest.raises(ConfigError, match="num_anchors"):
-        Trainer(_cfg(tiny_policy_dir, tmp_path / "c", 1, extra=["draft.num_anchors=-1"]), progress=False)
+        Trainer(run_config(tiny_policy_dir, tmp_path / "c", 1, extra=["draft.num_anchors=-1"]), progress=False)
 
 
 def test_draft_lr_warms_up(tmp_path, tiny_policy_dir):
     """The draft's lr ramps linearly over draft.warmup_steps (a fresh Adam's first updates are
     sign-sized and would knock back an offline-trained draft); a negative warm-up is an error."""
-    t = Trainer(_cfg(tiny_policy_dir, tmp_path / "a", 3, extra=["draft.lr=4e-4", "draft.warmup_steps=4"]),
+    t = Trainer(run_config(tiny_policy_dir, tmp_path / "a", 3, extra=["draft.lr=4e-4", "draft.warmup_steps=4"]),
                 progress=False)
     lrs = []
     for step in range(3):
@@ -209,7 +167,7 @@ def test_draft_lr_warms_up(tmp_path, tiny_policy_dir):
         t.step(step)
     assert lrs == pytest.approx([1e-4, 2e-4, 3e-4])
     with pytest.raises(ConfigError, match="draft.warmup_steps"):
-        Trainer(_cfg(tiny_policy_dir, tmp_path / "b", 1, extra=["draft.warmup_steps=-1"]), progress=False)
+        Trainer(run_config(tiny_policy_dir, tmp_path / "b", 1, extra=["draft.warmup_steps=-1"]), progress=False)
 
 
 def test_drift_experiment_per_seed(tmp_path, tiny_policy_dir):
@@ -252,7 +210,7 @@ def test_an_interrupted_experiment_run_continues_from_its_checkpoint(tmp_path, t
     experiments._run(tmp_path, "cut", overrides, progress=False)
     assert ran == [2, 3] and (tmp_path / "cut" / "done").is_file()
     experiments._run(tmp_path, "whole", overrides, progress=False)
-    cut, whole = (_comparable(read_metrics(tmp_path / n)) for n in ("cut", "whole"))
+    cut, whole = (comparable(read_metrics(tmp_path / n)) for n in ("cut", "whole"))
     assert [r["step"] for r in cut] == [1, 2, 3, 4] and cut == whole
 
 
@@ -263,7 +221,7 @@ def test_training_precisions_reach_the_losses(tmp_path, tiny_policy_dir, monkeyp
     used, real = [], cotrain.products
     monkeypatch.setattr(cotrain, "products", lambda dtype: used.append(dtype) or real(dtype))
     for policy, draft in (("float32", "bfloat16"), ("bfloat16", "float32")):
-        cfg = _cfg(tiny_policy_dir, tmp_path / policy, 1,
+        cfg = run_config(tiny_policy_dir, tmp_path / policy, 1,
                    extra=[f"grpo.precision={policy}", f"draft.precision={draft}"])
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
@@ -277,7 +235,7 @@ def test_training_precisions_reach_the_losses(tmp_path, tiny_policy_dir, monkeyp
         assert used == [getattr(torch, policy)] * 3 + [getattr(torch, draft)]
         assert torch.isfinite(torch.as_tensor(m["draft/loss"])) and math.isfinite(m["policy/rollout_kl"])
     monkeypatch.setenv("CODRAFT_CACHE", str(tmp_path / "cache"))
-    t = Trainer(_cfg(tiny_policy_dir, tmp_path / "auto", 1, extra=["draft.precision=auto", "grpo.precision=auto"]),
+    t = Trainer(run_config(tiny_policy_dir, tmp_path / "auto", 1, extra=["draft.precision=auto", "grpo.precision=auto"]),
                 progress=False)
     saved = {tuple(map(tuple, s["key"]["shapes"])): s["choice"] for s in
              (json.loads(p.read_text()) for p in (tmp_path / "cache" / "precision").glob("*.json"))}
@@ -289,4 +247,4 @@ def test_training_precisions_reach_the_losses(tmp_path, tiny_policy_dir, monkeyp
     assert t.draft_dtype == getattr(torch, saved[shapes(t.draft)])
     for key in ("draft.precision", "grpo.precision"):
         with pytest.raises(ConfigError, match=key):
-            _cfg(tiny_policy_dir, tmp_path / "bad", 1, extra=[f"{key}=fp16"])
+            run_config(tiny_policy_dir, tmp_path / "bad", 1, extra=[f"{key}=fp16"])

@@ -1,0 +1,59 @@
+"""A tiny policy, its rollouts and short runs of the trainer: the setup that unit, distributed and
+integration tests share (the fixtures built on it are in conftest.py)."""
+import json
+
+import torch
+
+from codraft.config import load_config
+from codraft.models import Transformer, save_pretrained
+from codraft.policy.warmstart import CHAR_TOKENIZER_FILE, tiny_model_config
+from codraft.rollout import Engine
+from codraft.tokenizer import CharTokenizer
+from codraft.train.checkpoint import load_policy_from
+
+
+def tiny_policy(seed=0, layers=4, hidden=64):
+    tok = CharTokenizer()
+    cfg = tiny_model_config(tok)
+    cfg.hidden_size, cfg.intermediate_size, cfg.num_hidden_layers = hidden, 128, layers
+    cfg.head_dim = hidden // cfg.num_attention_heads
+    torch.manual_seed(seed)
+    return Transformer(cfg), tok
+
+
+def save_tiny_policy(path, layers=2, hidden=32):
+    """A random tiny policy saved as the trainer's policy.init reads it (HF folder + its char tokenizer)."""
+    policy, tok = tiny_policy(layers=layers, hidden=hidden)
+    save_pretrained(policy, path, extra_files={CHAR_TOKENIZER_FILE: json.dumps({"alphabet": tok.alphabet})})
+    return path
+
+
+def sample_rollouts(policy, tok, n=4, max_new=12, seed=0):
+    prompts = [tok.prompt_ids(s) for s in ["12+3=", "7*8-1=", "5+5=", "99-9*2="][:n]]
+    out = Engine(policy).generate(prompts, max_new, temperature=1.0, seed=seed, eos_id=tok.eos_id)
+    return prompts, out
+
+
+def run_config(policy_dir, run_dir, steps, kind="dflash", mode="cotrain", extra=()):
+    return load_config(None, [f"policy.init={policy_dir}", f"steps={steps}", f"run_dir={run_dir}",
+                              "rollout.prompts_per_step=2", "rollout.group_size=2", "rollout.max_new_tokens=10",
+                              "log.val_size=4", "log.val_every=2", "log.speedup_every=2", "log.checkpoint_every=2",
+                              "log.keep_last=3", f"draft.kind={kind}", f"draft.mode={mode}", "draft.init=random",
+                              "draft.gamma=3", "grpo.lr=1e-3", "grpo.kl_coef=0.01", *extra])
+
+
+_TIMING = ("time", "tokens_per_s", "rollout_speedup")
+
+
+def comparable(rows):
+    return [{k: v for k, v in r.items() if not k.startswith(_TIMING) and "time" not in k} for r in rows]
+
+
+def same_tensors(a, b):
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def checkpoint_weights(ckpt_dir):
+    s = {f"policy.{k}": v for k, v in load_policy_from(ckpt_dir).state_dict().items()}
+    s.update({f"draft.{k}": v for k, v in torch.load(ckpt_dir / "draft.pt", weights_only=True).items()})
+    return s
