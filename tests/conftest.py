@@ -8,7 +8,7 @@ import torch
 
 from codraft.kernels import amx, cbuild, decode_ops, gemv
 from codraft.tasks import ArithTask
-from tiny_runs import save_tiny_policy
+from tiny_runs import alternating_reward, save_tiny_policy
 
 torch.set_num_threads(1)
 
@@ -41,6 +41,6 @@ def tiny_policy_dir(tmp_path):
 
 @pytest.fixture
 def varied_reward(monkeypatch):
-    """A reward that differs within groups (the random tiny policy never solves arith), so the
-    advantages and the policy's updates are non-zero and weight comparisons mean something."""
-    monkeypatch.setattr(ArithTask, "_reward", lambda self, problem, completion: float(len(completion) % 2))
+    """A reward that differs within groups (``tiny_runs.alternating_reward``), so the advantages and the
+    policy's updates are non-zero and weight comparisons mean something."""
+    monkeypatch.setattr(ArithTask, "_reward", alternating_reward)

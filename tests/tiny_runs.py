@@ -57,3 +57,9 @@ def checkpoint_weights(ckpt_dir):
     s = {f"policy.{k}": v for k, v in load_policy_from(ckpt_dir).state_dict().items()}
     s.update({f"draft.{k}": v for k, v in torch.load(ckpt_dir / "draft.pt", weights_only=True).items()})
     return s
+
+
+def alternating_reward(self, problem, completion) -> float:
+    """ArithTask's reward replaced (the ``varied_reward`` fixture; spawned ranks set it themselves): it
+    differs within groups, as the random tiny policy never solves arith, so advantages and updates are non-zero."""
+    return float(len(completion) % 2)

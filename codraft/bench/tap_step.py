@@ -24,7 +24,7 @@ import torch.distributed as dist
 from codraft.bench import machine_info
 from codraft.drafts import init_draft
 from codraft.models import ModelConfig, Transformer
-from codraft.parallel.mesh import build_mesh
+from codraft.parallel.mesh import Layout, build_mesh
 from codraft.parallel.spawn import raise_errors, spawn_ranks
 from codraft.rl.microbatch import split_microbatches
 from codraft.rl.pipelined import build_pipeline, clip_gradients, pipeline_cotrain, reduce_gradients
@@ -48,7 +48,7 @@ def _rollouts(groups: int, group_size: int, vocab: int, seed: int = 0):
 
 def _rank_main(rank, world, cfg):
     torch.set_num_threads(1)
-    mesh = build_mesh(world, 1, timeout=cfg["timeout"])
+    mesh = build_mesh(Layout(pp=world, cp=1), timeout=cfg["timeout"])
     layers, hidden = cfg["shape"]
     heads = max(hidden // 64, 1)  # SmolLM2's head layout at 576: 9 heads of 64, 3 KV heads
     mc = ModelConfig(vocab_size=cfg["vocab"], hidden_size=hidden, intermediate_size=3 * hidden,

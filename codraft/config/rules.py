@@ -112,7 +112,7 @@ RULES: dict[str, Range | OneOf | Text | Device | Flag | Taps] = {
     "rollout.max_new_tokens": COUNT,
     "rollout.temperature": Range(0, note="0 = greedy"),
     "rollout.top_p": Range(0, 1, lo_open=True, note="1 = off"),
-    "rollout.shards": Range(0, note="0 = one per rank (parallel.pp × parallel.cp)"),
+    "rollout.shards": Range(0, note="0 = one per rank (parallel.dp × parallel.pp × parallel.cp)"),
     "rollout.dtype": OneOf(("policy", "float32", "bfloat16")),
     "rollout.draft_length": OneOf(("fixed", "auto")),
     "grpo.lr": Range(0, note="0 = the policy is not updated"),
@@ -145,6 +145,8 @@ RULES: dict[str, Range | OneOf | Text | Device | Flag | Taps] = {
     "log.frozen_probe_every": EVERY,
     "log.checkpoint_every": EVERY,
     "log.keep_last": Range(0, note="0 = keep every checkpoint"),
+    "parallel.dp": Range(1, note="data-parallel ranks, each with whole prompt groups; > 1 needs torchrun"),
+    "parallel.dp_shard": OneOf(("fsdp", "ddp")),
     "parallel.cp": Range(1, note="ranks that split each packed row (zigzag ring); > 1 needs torchrun"),
     "parallel.pp": Range(1, note="pipeline stages, at most the policy's layers; > 1 needs torchrun"),
     "parallel.microbatches": Range(1, note="at most rollout.prompts_per_step (whole groups)"),
@@ -177,18 +179,31 @@ def _draft_folder_exists(c: RunConfig) -> str | None:
 
 
 def _every_rank_has_work(c: RunConfig) -> str | None:
-    ranks = c.parallel.cp * c.parallel.pp
+    par = c.parallel
+    ranks = par.dp * par.cp * par.pp
     shards = c.rollout.shards or ranks
     if shards % ranks:
-        return f"config key 'rollout.shards' must be 0 or a multiple of the ranks, parallel.pp × parallel.cp = " \
-               f"{ranks} (each rank decodes as many shards), got {c.rollout.shards}"
+        return f"config key 'rollout.shards' must be 0 or a multiple of the ranks, parallel.dp × parallel.pp × " \
+               f"parallel.cp = {ranks} (each rank decodes as many shards), got {c.rollout.shards}"
     if c.rollout.prompts_per_step < shards:
         return f"config key 'rollout.prompts_per_step' must be >= the rollout shards ({shards}: rollout.shards, " \
-               f"or parallel.pp × parallel.cp), so that every shard has a prompt group; got " \
+               f"or parallel.dp × parallel.pp × parallel.cp), so that every shard has a prompt group; got " \
                f"{c.rollout.prompts_per_step}"
+    if c.rollout.prompts_per_step % par.dp:
+        return f"config key 'rollout.prompts_per_step' must be a multiple of parallel.dp={par.dp} (each data-" \
+               f"parallel rank trains as many whole prompt groups), got {c.rollout.prompts_per_step}"
     if c.parallel.microbatches > c.rollout.prompts_per_step:
         return f"config key 'parallel.microbatches' must be <= rollout.prompts_per_step=" \
                f"{c.rollout.prompts_per_step} (micro-batches hold whole groups), got {c.parallel.microbatches}"
+    return None
+
+
+def _data_parallel_alone_or_with_cp(c: RunConfig) -> str | None:
+    par = c.parallel
+    if par.dp > 1 and (par.pp > 1 or par.microbatches > 1):
+        return f"config key 'parallel.dp' > 1 runs with parallel.pp=1 and parallel.microbatches=1 (data " \
+               f"parallelism under pipeline stages is not built yet), got parallel.dp={par.dp}, parallel.pp=" \
+               f"{par.pp}, parallel.microbatches={par.microbatches}"
     return None
 
 
@@ -202,4 +217,5 @@ def _taps_reach_the_device(c: RunConfig) -> str | None:
 # Rules between keys: each returns the error message, or None.
 CROSS_RULES: tuple[Callable[[RunConfig], str | None], ...] = (_auto_needs_a_draft, _rollout_copy_is_narrower,
                                                                _draft_folder_exists, _every_rank_has_work,
+                                                               _data_parallel_alone_or_with_cp,
                                                                _taps_reach_the_device, _taps_fit)

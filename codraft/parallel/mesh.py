@@ -1,36 +1,92 @@
-"""The process groups of a PP × CP run: which rank is which stage and CP rank, and who talks to whom.
+"""How a run is laid out over its ranks: ``Layout`` (the degrees) and ``Mesh`` (this rank's place and groups).
 
-Global rank = stage · C + c for P pipeline stages of C context-parallel ranks each. The groups:
+``Layout(dp, cp, pp)`` says how many ranks split the work each way; ``dp × cp × pp`` must be the world
+size (``Layout.check``). ``build_mesh`` builds one ``torch.distributed.device_mesh.DeviceMesh`` of shape
+(pp, dp, cp) with those dimension names, and every group the run uses comes from it:
 
-* ``world``: every rank (the rollout shards, the metrics, the weight sync after each update);
-* ``cp``: the C ranks of one stage (the ring, the CP gradient sum);
-* ``pp``: the P ranks of one CP column (stage-to-stage activations; rank in it = stage);
-* ``embedding``: stage 0 and stage P−1 of one column, which both hold the tied embedding / LM
-  head weight and sum its two gradient shares (Megatron's embedding group);
-* the TapChannel of the column is opened by the trainer (``open_tap_channel`` over ``columns``).
+* ``world``: every rank (the rollout shards, the metrics);
+* ``dp``: the ranks with the same stage and CP rank (their prompt groups differ: the metrics of the
+  update); ``data_group`` / ``data_mesh``: dp flattened with cp when CP is on, the ranks holding
+  gradient shares of one parameter (FSDP's shards and gradient sum, torchtitan's ``dp_shard_cp``);
+* ``cp``: the C ranks that split one packed row (the ring, the CP gradient sum);
+* ``pp``: the P stages of one (dp, cp) column (stage-to-stage activations; rank in it = stage);
+* ``embedding``: stage 0 and stage P−1 of one column, which both hold the tied embedding / LM head
+  weight and sum its two gradient shares (Megatron's embedding group): not a mesh dimension, so
+  made with ``dist.new_group``, by every rank in one order.
 
-``dist.new_group`` is collective over the world: every rank creates every group, in one order.
+Global rank = (stage · D + d) · C + c, the mesh's row-major order. Groups inherit the world's timeout
+(``parallel.timeout``), so a collective that waits on a dead or silent peer fails instead of hanging.
 """
 from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from codraft.errors import CodraftError
 from codraft.parallel.comm import CPGroup
+
+
+class LayoutError(CodraftError, ValueError):
+    """A layout that does not fit the processes started."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    dp: int = 1
+    cp: int = 1
+    pp: int = 1
+
+    @classmethod
+    def of(cls, parallel) -> "Layout":
+        """From the run config's ``parallel`` section."""
+        return cls(parallel.dp, parallel.cp, parallel.pp)
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.cp * self.pp
+
+    def keys(self) -> str:
+        """The keys as a user writes them, those > 1 only (for messages)."""
+        return " ".join(f"parallel.{k}={n}" for k, n in (("dp", self.dp), ("pp", self.pp), ("cp", self.cp))
+                        if n > 1)
+
+    def check(self, world: int) -> None:
+        if world != self.world:
+            raise LayoutError(f"parallel.dp={self.dp} × parallel.pp={self.pp} × parallel.cp={self.cp} = {self.world} "
+                              f"ranks, but torchrun started {world} processes; launch with torchrun "
+                              f"--nproc-per-node {self.world}")
 
 
 @dataclass
 class Mesh:
-    pp: int
-    cp: int
+    layout: Layout
+    device_mesh: DeviceMesh
     stage: int
+    dp_rank: int
     cp_rank: int
     world: CPGroup
-    cp_group: CPGroup | None        # None when cp == 1
-    pp_group: dist.ProcessGroup | None  # None when pp == 1
+    dp_group: CPGroup | None             # None when dp == 1
+    data_mesh: DeviceMesh | None         # dp (× cp): None when dp == 1
+    data_group: CPGroup | None           # its group: None when dp == 1
+    cp_group: CPGroup | None             # None when cp == 1
+    pp_group: dist.ProcessGroup | None   # None when pp == 1
     embedding: dist.ProcessGroup | None  # None when pp == 1
+
+    @property
+    def pp(self) -> int:
+        return self.layout.pp
+
+    @property
+    def cp(self) -> int:
+        return self.layout.cp
+
+    @property
+    def dp(self) -> int:
+        return self.layout.dp
 
     @property
     def first(self) -> bool:
@@ -41,37 +97,44 @@ class Mesh:
         return self.stage == self.pp - 1
 
     def rank_of(self, stage: int, cp_rank: int = 0) -> int:
-        return stage * self.cp + cp_rank
+        """The global rank of (stage, cp_rank) in this rank's data-parallel replica."""
+        return (stage * self.dp + self.dp_rank) * self.cp + cp_rank
 
     def column(self, cp_rank: int) -> list[int]:
-        """The global ranks of stages 0..P−1 at CP rank ``cp_rank``."""
+        """The global ranks of stages 0..P−1 at CP rank ``cp_rank`` (of this replica)."""
         return [self.rank_of(s, cp_rank) for s in range(self.pp)]
 
     def where(self) -> str:
-        return f"rank {self.world.rank} (pipeline stage {self.stage}/{self.pp}, CP rank {self.cp_rank}/{self.cp})"
+        dp = f", DP rank {self.dp_rank}/{self.dp}" if self.dp > 1 else ""
+        return f"rank {self.world.rank} (pipeline stage {self.stage}/{self.pp}, CP rank {self.cp_rank}/{self.cp}{dp})"
 
 
-def build_mesh(pp: int, cp: int, timeout: float = 300.0) -> Mesh:
-    """Split the initialised world of P·C ranks into the groups above."""
+def build_mesh(layout: Layout, device: str = "cpu", timeout: float = 300.0) -> Mesh:
+    """This rank's place in the initialised world and its groups (see the module doc); collective."""
     world = CPGroup.world(timeout)
-    if world.size != pp * cp:
-        raise ValueError(f"parallel.pp={pp} × parallel.cp={cp} needs {pp * cp} processes, got {world.size}")
-    stage, cp_rank = divmod(world.rank, cp)
-    td = datetime.timedelta(seconds=timeout)
-    cp_group = pp_group = embedding = None
-    # group_desc: NCCL's watchdog names the group of a collective that timed out
-    for s in range(pp):  # every rank builds every group, in the same order
-        g = dist.new_group([s * cp + c for c in range(cp)], timeout=td, group_desc=f"cp-stage{s}") if cp > 1 else None
-        if s == stage and g is not None:
-            cp_group = CPGroup(g, cp_rank, cp, timeout)
-    if pp > 1:
-        for c in range(cp):
-            g = dist.new_group([s * cp + c for s in range(pp)], timeout=td, group_desc=f"pp-column{c}")
-            e = dist.new_group([c, (pp - 1) * cp + c], timeout=td, group_desc=f"embedding-column{c}")
-            if c == cp_rank:
-                pp_group, embedding = g, e
-    mesh = Mesh(pp, cp, stage, cp_rank, world, cp_group, pp_group, embedding)
-    for group in (world, cp_group):  # their errors name this rank's place in the mesh
-        if group is not None:
-            group.where = mesh.where()
+    layout.check(world.size)
+    dm = init_device_mesh(torch.device(device).type, (layout.pp, layout.dp, layout.cp),
+                          mesh_dim_names=("pp", "dp", "cp"))
+    stage, dp_rank, cp_rank = (dm.get_local_rank(n) for n in ("pp", "dp", "cp"))
+
+    def group(name: str, size: int, rank: int) -> CPGroup | None:
+        return CPGroup(dm.get_group(name), rank, size, timeout) if size > 1 else None
+
+    data_mesh = data_group = None
+    if layout.dp > 1:
+        data_mesh = dm["dp"] if layout.cp == 1 else dm["dp", "cp"]._flatten("dp_cp")
+        data_group = CPGroup(data_mesh.get_group(), data_mesh.get_local_rank(), data_mesh.size(), timeout)
+    embedding = None
+    if layout.pp > 1:  # every rank makes every pair, in one order (new_group is collective over the world)
+        td = datetime.timedelta(seconds=timeout)
+        for column in range(layout.dp * layout.cp):
+            first, last = column, (layout.pp - 1) * layout.dp * layout.cp + column
+            g = dist.new_group([first, last], timeout=td, group_desc=f"embedding-column{column}")
+            if column == dp_rank * layout.cp + cp_rank:
+                embedding = g
+    mesh = Mesh(layout, dm, stage, dp_rank, cp_rank, world, group("dp", layout.dp, dp_rank), data_mesh, data_group,
+                group("cp", layout.cp, cp_rank), dm.get_group("pp") if layout.pp > 1 else None, embedding)
+    for g in (world, mesh.dp_group, mesh.data_group, mesh.cp_group):  # their errors name this rank's place in the mesh
+        if g is not None:
+            g.where = mesh.where()
     return mesh

@@ -2,7 +2,8 @@
 completed step, ``resume_from`` continues from one.
 
 Only rank 0 writes, one consolidated checkpoint (under pp every rank holds every weight; the stages'
-optimiser states are gathered); a Ctrl-C during the write waits for it. A checkpoint carries the
+optimiser states are gathered; under dp the policy's and its optimiser's shards are gathered), so a run
+saved at one layout resumes at any other; a Ctrl-C during the write waits for it. A checkpoint carries the
 draft, optimisers and schedulers, the prompt counter and, with draft_length=auto, the running
 acceptance estimates, so a resumed run repeats an uninterrupted one's rollouts and updates.
 """
@@ -11,6 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from codraft.parallel.data_parallel import FullOptimizerState, full_policy
 from codraft.rl.pipelined import ConsolidatedState, keep_state
 from codraft.rl.update_phase import hold_ctrl_c
 from codraft.train import checkpoint as ckpt
@@ -22,16 +24,18 @@ if TYPE_CHECKING:
 def save(tr: Trainer) -> Path | None:
     """Checkpoint the last completed step (`steps_done`); only rank 0 writes, one consolidated
     checkpoint (under pp every rank holds every weight; the stages' optimiser states are gathered)."""
-    optimizers = tr._optimizers()
+    optimizers, policy = tr._optimizers(), tr.policy
     if tr.mesh is not None and tr.mesh.pp > 1:
         own, drafts = tr._owned()
         optimizers.update(policy=ConsolidatedState(tr.opt, own, tr.world),
                           draft=tr.draft_opt and ConsolidatedState(tr.draft_opt, drafts, tr.world))
+    if tr.layout.dp > 1:  # the shards gathered: the same checkpoint as one process writes
+        policy, optimizers["policy"] = full_policy(tr.policy), FullOptimizerState(tr.policy, tr.opt)
     if not tr.is_main:
         tr._saved = tr.steps_done
         return None
     with hold_ctrl_c():  # a Ctrl-C waits for the write: the step being saved is kept, then it stops
-        path = ckpt.save_checkpoint(tr.run_dir, tr.steps_done, policy=tr.policy, draft=tr.draft,
+        path = ckpt.save_checkpoint(tr.run_dir, tr.steps_done, policy=policy, draft=tr.draft,
                                     optimizers=optimizers,
                                     state=_checkpoint_state(tr),
                                     config=tr.cfg.to_dict(), keep_last=tr.cfg.log.keep_last,
@@ -57,7 +61,10 @@ def resume_from(tr: Trainer, found) -> None:
     """Continue from checkpoint ``found``: the draft, optimisers and schedulers, the step and prompt
     counters, the acceptance estimates (a "spec_pays" of checkpoints from before draft_length is
     ignored)."""
-    state = ckpt.restore(found, draft=tr.draft, optimizers=tr._optimizers())
+    optimizers = tr._optimizers()
+    if tr.layout.dp > 1:  # every rank reads the whole state and keeps its shards
+        optimizers["policy"] = FullOptimizerState(tr.policy, tr.opt, gather=False)
+    state = ckpt.restore(found, draft=tr.draft, optimizers=optimizers)
     tr.rollout_weights.refresh()  # the engines' draft copies were made from the draft before this
     tr.start_step, tr.prompts_used = state["step"], state["prompts_used"]
     estimates = tr._estimates()  # (log.frozen_probe_every may have changed: no frozen probe now)

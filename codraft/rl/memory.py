@@ -190,15 +190,20 @@ def estimate(cfg, m: ModelConfig, prompt_len: int, val_prompt_len: int = 0) -> E
     r, par, g = cfg.rollout, cfg.parallel, cfg.grpo
     e = 2 if cfg.policy.dtype == "bfloat16" else F32
     G, P, M = r.group_size, r.prompts_per_step, r.max_new_tokens
-    ranks = par.cp * par.pp
+    ranks = par.dp * par.cp * par.pp
     draft = _draft(cfg, m, prompt_len)
     gamma = cfg.draft.gamma if draft is not None else 0
     trains = draft is not None and cfg.draft.mode == "cotrain" and draft.params > 0
 
     n = _params(m)
-    weights = n * e + 3 * n * F32 // par.pp  # + gradients and Adam moments of a stage's parameters
+    # the weights, their gradients and Adam moments: a stage's, or (FSDP) a 1/(dp·cp) shard plus the
+    # gathered layer; under dp the rollout engine decodes from a full copy (the refit)
+    sharded = par.dp > 1 and par.dp_shard == "fsdp"
+    weights = (n * e + 3 * n * F32) // (par.dp * par.cp) + _layer_params(m) * e if sharded else \
+        n * e + 3 * n * F32 // par.pp
     weights += n * e if g.kl_coef > 0 else 0
-    weights += n * 2 if r.dtype == "bfloat16" and e == F32 else 0
+    weights += n * (2 if r.dtype == "bfloat16" else e) if par.dp > 1 else \
+        (n * 2 if r.dtype == "bfloat16" and e == F32 else 0)
     if draft is not None:
         weights += draft.params * F32 * (4 if trains else 1) * (2 if cfg.log.frozen_probe_every else 1)
 
@@ -208,7 +213,7 @@ def estimate(cfg, m: ModelConfig, prompt_len: int, val_prompt_len: int = 0) -> E
         rollout = max(rollout, rollout_bytes(m, cfg.log.val_size, cfg.log.val_size, val_prompt_len, M, gamma,
                                              draft, e))
 
-    groups = math.ceil(P / par.microbatches)  # the largest micro-batch
+    groups = math.ceil(P / (par.microbatches * par.dp))  # the largest micro-batch (a DP rank's share)
     seqs = groups * G
     row = groups * (prompt_len + G * M) / par.cp  # the policy's packed row: each group's prompt once
     completions = seqs * M / par.cp

@@ -52,10 +52,11 @@ import torch
 from tqdm import tqdm
 
 from codraft import kernels
-from codraft.config import ConfigError, RunConfig, check_taps
+from codraft.config import RunConfig, check_taps
 from codraft.errors import CodraftError, NonFiniteError
 from codraft.parallel.comm import init_cp
-from codraft.parallel.mesh import build_mesh
+from codraft.parallel.data_parallel import parallelize_policy
+from codraft.parallel.mesh import Layout, build_mesh
 from codraft.policy import load_policy
 from codraft.rl import checkpointing, memory, observation, rollout_phase, runs, scoring, update_phase
 from codraft.rl.logger import MetricsLogger
@@ -122,7 +123,7 @@ class Trainer:
         # what the engines decode with: the policy, or (rollout.dtype) a cast copy refreshed after every update
         r = cfg.rollout
         self.rollout_weights = RolloutWeights(self.policy, getattr(torch, cfg.policy.dtype if r.dtype == "policy"
-                                                                   else r.dtype))
+                                                                   else r.dtype), gather=self.layout.dp > 1)
 
         d = cfg.draft
         self.draft = None if d.mode == "none" else starting_draft(
@@ -146,6 +147,10 @@ class Trainer:
         if cfg.grpo.kl_coef > 0:  # KL to the initial policy, also after a resume (not to the checkpoint's)
             ref = init_policy if init_policy is not self.policy else copy.deepcopy(self.policy)
             self.reference = ref.to(cfg.device).eval().requires_grad_(False)
+        if self.layout.dp > 1:  # data parallelism, applied from outside the model (codraft.parallel.data_parallel)
+            parallelize_policy(self.policy, self.mesh, cfg.parallel.dp_shard)
+            if self.draft is not None:  # the target's parts, whole: the engine's refreshed copy
+                self.draft.bind_target(*self.rollout_weights.target_parts())
 
         g = cfg.grpo
         self.opt = adamw(self.policy.parameters(), lr=g.lr, weight_decay=g.weight_decay, betas=(0.9, 0.99))
@@ -193,16 +198,15 @@ class Trainer:
         return policy_dtype, draft_dtype
 
     def _join_ranks(self, cfg: RunConfig) -> None:
-        """parallel.pp · parallel.cp > 1: one process per rank (torchrun); every rank decodes its rollout
-        share and gathers all, trains its stage on its CP rows; only rank 0 writes (metrics, plots,
+        """More than one rank (parallel.dp · pp · cp > 1): one process per rank (torchrun), placed by the
+        layout's DeviceMesh (``codraft.parallel.mesh``); every rank decodes its rollout share and gathers all,
+        trains its prompt groups (dp), stage (pp) and rows (cp); only rank 0 writes (metrics, plots,
         checkpoints, progress)."""
         par = cfg.parallel
-        needs = " ".join(f"parallel.{k}={n}" for k, n in (("pp", par.pp), ("cp", par.cp)) if n > 1)  # for its error
-        self.world = init_cp(cfg.device, par.timeout, needs, par.cp * par.pp) if par.cp * par.pp > 1 else None
-        if self.world is not None and self.world.size != par.cp * par.pp:
-            raise ConfigError(f"parallel.pp={par.pp} × parallel.cp={par.cp} but torchrun started {self.world.size} "
-                              f"processes; launch with torchrun --nproc-per-node {par.cp * par.pp}")
-        self.mesh = build_mesh(par.pp, par.cp, par.timeout) if self.world is not None else None
+        self.layout = Layout.of(par)
+        self.world = init_cp(cfg.device, par.timeout, self.layout.keys(), self.layout.world) \
+            if self.layout.world > 1 else None
+        self.mesh = build_mesh(self.layout, cfg.device, par.timeout) if self.world is not None else None
         self.cp = None if self.mesh is None else self.mesh.cp_group
         self.pipelined, self.pipe = par.pp > 1 or par.microbatches > 1, None
         self.is_main = self.world is None or self.world.rank == 0

@@ -29,8 +29,9 @@ import torch
 
 from codraft.config import RunConfig
 from codraft.parallel.context import sync_gradients
+from codraft.rollout.weights import full
 from codraft.rl.cotrain import cotrain_loss
-from codraft.rl.microbatch import split_microbatches
+from codraft.rl.microbatch import merge_metrics, split_microbatches, with_draft_normaliser
 from codraft.rl.pipelined import build_pipeline, clip_gradients, pipeline_cotrain, reduce_gradients, sync_weights
 from codraft.rl.rollout_phase import Rollout
 from codraft.rl.scoring import Scored
@@ -110,6 +111,8 @@ def update(tr: Trainer, step: int, rollout: Rollout, scored: Scored) -> Update:
                    phase=timer)
     if tr.pipelined:
         loss, lm, policy_norm, draft_norm = _pipelined_backward(tr, step, rollout, scored, timer, loss_kw)
+    elif tr.layout.dp > 1:
+        loss, lm, policy_norm, draft_norm = _data_parallel_backward(tr, rollout, scored, timer, loss_kw)
     else:
         batch = pack(rollout.prompts, [o.tokens for o in rollout.out], [o.logprobs for o in rollout.out],
                      device=cfg.device)
@@ -159,6 +162,31 @@ def _pipelined_backward(tr: Trainer, step: int, rollout: Rollout, scored: Scored
         policy_norm, draft_norm = clip_gradients(tr.pipe, tr.policy, own, drafts, cfg.grpo.grad_clip,
                                                  cfg.draft.grad_clip if tr.draft_opt is not None else None)
     return loss, lm, policy_norm, draft_norm
+
+
+def _data_parallel_backward(tr: Trainer, rollout: Rollout, scored: Scored, timer: PhaseTimer, loss_kw: dict):
+    """parallel.dp: the step's groups as one micro-batch per DP rank, each normalised by the step's totals
+    (``codraft.rl.microbatch``), so the gradients FSDP sums over the ranks are the one-batch step's; the
+    draft's summed over the same ranks; loss and metrics merged over the DP ranks as micro-batches'."""
+    cfg, mesh = tr.cfg, tr.mesh
+    mbs = split_microbatches(rollout.prompts, [o.tokens for o in rollout.out], [o.logprobs for o in rollout.out],
+                             scored.advantages.to(cfg.device), cfg.rollout.group_size, mesh.dp, cfg.device)
+    mbs = with_draft_normaliser(mbs, tr.draft if tr.trains_draft else None, loss_kw["draft_seed"])
+    mine = mbs[mesh.dp_rank]
+    with timer("loss_forward"):
+        loss, lm = cotrain_loss(tr.policy, tr.draft, mine.batch, mine.advantages, cp=tr.cp, totals=mine.totals,
+                                **loss_kw)
+    _zero_grad(tr)
+    with timer("backward"):
+        loss.backward()  # FSDP / replicate sum the policy's gradients over dp (× cp)
+        if tr.trains_draft:
+            sync_gradients(tr.draft.trainable_parameters(), mesh.data_group, "draft")
+        policy_norm = full(torch.nn.utils.clip_grad_norm_(tr.policy.parameters(), cfg.grpo.grad_clip))
+        draft_norm = None if tr.draft_opt is None else torch.nn.utils.clip_grad_norm_(
+            tr.draft.trainable_parameters(), cfg.draft.grad_clip)
+    parts = mesh.dp_group.all_gather_object(lm, "the data-parallel ranks' loss metrics")
+    losses = mesh.dp_group.all_gather(loss.detach().reshape(1), "the data-parallel ranks' losses")
+    return torch.cat(losses).sum(), merge_metrics(parts, mbs), policy_norm, draft_norm
 
 
 def _tap_tokens(mbs, cfg: RunConfig) -> int:

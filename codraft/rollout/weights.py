@@ -24,6 +24,11 @@ weight-only (a block draft's head product over its vocabulary is a large part of
 weights: the matrices the draft names (``Draft.rollout_narrowed``: a block draft's taps' fc and
 layers, ~0.7 ms of a DSpark round at batch 1) are cast, refreshed and checked with the policy's; a
 draft that names none (EAGLE-3) is shared as it is, trained in place, so it cannot go stale.
+
+Under data parallelism (``gather=True``) the trainer's policy is sharded (FSDP2: its parameters become
+DTensors), so there is always a full copy, in the rollout dtype, and ``refresh`` gathers every tensor
+(``full_tensor``, collective: every rank refreshes and checks) — the "refit" of RL systems. The trainer's
+own draft then reads the target's embedding and head from ``target_parts`` (full fp32, refreshed too).
 Not here: the engine (``codraft.rollout.engine``).
 """
 from __future__ import annotations
@@ -32,6 +37,7 @@ import copy
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from codraft import kernels
 from codraft.errors import CodraftError
@@ -40,6 +46,11 @@ from codraft.kernels import hugepages
 
 class StaleRolloutWeights(CodraftError, RuntimeError):
     pass
+
+
+def full(t: torch.Tensor) -> torch.Tensor:
+    """A trainer tensor as a whole: gathered when it is a shard of a DTensor (collective over its mesh)."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def cast_for_rollout(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -54,9 +65,10 @@ class RolloutWeights:
     itself when ``dtype`` is its own (nothing to refresh; its CPU matrices rehomed into 2 MB pages), else
     a copy in ``dtype`` (``cast_for_rollout``; kernels installed like the trainer's)."""
 
-    def __init__(self, policy: nn.Module, dtype: torch.dtype):
+    def __init__(self, policy: nn.Module, dtype: torch.dtype, *, gather: bool = False):
         self.source, self.dtype = policy, dtype
-        self.copies = dtype != policy.embed_tokens.weight.dtype
+        self.copies = gather or dtype != policy.embed_tokens.weight.dtype
+        self.parts = None  # gather, narrower copy: the fp32 embedding and head the trainer's draft reads
         self.policy = policy
         self.drafts: dict[int, tuple] = {}  # id(draft) -> (draft, its rollout copy): see draft_for
         if self.copies:
@@ -67,6 +79,8 @@ class RolloutWeights:
             for p in self.policy.parameters():  # (the RoPE frequencies, a buffer, stay fp32)
                 p.data = cast_for_rollout(p, dtype)
             kernels.enable(self.policy)
+            if gather and dtype != torch.float32:
+                self.parts = [policy.embed_tokens.weight.detach().clone(), policy.head_weight.detach().clone()]
         # streamed every decode step: in 2 MB pages (without a copy, the trainer's own, in place)
         matrices = [p for p in self.policy.parameters() if p.dim() >= 2 and p.device.type == "cpu"]
         self.huge_pages = hugepages.rehome(matrices)
@@ -89,6 +103,12 @@ class RolloutWeights:
                                                                         self.policy.head_weight))
         return held[1]
 
+    def target_parts(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The target's embedding and LM head in full fp32, current after every ``refresh`` (gather=True)."""
+        if self.parts is not None:
+            return self.parts[0], self.parts[1]
+        return self.policy.embed_tokens.weight, self.policy.head_weight
+
     def _cast(self, draft, name: str, t: torch.Tensor) -> torch.Tensor:
         """What a rollout copy holds for tensor ``name`` of ``draft`` (None: the policy)."""
         if draft is None or name.startswith(draft.rollout_narrowed):
@@ -99,7 +119,7 @@ class RolloutWeights:
         """(draft or None, name, trainer tensor, rollout tensor) over the policy and every draft copy."""
         for src, dst, draft in [(self.source, self.policy, None), *((d, c, d) for d, c in self.drafts.values())]:
             for (name, a), b in zip(src.state_dict().items(), dst.state_dict().values()):
-                yield draft, name, a, b
+                yield draft, name, full(a), b
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -107,6 +127,9 @@ class RolloutWeights:
         if self.copies:
             for _, _, src, dst in self._pairs():
                 dst.copy_(src)
+            if self.parts is not None:
+                for part, src in zip(self.parts, (self.source.embed_tokens.weight, self.source.head_weight)):
+                    part.copy_(full(src))
 
     @torch.no_grad()
     def check(self, when: str) -> None:

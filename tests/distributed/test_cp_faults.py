@@ -16,7 +16,7 @@ import torch
 import codraft
 from codraft.parallel.comm import CPError, CPGroup, init_cp, on_host
 from codraft.parallel.context import ShardedRow
-from codraft.parallel.mesh import build_mesh
+from codraft.parallel.mesh import Layout, build_mesh
 from codraft.parallel.ring import ring_attention
 from codraft.parallel.zigzag import ZigzagPlan, ZigzagShard
 from dist_harness import run_ranks
@@ -49,7 +49,7 @@ def _faulty_peer(rank, world, fault):
 
 def _silent_peer_in_a_mesh(rank, world):
     """PP 2 × CP 2: rank 3 (stage 1, CP rank 1) never joins its stage's ring; rank 2 waits for it."""
-    mesh = build_mesh(2, 2, timeout=TIMEOUT)
+    mesh = build_mesh(Layout(pp=2, cp=2), timeout=TIMEOUT)
     if mesh.stage == 0:
         return "stage 0"
     if mesh.cp_rank == 1:
@@ -137,8 +137,9 @@ def test_each_rank_prints_its_own_error_line(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     ours = sorted(line for line in done.stderr.splitlines() if line.startswith("codraft train"))
-    assert ours == [f"codraft train (rank {r} of 2): error: parallel.pp=1 × parallel.cp=3 but torchrun started 2 "
-                    "processes; launch with torchrun --nproc-per-node 3" for r in (0, 1)], done.stderr
+    assert ours == [f"codraft train (rank {r} of 2): error: parallel.dp=1 × parallel.pp=1 × parallel.cp=3 = 3 ranks, "
+                    "but torchrun started 2 processes; launch with torchrun --nproc-per-node 3" for r in (0, 1)], \
+        done.stderr
     assert f'File "{Path(codraft.__file__).parent}' not in done.stderr  # no traceback through codraft's code
     assert not run.exists()
 

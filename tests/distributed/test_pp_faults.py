@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from codraft.parallel.mesh import build_mesh
+from codraft.parallel.mesh import Layout, build_mesh
 from codraft.parallel.pipeline import PipelineError
 from codraft.rl.microbatch import split_microbatches
 from codraft.rl.pipelined import build_pipeline, pipeline_cotrain
@@ -20,7 +20,7 @@ TIMEOUT = 3.0
 
 
 def _faulty_stage(rank, world, victim, fault):
-    mesh = build_mesh(world, 1, timeout=TIMEOUT)
+    mesh = build_mesh(Layout(pp=world, cp=1), timeout=TIMEOUT)
     policy, draft = _models("eagle3")
     pipe = build_pipeline(policy, draft, mesh, transport="p2p", max_tokens=1024, timeout=TIMEOUT)
     prompts, completions, logprobs, adv = _rollouts(3)

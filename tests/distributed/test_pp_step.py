@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from codraft.models import Transformer
-from codraft.parallel.mesh import build_mesh
+from codraft.parallel.mesh import Layout, build_mesh
 from codraft.parallel.pipeline import one_f_one_b, stage_layers, PipelineError
 from codraft.rl.cotrain import cotrain_loss
 from codraft.rl.microbatch import split_microbatches
@@ -70,7 +70,7 @@ def _step(kind, mesh, transport, microbatches, kl=0.0, dtype=torch.float32):
 
 
 def _compare(rank, world, pp, cp, kinds, transports, microbatches, kl=0.0):
-    mesh = build_mesh(pp, cp, timeout=60)
+    mesh = build_mesh(Layout(pp=pp, cp=cp), timeout=60)
     out = {}
     for kind in kinds:
         ref = _step(kind, None, "shm", microbatches, kl)
@@ -101,7 +101,7 @@ def test_pp_step_equals_single_process(pp, cp, kinds, transports, microbatches, 
 
 
 def _compare_bf16(rank, world, pp, cp, kind, transport):
-    mesh = build_mesh(pp, cp, timeout=60)
+    mesh = build_mesh(Layout(pp=pp, cp=cp), timeout=60)
     ref32, ref16 = (_step(kind, None, "shm", 2, dtype=d) for d in (torch.float32, torch.bfloat16))
     with Products() as seen:
         got16 = _step(kind, mesh, transport, 2, dtype=torch.bfloat16)
@@ -173,7 +173,7 @@ def test_schedule_and_split():
 
 
 def _weights_after_sync(rank, world):
-    mesh = build_mesh(world, 1, timeout=60)
+    mesh = build_mesh(Layout(pp=world, cp=1), timeout=60)
     policy, draft = _models("eagle3")
     pipe = build_pipeline(policy, draft, mesh, max_tokens=64, timeout=60)
     with torch.no_grad():  # each stage changes what it owns; after the sync every rank has every change
@@ -206,7 +206,7 @@ def test_weight_sync_gives_every_rank_every_stage():
 def _posted_batches(rank, world):
     """The stage-to-stage batches one step posts, as [(op, peer stage), ...] per batch."""
     import torch.distributed as dist
-    mesh = build_mesh(world, 1, timeout=60)
+    mesh = build_mesh(Layout(pp=world, cp=1), timeout=60)
     posted, real = [], dist.batch_isend_irecv
 
     def record(ops):

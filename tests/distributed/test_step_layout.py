@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from codraft.parallel.mesh import build_mesh
+from codraft.parallel.mesh import Layout, build_mesh
 from codraft.rl.microbatch import split_microbatches
 from codraft.rl.pipelined import build_pipeline, pipeline_cotrain
 from codraft.train.seeding import sequence_seeds
@@ -33,7 +33,7 @@ def _draft_step(policy, draft, mesh, microbatches, seed=SEED):
 
 
 def _pp_vs_single(rank, world):
-    mesh = build_mesh(2, 1, timeout=60)
+    mesh = build_mesh(Layout(pp=2, cp=1), timeout=60)
     out = {}
     for kind in ("dflash", "dspark"):
         policy, draft = _models(kind)
@@ -106,7 +106,7 @@ def test_microbatched_draft_loss_is_the_one_batch_loss(kind):
 
 
 def _pp_vs_one_batch(rank, world):
-    mesh = build_mesh(2, 1, timeout=60)
+    mesh = build_mesh(Layout(pp=2, cp=1), timeout=60)
     out = {}
     for kind in ("dflash", "eagle3"):
         policy, draft = _models(kind)

@@ -1,0 +1,98 @@
+"""Data parallelism (``parallel.dp``) against the single-process step, on real gloo groups.
+
+A ``dp=2`` trainer step (FSDP2 ``fully_shard`` or ``replicate``; the draft's gradients summed) computes
+the single-process step over the same rollouts (``rollout.shards=4``): the loss, both gradient norms and
+every gradient of policy and draft tensor by tensor, then the same updated weights; the rollout engine's
+full copy equals the trainer's weights after the update (the refit); under FSDP each rank holds about
+half of the policy's parameters, gradients and AdamW state. ``dp=2 × cp=2`` (4 ranks) likewise.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from codraft.parallel.data_parallel import local_bytes
+from codraft.rl import update_phase
+from codraft.rl.trainer import Trainer
+from codraft.rollout.weights import full
+from dist_harness import run_ranks
+from codraft.tasks import ArithTask
+from tiny_runs import alternating_reward, run_config
+
+KINDS = ["dflash", "dspark", "eagle3"]
+FOUR = ["rollout.prompts_per_step=4", "rollout.shards=4"]  # 2 groups per DP rank, the same rollouts at any layout
+
+
+def _step(policy_dir, run_dir, kind, extra):
+    """One trainer step: its metrics, the gradients at the commit point, the weights after it, and
+    this rank's bytes of policy parameters, gradients and optimiser state."""
+    tr = Trainer(run_config(policy_dir, run_dir, 1, kind=kind, extra=["seed=1", *extra]), progress=False)
+    seen, commit = {}, update_phase.commit
+
+    def capture(t, step, finite, timer):
+        seen["grads"] = {f"policy.{n}": full(p.grad).clone() for n, p in t.policy.named_parameters()}
+        seen["grads"].update({f"draft.{n}": p.grad.clone() for n, p in t.draft.named_parameters()
+                              if p.grad is not None})
+        seen["bytes"] = [local_bytes(t.policy.parameters()), local_bytes(p.grad for p in t.policy.parameters())]
+        commit(t, step, finite, timer)
+        seen["bytes"].append(local_bytes(v for st in t.opt.state.values() for v in st.values()
+                                         if torch.is_tensor(v) and v.dim() > 0))
+
+    update_phase.commit = capture
+    try:
+        m = tr.step(0)
+    finally:
+        update_phase.commit = commit
+    weights = {f"policy.{n}": full(p).detach().clone() for n, p in tr.policy.named_parameters()}
+    weights.update({f"draft.{n}": p.detach().clone() for n, p in tr.draft.named_parameters()})
+    tr.rollout_weights.check("after the update")  # the refit copy is the trainer's weights
+    refit = {f"policy.{n}": p.detach().clone() for n, p in tr.rollout_weights.policy.named_parameters()}
+    return m, seen["grads"], weights, refit, seen["bytes"]
+
+
+def _rank(rank, world, policy_dir, run_dir, kind, extra):
+    ArithTask._reward = alternating_reward  # the fixture's, in this process
+    return _step(policy_dir, run_dir, kind, extra)
+
+
+def _rel(a, b):
+    return float((a - b).norm() / b.norm().clamp_min(1e-12))
+
+
+def _same_step(got, want, tol=1e-4):
+    m, grads, weights, refit, _ = got
+    m0, grads0, weights0, _, _ = want
+    for k in ("policy/loss", "policy/grad_norm", "draft/loss", "draft/grad_norm", "policy/num_tokens",
+              "reward_mean", "acceptance_length"):
+        assert float(m[k]) == pytest.approx(float(m0[k]), rel=tol, abs=1e-7), k
+    assert grads.keys() == grads0.keys()
+    bad = {k: _rel(grads[k], grads0[k]) for k in grads0 if _rel(grads[k], grads0[k]) > tol}
+    assert not bad, f"gradients differ: {bad}"
+    assert float(m0["policy/grad_norm"]) > 1e-2 and float(m0["draft/grad_norm"]) > 1e-2  # both really train
+    bad = {k: _rel(weights[k], weights0[k]) for k in weights0 if _rel(weights[k], weights0[k]) > tol}
+    assert not bad, f"updated weights differ: {bad}"
+    assert all(torch.equal(refit[k], weights[k]) for k in refit)
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "ddp"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_dp2_step_equals_single_process(tmp_path, tiny_policy_dir, varied_reward, kind, mode):
+    single = _step(tiny_policy_dir, tmp_path / "one", kind, FOUR)
+    ranks = run_ranks(_rank, 2, tiny_policy_dir, tmp_path / "dp", kind, ["parallel.dp=2",
+                                                                          f"parallel.dp_shard={mode}", *FOUR])
+    for got in ranks:
+        _same_step(got, single)
+    total = [local_bytes(single[2][k] for k in single[2] if k.startswith("policy."))] * 2
+    held = ranks[0][4][:2]
+    if mode == "fsdp":  # about half of the parameters and gradients, and of the AdamW moments
+        assert all(0.4 * t < h < 0.6 * t for h, t in zip(held, total)), (held, total)
+        assert 0.4 * 2 * total[0] < ranks[0][4][2] < 0.6 * 2 * total[0]
+    else:
+        assert held == total
+
+
+def test_dp2_cp2_step_equals_single_process(tmp_path, tiny_policy_dir, varied_reward):
+    single = _step(tiny_policy_dir, tmp_path / "one", "dflash", FOUR)
+    for got in run_ranks(_rank, 4, tiny_policy_dir, tmp_path / "dpcp", "dflash",
+                         ["parallel.dp=2", "parallel.cp=2", *FOUR], timeout=300):
+        _same_step(got, single)
