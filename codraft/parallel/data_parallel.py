@@ -21,7 +21,10 @@ that ``codraft.rollout.weights.RolloutWeights`` gathers after every update (the 
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
+import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_optimizer_state_dict)
@@ -29,6 +32,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
 from codraft.models import Transformer
+from codraft.parallel.comm import CPError
 from codraft.parallel.mesh import Mesh
 
 try:  # FSDP2's DDP (torch >= 2.8); private path, public behaviour
@@ -75,6 +79,19 @@ def full_policy(policy: nn.Module) -> nn.Module | None:
     return plain
 
 
+@contextlib.contextmanager
+def named_collectives(mesh: Mesh, what: str):
+    """FSDP's all-gathers and reduce-scatters are plain torch.distributed calls: a peer that died or hung
+    surfaces as the backend's error after parallel.timeout; say whose and what (other errors pass)."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not (isinstance(e, dist.DistBackendError) or "gloo" in str(e)):
+            raise
+        raise CPError(f"{mesh.where()}: {what} failed: a data-parallel peer died or did not answer within "
+                      f"parallel.timeout: {str(e).splitlines()[0]}") from e
+
+
 class FullOptimizerState:
     """The sharded policy optimiser's state as a single-process checkpoint holds it (parameter indices,
     full tensors): gathered when made (collective; rank 0 holds it), scattered back by ``load_state_dict``
@@ -88,7 +105,7 @@ class FullOptimizerState:
             sd = get_optimizer_state_dict(policy, opt, options=StateDictOptions(full_state_dict=True,
                                                                                  cpu_offload=True))
             index = {n: i for i, n in enumerate(self.names)}
-            self.sd = {"state": {index[n]: v for n, v in sd["state"].items()},
+            self.sd = None if not sd else {"state": {index[n]: v for n, v in sd["state"].items()},
                        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in sd["param_groups"]]}
 
     def state_dict(self) -> dict:

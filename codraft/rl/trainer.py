@@ -28,9 +28,11 @@ checkpoint being written while such a streak lasts; Ctrl-C checkpoints the last 
 re-raising, so `--resume` continues from it (more Ctrl-Cs wait for a checkpoint write to finish, then
 say where the run stopped).
 
-Parallelism (``parallel.cp``, ``parallel.pp`` > 1: one process per rank under torchrun): every rank
-runs the step (its share of the rollouts, its rows and stage of the update: see the phases) and applies
-the same update; rank 0 alone writes the run folder and shows progress.
+Parallelism (``parallel.dp``, ``parallel.cp``, ``parallel.pp`` > 1: one process per rank under torchrun,
+placed by one ``Layout`` and its DeviceMesh, ``codraft.parallel.mesh``): every rank runs the step (its share
+of the rollouts; its prompt groups, rows and stage of the update: see the phases); under dp the policy is
+wrapped by FSDP2 from outside (``codraft.parallel.data_parallel``) and the engine decodes a gathered copy;
+rank 0 alone writes the run folder and shows progress.
 
 Run folder (``runs``, ``codraft.train.run_dir``, ``codraft.train.checkpoint``): rank 0 locks it for
 the run's life before anything loads (a folder that cannot be written, or that another run holds, is

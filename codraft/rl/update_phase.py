@@ -8,6 +8,9 @@ micro-batches (1F1B) instead, and syncs every stage's update into every rank's w
 
 Context parallelism: every rank runs the same step on its zigzag rows (``cotrain_loss(..., cp=)``) and
 the gradients are summed over the ranks before clipping, so every rank applies the same update.
+Data parallelism: each DP rank runs its groups as one micro-batch of the step (``codraft.rl.microbatch``),
+FSDP2 sums the policy's gradients (over dp × cp with CP) and the draft's are summed by hand; after the
+optimiser step the engine's full copy is refreshed from the shards (``time_refit``).
 
 Faults: a step whose loss or grad norm is NaN/inf is skipped (no optimiser step, `skipped_update`; the
 trainer stops the run after `grpo.max_nonfinite_steps` of those in a row). The commit point
@@ -29,6 +32,7 @@ import torch
 
 from codraft.config import RunConfig
 from codraft.parallel.context import sync_gradients
+from codraft.parallel.data_parallel import named_collectives
 from codraft.rollout.weights import full
 from codraft.rl.cotrain import cotrain_loss
 from codraft.rl.microbatch import merge_metrics, split_microbatches, with_draft_normaliser
@@ -173,12 +177,13 @@ def _data_parallel_backward(tr: Trainer, rollout: Rollout, scored: Scored, timer
                              scored.advantages.to(cfg.device), cfg.rollout.group_size, mesh.dp, cfg.device)
     mbs = with_draft_normaliser(mbs, tr.draft if tr.trains_draft else None, loss_kw["draft_seed"])
     mine = mbs[mesh.dp_rank]
-    with timer("loss_forward"):
+    with timer("loss_forward"), named_collectives(mesh, "the policy's forward (FSDP all-gathers)"):
         loss, lm = cotrain_loss(tr.policy, tr.draft, mine.batch, mine.advantages, cp=tr.cp, totals=mine.totals,
                                 **loss_kw)
     _zero_grad(tr)
     with timer("backward"):
-        loss.backward()  # FSDP / replicate sum the policy's gradients over dp (× cp)
+        with named_collectives(mesh, "the policy's backward (FSDP gradient sums)"):
+            loss.backward()  # FSDP / replicate sum the policy's gradients over dp (× cp)
         if tr.trains_draft:
             sync_gradients(tr.draft.trainable_parameters(), mesh.data_group, "draft")
         policy_norm = full(torch.nn.utils.clip_grad_norm_(tr.policy.parameters(), cfg.grpo.grad_clip))
@@ -220,7 +225,9 @@ def commit(tr: Trainer, step: int, finite: bool, timer: PhaseTimer):
                 with timer("weight_sync"):
                     sync_weights(tr.pipe, tr.policy,
                                  list(tr.draft.trainable_parameters()) if tr.trains_draft else [])
-            tr.rollout_weights.refresh()
+            if tr.rollout_weights.copies:  # the refit: the engine's copy gathered / cast from the trainer's
+                with timer("refit"):
+                    tr.rollout_weights.refresh()
         tr.sched.step()
         if tr.draft_sched is not None:
             tr.draft_sched.step()

@@ -112,7 +112,8 @@ def test_torchrun_ranks_do_not_all_take_one_gpu(monkeypatch):
         init_cp("cuda:1")
 
 
-@pytest.mark.parametrize("keys", [["parallel.cp=2"], ["parallel.pp=2"], ["parallel.pp=2", "parallel.cp=2"]])
+@pytest.mark.parametrize("keys", [["parallel.cp=2"], ["parallel.pp=2"], ["parallel.pp=2", "parallel.cp=2"],
+                                  ["parallel.dp=2"], ["parallel.dp=2", "parallel.cp=2"]])
 def test_parallel_train_without_torchrun_is_one_line(tmp_path, keys):
     """Without torchrun the parallel keys are one error line saying how to launch (no traceback, exit 1)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}

@@ -1,0 +1,64 @@
+"""`codraft train parallel.dp=2` under torchrun: the same metrics per step as one process over the same
+prompts (both decode rollout.shards=4 shards), rank 0 alone writes the run folder, and its checkpoint
+resumes at another layout (dp=1, and cp=2 under torchrun) with the next step equal to the one-process
+run's resumed the same way. The policy is the tiny preset's (tiny-sft: it earns rewards, so the GRPO gradient is not zero)."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+KEYS = ("reward_mean", "completion_len", "policy/loss", "policy/grad_norm", "draft/loss", "draft/grad_norm",
+        "policy/entropy", "acceptance_length")
+ARGS = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=24", "rollout.shards=4",
+        "log.val_every=0", "log.speedup_every=0", "log.checkpoint_every=1", "draft.kind=dflash", "draft.init=random",
+        "draft.gamma=3", "seed=1", "parallel.timeout=60"]
+
+
+def _codraft(nproc, *args):
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] \
+        if nproc > 1 else [sys.executable]
+    done = subprocess.run([*launch, "-m", "codraft", "train", *args], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return done.stdout
+
+
+def _rows(run_dir):
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if "policy/loss" in r}
+
+
+def _same(got, want):
+    for key in KEYS:
+        assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (want["step"], key)
+
+
+def test_torchrun_dp2_equals_single_process_and_resumes_at_other_layouts(tmp_path):
+    ref = tmp_path / "one"  # (2 steps then 3: the lr cosine follows `steps`, so the same history as the others')
+    _codraft(1, "steps=2", f"run_dir={ref}", *ARGS)
+    _codraft(1, "--resume", str(ref), "steps=3")
+    want = _rows(ref)
+    assert want[1]["policy/grad_norm"] > 1e-3  # the policy really trains
+
+    run = tmp_path / "dp2"
+    stdout = _codraft(2, "steps=2", f"run_dir={run}", "parallel.dp=2", *ARGS)
+    got = _rows(run)
+    assert sorted(got) == [1, 2] and stdout.count("metrics.jsonl") <= 1  # rank 0 wrote one row per step
+    for step in (1, 2):
+        _same(got[step], want[step])
+    assert "time_refit" in got[1]
+    assert sorted(p.name for p in run.iterdir() if p.is_dir() and p.name.startswith("step_")) == ["step_1", "step_2"]
+
+    other = tmp_path / "dp2-then-cp2"
+    shutil.copytree(run, other)
+    _codraft(1, "--resume", str(run), "steps=3", "parallel.dp=1")
+    _codraft(2, "--resume", str(other), "steps=3", "parallel.dp=1", "parallel.cp=2")
+    for folder, changed in ((run, {"parallel.dp"}), (other, {"parallel.dp", "parallel.cp"})):
+        _same(_rows(folder)[3], want[3])
+        log = [json.loads(line) for line in (folder / "resume_log.jsonl").read_text().splitlines()]
+        assert log[-1]["step"] == 2 and changed <= set(log[-1]["changed"])
