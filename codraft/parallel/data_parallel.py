@@ -22,12 +22,15 @@ that ``codraft.rollout.weights.RolloutWeights`` gathers after every update (the 
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                     get_optimizer_state_dict, set_optimizer_state_dict)
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
@@ -92,26 +95,26 @@ def named_collectives(mesh: Mesh, what: str):
                       f"parallel.timeout: {str(e).splitlines()[0]}") from e
 
 
-class FullOptimizerState:
-    """The sharded policy optimiser's state as a single-process checkpoint holds it (parameter indices,
-    full tensors): gathered when made (collective; rank 0 holds it), scattered back by ``load_state_dict``
-    (collective; every rank passes the whole state)."""
+def save_shards(policy: nn.Module, opt: torch.optim.Optimizer, folder: Path) -> None:
+    """Every rank writes its shards of the policy and of its AdamW state to ``folder``
+    (``torch.distributed.checkpoint``; rank 0 writes the metadata once all have written): collective."""
+    dcp.save({"model": get_model_state_dict(policy), "optim": get_optimizer_state_dict(policy, opt)},
+             checkpoint_id=folder)
 
-    def __init__(self, policy: nn.Module, opt: torch.optim.Optimizer, gather: bool = True):
-        self.policy, self.opt = policy, opt
-        self.names = [n for n, _ in policy.named_parameters()]
-        self.sd = None
-        if gather:
-            sd = get_optimizer_state_dict(policy, opt, options=StateDictOptions(full_state_dict=True,
-                                                                                 cpu_offload=True))
-            index = {n: i for i, n in enumerate(self.names)}
-            self.sd = None if not sd else {"state": {index[n]: v for n, v in sd["state"].items()},
-                       "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in sd["param_groups"]]}
 
-    def state_dict(self) -> dict:
-        return self.sd
+def load_shards(policy: nn.Module, opt: torch.optim.Optimizer, folder: Path) -> None:
+    """The policy and its AdamW state from a ``save_shards`` folder, resharded to this run's layout: FSDP
+    shards at any dp, or whole tensors (one process, CP, PP). Collective where a process group exists."""
+    state = {"model": get_model_state_dict(policy), "optim": get_optimizer_state_dict(policy, opt)}
+    dcp.load(state, checkpoint_id=folder)
+    set_model_state_dict(policy, state["model"])
+    set_optimizer_state_dict(policy, opt, state["optim"])
 
-    def load_state_dict(self, sd: dict) -> None:
-        by_name = {"state": {self.names[i]: v for i, v in sd["state"].items()},
-                   "param_groups": [{**g, "params": [self.names[i] for i in g["params"]]} for g in sd["param_groups"]]}
-        set_optimizer_state_dict(self.policy, self.opt, by_name, options=StateDictOptions(full_state_dict=True))
+
+def load_full_optimizer_state(policy: nn.Module, opt: torch.optim.Optimizer, sd: dict) -> None:
+    """A one-process checkpoint's optimiser state (parameter indices, whole tensors) into the sharded
+    policy's optimiser: every rank passes the whole state and keeps its shards (collective)."""
+    names = [n for n, _ in policy.named_parameters()]
+    by_name = {"state": {names[i]: v for i, v in sd["state"].items()},
+               "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]]}
+    set_optimizer_state_dict(policy, opt, by_name, options=StateDictOptions(full_state_dict=True))

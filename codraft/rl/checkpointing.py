@@ -2,8 +2,8 @@
 completed step, ``resume_from`` continues from one.
 
 Only rank 0 writes, one consolidated checkpoint (under pp every rank holds every weight; the stages'
-optimiser states are gathered; under dp the policy's and its optimiser's shards are gathered), so a run
-saved at one layout resumes at any other; a Ctrl-C during the write waits for it. A checkpoint carries the
+optimiser states are gathered); under dp every rank also writes its shards of the policy and its optimiser
+(``sharded/``, torch.distributed.checkpoint), which a resume at any layout reshards; a Ctrl-C during the write waits for it. A checkpoint carries the
 draft, optimisers and schedulers, the prompt counter and, with draft_length=auto, the running
 acceptance estimates, so a resumed run repeats an uninterrupted one's rollouts and updates.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from codraft.parallel.data_parallel import FullOptimizerState, full_policy
+from codraft.parallel.data_parallel import full_policy, load_full_optimizer_state, load_shards, save_shards
 from codraft.rl.pipelined import ConsolidatedState, keep_state
 from codraft.rl.update_phase import hold_ctrl_c
 from codraft.train import checkpoint as ckpt
@@ -29,8 +29,11 @@ def save(tr: Trainer) -> Path | None:
         own, drafts = tr._owned()
         optimizers.update(policy=ConsolidatedState(tr.opt, own, tr.world),
                           draft=tr.draft_opt and ConsolidatedState(tr.draft_opt, drafts, tr.world))
-    if tr.layout.dp > 1:  # the shards gathered: the same checkpoint as one process writes
-        policy, optimizers["policy"] = full_policy(tr.policy), FullOptimizerState(tr.policy, tr.opt)
+    shards = None
+    if tr.layout.dp > 1:  # every rank writes its shards (DCP); rank 0 also gathers the whole policy (HF folder)
+        shards = ckpt.shards_folder(tr.run_dir, tr.steps_done)
+        save_shards(tr.policy, tr.opt, shards)
+        policy, optimizers["policy"] = full_policy(tr.policy), None
     if not tr.is_main:
         tr._saved = tr.steps_done
         return None
@@ -39,7 +42,7 @@ def save(tr: Trainer) -> Path | None:
                                     optimizers=optimizers,
                                     state=_checkpoint_state(tr),
                                     config=tr.cfg.to_dict(), keep_last=tr.cfg.log.keep_last,
-                                    extra_files=_tokenizer_files(tr.policy_dir))
+                                    extra_files=_tokenizer_files(tr.policy_dir), shards=shards)
         tr._saved = tr.steps_done
     return path
 
@@ -62,8 +65,12 @@ def resume_from(tr: Trainer, found) -> None:
     counters, the acceptance estimates (a "spec_pays" of checkpoints from before draft_length is
     ignored)."""
     optimizers = tr._optimizers()
-    if tr.layout.dp > 1:  # every rank reads the whole state and keeps its shards
-        optimizers["policy"] = FullOptimizerState(tr.policy, tr.opt, gather=False)
+    sharded = found.path / ckpt.SHARDS
+    if sharded.is_dir():  # a data-parallel run's: resharded to this layout (any dp, or whole tensors)
+        load_shards(tr.policy, tr.opt, sharded)
+    elif tr.layout.dp > 1:  # a one-process checkpoint: every rank reads the whole state and keeps its shards
+        load_full_optimizer_state(tr.policy, tr.opt, found.optim["policy"])
+    optimizers["policy"] = None if sharded.is_dir() or tr.layout.dp > 1 else tr.opt
     state = ckpt.restore(found, draft=tr.draft, optimizers=optimizers)
     tr.rollout_weights.refresh()  # the engines' draft copies were made from the draft before this
     tr.start_step, tr.prompts_used = state["step"], state["prompts_used"]

@@ -3,7 +3,9 @@
 Contents: the policy in HF format (`policy/`, loadable by transformers), the draft's state
 (`draft.pt`), both optimisers and schedulers (`optim.pt`), RNG states (`rng.pt`), the config
 (`config.yaml`) and `state.json`, the completion marker: the data-loader position and the
-size and sha256 of every other file of the checkpoint.
+size and sha256 of every other file of the checkpoint. A data-parallel run also writes `sharded/`:
+every rank's shards of the policy and of its optimiser (torch.distributed.checkpoint), which its
+`optim.pt` then leaves out; `policy/` is still the whole policy (gathered by rank 0).
 
 Crash safety, end to end (``kill -9`` at any moment leaves a run that resumes):
 - writing: the checkpoint is built in a temporary sibling, the marker written last, and
@@ -41,6 +43,7 @@ from codraft.models import load_pretrained, save_pretrained
 from codraft.models.tensor_files import load_pickle
 
 MARKER = "state.json"
+SHARDS = "sharded"  # a data-parallel run's policy and policy-optimiser shards (torch.distributed.checkpoint)
 REQUIRED = ("policy/config.json", "optim.pt", "rng.pt", "config.yaml")  # in every checkpoint
 _STEP = re.compile(r"^step_(\d+)$")
 _STALE = re.compile(r"^\..+\.(tmp|old|trash)-")
@@ -112,10 +115,19 @@ def _manifest(folder: Path) -> dict:
             for p in sorted(folder.rglob("*")) if p.is_file() and p.name != MARKER}
 
 
+def shards_folder(run_dir: str | Path, step: int) -> Path:
+    """Where every rank of a sharded run writes its shards of step ``step`` before rank 0 moves them into
+    the checkpoint (``SHARDS``); a name that ``clean_stale`` removes if the write never completes."""
+    return Path(run_dir) / f".step_{step}.tmp-shards"
+
+
 def save_checkpoint(run_dir: str | Path, step: int, *, policy, draft, optimizers: dict, state: dict,
-                    config: dict, keep_last: int, extra_files: dict[str, str] | None = None) -> Path:
+                    config: dict, keep_last: int, extra_files: dict[str, str] | None = None,
+                    shards: Path | None = None) -> Path:
     final = Path(run_dir) / f"step_{step}"
     with atomic_dir(final) as tmp:
+        if shards is not None:  # the ranks' shards (written before): part of the checkpoint, hashed with it
+            shards.rename(tmp / SHARDS)
         save_pretrained(policy, tmp / "policy", extra_files=extra_files)
         if draft is not None and isinstance(draft, torch.nn.Module):
             torch.save(draft.state_dict(), tmp / "draft.pt")

@@ -1,7 +1,7 @@
 """`codraft train parallel.dp=2` under torchrun: the same metrics per step as one process over the same
 prompts (both decode rollout.shards=4 shards), rank 0 alone writes the run folder, and its checkpoint
 resumes at another layout (dp=1, and cp=2 under torchrun) with the next step equal to the one-process
-run's resumed the same way. The policy is the tiny preset's (tiny-sft: it earns rewards, so the GRPO gradient is not zero)."""
+run's resumed the same way; a one-process checkpoint resumes at dp=2. The policy is the tiny preset's (tiny-sft: it earns rewards, so the GRPO gradient is not zero)."""
 from __future__ import annotations
 
 import json
@@ -11,6 +11,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 KEYS = ("reward_mean", "completion_len", "policy/loss", "policy/grad_norm", "draft/loss", "draft/grad_norm",
         "policy/entropy", "acceptance_length")
@@ -53,6 +54,11 @@ def test_torchrun_dp2_equals_single_process_and_resumes_at_other_layouts(tmp_pat
         _same(got[step], want[step])
     assert "time_refit" in got[1]
     assert sorted(p.name for p in run.iterdir() if p.is_dir() and p.name.startswith("step_")) == ["step_1", "step_2"]
+    # every rank's shards of the policy and its AdamW state (DCP), the whole policy as an HF folder
+    step = run / "step_2"
+    assert (step / "sharded" / ".metadata").is_file() and len(list((step / "sharded").glob("*.distcp"))) == 2
+    assert "policy" not in torch.load(step / "optim.pt", weights_only=True) and (step / "policy" / "config.json").is_file()
+    assert not list(run.glob(".step_*"))  # no shards left outside a checkpoint
 
     other = tmp_path / "dp2-then-cp2"
     shutil.copytree(run, other)
@@ -62,3 +68,10 @@ def test_torchrun_dp2_equals_single_process_and_resumes_at_other_layouts(tmp_pat
         _same(_rows(folder)[3], want[3])
         log = [json.loads(line) for line in (folder / "resume_log.jsonl").read_text().splitlines()]
         assert log[-1]["step"] == 2 and changed <= set(log[-1]["changed"])
+
+    # a one-process checkpoint resumes at dp=2 (its whole optimiser state sharded on load)
+    spread = tmp_path / "one-then-dp2"
+    shutil.copytree(ref, spread)
+    _codraft(1, "--resume", str(ref), "steps=4")
+    _codraft(2, "--resume", str(spread), "steps=4", "parallel.dp=2")
+    _same(_rows(spread)[4], _rows(ref)[4])
