@@ -13,8 +13,8 @@ releases, PT #162338.)
 Mixed precision stays ``grpo.precision``'s (bf16 products inside an fp32 forward), so no FSDP
 ``MixedPrecisionPolicy``: the shards and the AdamW state are fp32 masters.
 
-The draft is small and every rank's rollout engine runs it, so it stays whole on every rank; its
-gradients are summed over the same ranks in one all-reduce (``sync_gradients`` over ``mesh.data_group``).
+The co-trained draft gets the same choice (``parallelize_draft``, one FSDP group: it is small); every
+rank's engine decodes with a whole copy of it, refreshed with the policy's.
 
 After fully_shard the policy's parameters are DTensors: the rollout engine decodes from a full copy
 that ``codraft.rollout.weights.RolloutWeights`` gathers after every update (the refit).
@@ -31,7 +31,7 @@ import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
 from codraft.models import Transformer
@@ -44,24 +44,37 @@ except ImportError:  # pragma: no cover - older torch: the config rule names the
     replicate = None
 
 
-def parallelize_policy(policy: nn.Module, mesh: Mesh, mode: str) -> nn.Module:
-    """Shard (``fsdp``) or replicate (``ddp``) ``policy`` in place over ``mesh.data_mesh`` (dp, × cp)."""
-    ranks = mesh.data_mesh
+def _wrap(module: nn.Module, parts: list[nn.Module], ranks, mode: str) -> None:
     if mode == "fsdp":
-        for layer in policy.layers:
-            fully_shard(layer, mesh=ranks)
-        fully_shard(policy, mesh=ranks)
+        for part in parts:  # each its own all-gather / reduce-scatter group, bottom-up
+            fully_shard(part, mesh=ranks)
+        fully_shard(module, mesh=ranks)
     elif mode == "ddp":
         if replicate is None:
             raise RuntimeError("parallel.dp_shard=ddp needs torch >= 2.8 (FSDP2's replicate); use fsdp")
-        replicate(policy, mesh=ranks)
+        replicate(module, mesh=ranks)
     else:
         raise ValueError(f"parallel.dp_shard must be fsdp or ddp, got {mode!r}")
-    for m in policy.modules():
+    for m in module.modules():
         if isinstance(m, FSDPModule):
             m.set_force_sum_reduction_for_comms(True)
             m.set_gradient_divide_factor(1.0)
+
+
+def parallelize_policy(policy: nn.Module, mesh: Mesh, mode: str) -> nn.Module:
+    """Shard (``fsdp``: each decoder layer, then the root) or replicate (``ddp``) ``policy`` in place over
+    ``mesh.data_mesh`` (dp, × cp)."""
+    _wrap(policy, list(policy.layers), mesh.data_mesh, mode)
     return policy
+
+
+def parallelize_draft(draft: nn.Module, mesh: Mesh, mode: str) -> nn.Module:
+    """The co-trained draft, sharded or replicated as the policy (one group: it is small). Its loss is a
+    method, not ``forward``: registered so that FSDP gathers the parameters around it (``loss_normaliser``
+    reads the batch alone)."""
+    _wrap(draft, [], mesh.data_mesh, mode)
+    register_fsdp_forward_method(draft, "loss")
+    return draft
 
 
 def local_bytes(tensors) -> int:
@@ -73,7 +86,7 @@ def local_bytes(tensors) -> int:
 def full_policy(policy: nn.Module) -> nn.Module | None:
     """The sharded policy as one plain module on rank 0 (None elsewhere), for a checkpoint as the
     single-process run writes it, which any layout resumes from: collective."""
-    sd = get_model_state_dict(policy, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    sd = full_state(policy)
     if not sd:
         return None
     with torch.device("meta"):  # no memory until the gathered tensors are assigned
@@ -95,26 +108,43 @@ def named_collectives(mesh: Mesh, what: str):
                       f"parallel.timeout: {str(e).splitlines()[0]}") from e
 
 
-def save_shards(policy: nn.Module, opt: torch.optim.Optimizer, folder: Path) -> None:
-    """Every rank writes its shards of the policy and of its AdamW state to ``folder``
-    (``torch.distributed.checkpoint``; rank 0 writes the metadata once all have written): collective."""
-    dcp.save({"model": get_model_state_dict(policy), "optim": get_optimizer_state_dict(policy, opt)},
-             checkpoint_id=folder)
+def save_shards(parts: dict[str, tuple[nn.Module, torch.optim.Optimizer]], folder: Path) -> None:
+    """Every rank writes its shards of each module and its optimiser state (``parts``: name -> (module,
+    optimiser)) to ``folder`` (``torch.distributed.checkpoint``; rank 0 writes the metadata once all have
+    written): collective."""
+    dcp.save(_state(parts), checkpoint_id=folder)
 
 
-def load_shards(policy: nn.Module, opt: torch.optim.Optimizer, folder: Path) -> None:
-    """The policy and its AdamW state from a ``save_shards`` folder, resharded to this run's layout: FSDP
-    shards at any dp, or whole tensors (one process, CP, PP). Collective where a process group exists."""
-    state = {"model": get_model_state_dict(policy), "optim": get_optimizer_state_dict(policy, opt)}
+def load_shards(parts: dict[str, tuple[nn.Module, torch.optim.Optimizer]], folder: Path) -> None:
+    """Each module and its optimiser state from a ``save_shards`` folder, resharded to this run's layout:
+    FSDP shards at any dp, or whole tensors (one process, CP, PP). Collective where a process group exists."""
+    state = _state(parts)
     dcp.load(state, checkpoint_id=folder)
-    set_model_state_dict(policy, state["model"])
-    set_optimizer_state_dict(policy, opt, state["optim"])
+    for name, (module, opt) in parts.items():
+        set_model_state_dict(module, state[name])
+        set_optimizer_state_dict(module, opt, state[f"{name}_optim"])
 
 
-def load_full_optimizer_state(policy: nn.Module, opt: torch.optim.Optimizer, sd: dict) -> None:
-    """A one-process checkpoint's optimiser state (parameter indices, whole tensors) into the sharded
-    policy's optimiser: every rank passes the whole state and keeps its shards (collective)."""
-    names = [n for n, _ in policy.named_parameters()]
+def _state(parts: dict) -> dict:
+    state = {}
+    for name, (module, opt) in parts.items():
+        state[name], state[f"{name}_optim"] = get_model_state_dict(module), get_optimizer_state_dict(module, opt)
+    return state
+
+
+def load_full_state(module: nn.Module, opt: torch.optim.Optimizer, weights: dict | None, sd: dict) -> None:
+    """A one-process checkpoint's weights (None: already loaded) and optimiser state (parameter indices over
+    the trained parameters, whole tensors) into a sharded module: every rank passes the whole state and
+    keeps its shards (collective)."""
+    full = StateDictOptions(full_state_dict=True)
+    if weights is not None:
+        set_model_state_dict(module, weights, options=full)
+    names = [n for n, p in module.named_parameters() if p.requires_grad]
     by_name = {"state": {names[i]: v for i, v in sd["state"].items()},
                "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]]}
-    set_optimizer_state_dict(policy, opt, by_name, options=StateDictOptions(full_state_dict=True))
+    set_optimizer_state_dict(module, opt, by_name, options=full)
+
+
+def full_state(module: nn.Module) -> dict:
+    """A sharded module's state dict as whole tensors on rank 0 (empty elsewhere): collective."""
+    return get_model_state_dict(module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

@@ -12,7 +12,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from codraft.parallel.data_parallel import full_policy, load_full_optimizer_state, load_shards, save_shards
+from codraft.parallel.data_parallel import full_policy, full_state, load_full_state, load_shards, save_shards
 from codraft.rl.pipelined import ConsolidatedState, keep_state
 from codraft.rl.update_phase import hold_ctrl_c
 from codraft.train import checkpoint as ckpt
@@ -29,22 +29,33 @@ def save(tr: Trainer) -> Path | None:
         own, drafts = tr._owned()
         optimizers.update(policy=ConsolidatedState(tr.opt, own, tr.world),
                           draft=tr.draft_opt and ConsolidatedState(tr.draft_opt, drafts, tr.world))
-    shards = None
-    if tr.layout.dp > 1:  # every rank writes its shards (DCP); rank 0 also gathers the whole policy (HF folder)
+    shards, draft = None, tr.draft
+    if tr.layout.dp > 1:  # every rank writes its shards (DCP); rank 0 also gathers the whole policy and draft
         shards = ckpt.shards_folder(tr.run_dir, tr.steps_done)
-        save_shards(tr.policy, tr.opt, shards)
+        save_shards(_sharded(tr), shards)
         policy, optimizers["policy"] = full_policy(tr.policy), None
+        if tr.trains_draft:
+            draft, optimizers["draft"] = full_state(tr.draft), None
     if not tr.is_main:
         tr._saved = tr.steps_done
         return None
     with hold_ctrl_c():  # a Ctrl-C waits for the write: the step being saved is kept, then it stops
-        path = ckpt.save_checkpoint(tr.run_dir, tr.steps_done, policy=policy, draft=tr.draft,
+        path = ckpt.save_checkpoint(tr.run_dir, tr.steps_done, policy=policy, draft=draft,
                                     optimizers=optimizers,
                                     state=_checkpoint_state(tr),
                                     config=tr.cfg.to_dict(), keep_last=tr.cfg.log.keep_last,
                                     extra_files=_tokenizer_files(tr.policy_dir), shards=shards)
         tr._saved = tr.steps_done
     return path
+
+
+def _sharded(tr: Trainer) -> dict:
+    """What a data-parallel checkpoint holds as shards: the policy and the co-trained draft, with their
+    optimisers."""
+    parts = {"policy": (tr.policy, tr.opt)}
+    if tr.trains_draft:
+        parts["draft"] = (tr.draft, tr.draft_opt)
+    return parts
 
 
 def _checkpoint_state(tr: Trainer) -> dict:
@@ -64,14 +75,19 @@ def resume_from(tr: Trainer, found) -> None:
     """Continue from checkpoint ``found``: the draft, optimisers and schedulers, the step and prompt
     counters, the acceptance estimates (a "spec_pays" of checkpoints from before draft_length is
     ignored)."""
-    optimizers = tr._optimizers()
+    optimizers, draft = tr._optimizers(), tr.draft
     sharded = found.path / ckpt.SHARDS
     if sharded.is_dir():  # a data-parallel run's: resharded to this layout (any dp, or whole tensors)
-        load_shards(tr.policy, tr.opt, sharded)
+        load_shards(_sharded(tr), sharded)
     elif tr.layout.dp > 1:  # a one-process checkpoint: every rank reads the whole state and keeps its shards
-        load_full_optimizer_state(tr.policy, tr.opt, found.optim["policy"])
-    optimizers["policy"] = None if sharded.is_dir() or tr.layout.dp > 1 else tr.opt
-    state = ckpt.restore(found, draft=tr.draft, optimizers=optimizers)
+        load_full_state(tr.policy, tr.opt, None, found.optim["policy"])  # (the weights: loaded before sharding)
+        if tr.trains_draft:
+            load_full_state(tr.draft, tr.draft_opt, found.draft, found.optim["draft"])
+    if sharded.is_dir() or tr.layout.dp > 1:  # done above
+        optimizers["policy"] = None
+        if tr.trains_draft:
+            optimizers["draft"], draft = None, None
+    state = ckpt.restore(found, draft=draft, optimizers=optimizers)
     tr.rollout_weights.refresh()  # the engines' draft copies were made from the draft before this
     tr.start_step, tr.prompts_used = state["step"], state["prompts_used"]
     estimates = tr._estimates()  # (log.frozen_probe_every may have changed: no frozen probe now)

@@ -57,7 +57,7 @@ from codraft import kernels
 from codraft.config import RunConfig, check_taps
 from codraft.errors import CodraftError, NonFiniteError
 from codraft.parallel.comm import init_cp
-from codraft.parallel.data_parallel import parallelize_policy
+from codraft.parallel.data_parallel import parallelize_draft, parallelize_policy
 from codraft.parallel.mesh import Layout, build_mesh
 from codraft.policy import load_policy
 from codraft.rl import checkpointing, memory, observation, rollout_phase, runs, scoring, update_phase
@@ -150,9 +150,12 @@ class Trainer:
             ref = init_policy if init_policy is not self.policy else copy.deepcopy(self.policy)
             self.reference = ref.to(cfg.device).eval().requires_grad_(False)
         if self.layout.dp > 1:  # data parallelism, applied from outside the model (codraft.parallel.data_parallel)
+            self.rollout_weights.draft_for(self.draft)  # the engine's whole copy, made before the draft is sharded
             parallelize_policy(self.policy, self.mesh, cfg.parallel.dp_shard)
             if self.draft is not None:  # the target's parts, whole: the engine's refreshed copy
                 self.draft.bind_target(*self.rollout_weights.target_parts())
+            if self.trains_draft:
+                parallelize_draft(self.draft, self.mesh, cfg.parallel.dp_shard)
 
         g = cfg.grpo
         self.opt = adamw(self.policy.parameters(), lr=g.lr, weight_decay=g.weight_decay, betas=(0.9, 0.99))

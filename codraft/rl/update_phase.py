@@ -9,8 +9,7 @@ micro-batches (1F1B) instead, and syncs every stage's update into every rank's w
 Context parallelism: every rank runs the same step on its zigzag rows (``cotrain_loss(..., cp=)``) and
 the gradients are summed over the ranks before clipping, so every rank applies the same update.
 Data parallelism: each DP rank runs its groups as one micro-batch of the step (``codraft.rl.microbatch``),
-FSDP2 sums the policy's gradients (over dp × cp with CP) and the draft's are summed by hand; after the
-optimiser step the engine's full copy is refreshed from the shards (``time_refit``).
+FSDP2 sums the policy's and the draft's gradients (over dp × cp with CP); after the optimiser step the engine's full copy is refreshed from the shards (``time_refit``).
 
 Faults: a step whose loss or grad norm is NaN/inf is skipped (no optimiser step, `skipped_update`; the
 trainer stops the run after `grpo.max_nonfinite_steps` of those in a row). The commit point
@@ -170,8 +169,8 @@ def _pipelined_backward(tr: Trainer, step: int, rollout: Rollout, scored: Scored
 
 def _data_parallel_backward(tr: Trainer, rollout: Rollout, scored: Scored, timer: PhaseTimer, loss_kw: dict):
     """parallel.dp: the step's groups as one micro-batch per DP rank, each normalised by the step's totals
-    (``codraft.rl.microbatch``), so the gradients FSDP sums over the ranks are the one-batch step's; the
-    draft's summed over the same ranks; loss and metrics merged over the DP ranks as micro-batches'."""
+    (``codraft.rl.microbatch``), so the gradients FSDP sums over the ranks (policy and draft) are the
+    one-batch step's; loss and metrics merged over the DP ranks as micro-batches'."""
     cfg, mesh = tr.cfg, tr.mesh
     mbs = split_microbatches(rollout.prompts, [o.tokens for o in rollout.out], [o.logprobs for o in rollout.out],
                              scored.advantages.to(cfg.device), cfg.rollout.group_size, mesh.dp, cfg.device)
@@ -182,13 +181,11 @@ def _data_parallel_backward(tr: Trainer, rollout: Rollout, scored: Scored, timer
                                 **loss_kw)
     _zero_grad(tr)
     with timer("backward"):
-        with named_collectives(mesh, "the policy's backward (FSDP gradient sums)"):
-            loss.backward()  # FSDP / replicate sum the policy's gradients over dp (× cp)
-        if tr.trains_draft:
-            sync_gradients(tr.draft.trainable_parameters(), mesh.data_group, "draft")
+        with named_collectives(mesh, "the backward (FSDP gradient sums)"):
+            loss.backward()  # FSDP / replicate sum the policy's and the draft's gradients over dp (× cp)
         policy_norm = full(torch.nn.utils.clip_grad_norm_(tr.policy.parameters(), cfg.grpo.grad_clip))
-        draft_norm = None if tr.draft_opt is None else torch.nn.utils.clip_grad_norm_(
-            tr.draft.trainable_parameters(), cfg.draft.grad_clip)
+        draft_norm = None if tr.draft_opt is None else full(torch.nn.utils.clip_grad_norm_(
+            tr.draft.trainable_parameters(), cfg.draft.grad_clip))
     parts = mesh.dp_group.all_gather_object(lm, "the data-parallel ranks' loss metrics")
     losses = mesh.dp_group.all_gather(loss.detach().reshape(1), "the data-parallel ranks' losses")
     return torch.cat(losses).sum(), merge_metrics(parts, mbs), policy_norm, draft_norm

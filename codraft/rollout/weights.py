@@ -19,7 +19,7 @@ A stale copy is the failure behind a "weights lost on refit" report (τ fell to 
 compares every tensor with the cast of the trainer's current one and raises
 ``StaleRolloutWeights`` naming the first that differs.
 
-A draft's copy (``draft_for``) is bound to the copy's embedding and LM head where they are
+A draft's copy (``draft_for``; always a copy under ``gather``) is bound to the copy's embedding and LM head where they are
 weight-only (a block draft's head product over its vocabulary is a large part of its cost). Its own
 weights: the matrices the draft names (``Draft.rollout_narrowed``: a block draft's taps' fc and
 layers, ~0.7 ms of a DSpark round at batch 1) are cast, refreshed and checked with the policy's; a
@@ -67,7 +67,7 @@ class RolloutWeights:
 
     def __init__(self, policy: nn.Module, dtype: torch.dtype, *, gather: bool = False):
         self.source, self.dtype = policy, dtype
-        self.copies = gather or dtype != policy.embed_tokens.weight.dtype
+        self.copies, self.gather = gather or dtype != policy.embed_tokens.weight.dtype, gather
         self.parts = None  # gather, narrower copy: the fp32 embedding and head the trainer's draft reads
         self.policy = policy
         self.drafts: dict[int, tuple] = {}  # id(draft) -> (draft, its rollout copy): see draft_for
@@ -89,9 +89,10 @@ class RolloutWeights:
         """The draft the engine runs with this policy: ``draft`` itself, or (weight-only copy) a copy bound
         to the copy's embedding and head, holding ``draft.rollout_narrowed``'s matrices cast (made once per
         draft, refreshed and checked with the policy), else sharing every draft parameter."""
-        if not self.copies or not isinstance(draft, nn.Module) or self.policy.compute_dtype != torch.float32:
+        if not isinstance(draft, nn.Module) or not self.copies or \
+                (self.policy.compute_dtype != torch.float32 and not self.gather):
             return draft
-        if not getattr(draft, "rollout_narrowed", ()):
+        if not getattr(draft, "rollout_narrowed", ()) and not self.gather:  # (gather: the trainer's is sharded)
             return copy.copy(draft).bind_target(self.policy.embed_tokens.weight, self.policy.head_weight)
         held = self.drafts.get(id(draft))
         if held is None or held[0] is not draft:
@@ -111,7 +112,8 @@ class RolloutWeights:
 
     def _cast(self, draft, name: str, t: torch.Tensor) -> torch.Tensor:
         """What a rollout copy holds for tensor ``name`` of ``draft`` (None: the policy)."""
-        if draft is None or name.startswith(draft.rollout_narrowed):
+        if draft is None or name.startswith(getattr(draft, "rollout_narrowed", ())) or \
+                (self.gather and self.policy.compute_dtype != torch.float32):  # a copy cast throughout
             return cast_for_rollout(t, self.dtype)
         return t.detach()
 

@@ -4,8 +4,9 @@ Contents: the policy in HF format (`policy/`, loadable by transformers), the dra
 (`draft.pt`), both optimisers and schedulers (`optim.pt`), RNG states (`rng.pt`), the config
 (`config.yaml`) and `state.json`, the completion marker: the data-loader position and the
 size and sha256 of every other file of the checkpoint. A data-parallel run also writes `sharded/`:
-every rank's shards of the policy and of its optimiser (torch.distributed.checkpoint), which its
-`optim.pt` then leaves out; `policy/` is still the whole policy (gathered by rank 0).
+every rank's shards of the policy, the co-trained draft and their optimisers
+(torch.distributed.checkpoint), which its `optim.pt` then leaves out; `policy/` and `draft.pt` still
+hold the whole weights (gathered by rank 0).
 
 Crash safety, end to end (``kill -9`` at any moment leaves a run that resumes):
 - writing: the checkpoint is built in a temporary sibling, the marker written last, and
@@ -43,7 +44,7 @@ from codraft.models import load_pretrained, save_pretrained
 from codraft.models.tensor_files import load_pickle
 
 MARKER = "state.json"
-SHARDS = "sharded"  # a data-parallel run's policy and policy-optimiser shards (torch.distributed.checkpoint)
+SHARDS = "sharded"  # a data-parallel run's shards of policy, draft and optimisers (torch.distributed.checkpoint)
 REQUIRED = ("policy/config.json", "optim.pt", "rng.pt", "config.yaml")  # in every checkpoint
 _STEP = re.compile(r"^step_(\d+)$")
 _STALE = re.compile(r"^\..+\.(tmp|old|trash)-")
@@ -129,8 +130,8 @@ def save_checkpoint(run_dir: str | Path, step: int, *, policy, draft, optimizers
         if shards is not None:  # the ranks' shards (written before): part of the checkpoint, hashed with it
             shards.rename(tmp / SHARDS)
         save_pretrained(policy, tmp / "policy", extra_files=extra_files)
-        if draft is not None and isinstance(draft, torch.nn.Module):
-            torch.save(draft.state_dict(), tmp / "draft.pt")
+        if isinstance(draft, (torch.nn.Module, dict)):  # (a dict: the state dict, gathered from shards)
+            torch.save(draft if isinstance(draft, dict) else draft.state_dict(), tmp / "draft.pt")
         torch.save({k: o.state_dict() for k, o in optimizers.items() if o is not None}, tmp / "optim.pt")
         torch.save({"torch": torch.get_rng_state(), "python": random.getstate()}, tmp / "rng.pt")
         (tmp / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))

@@ -1,10 +1,10 @@
 """Data parallelism (``parallel.dp``) against the single-process step, on real gloo groups.
 
-A ``dp=2`` trainer step (FSDP2 ``fully_shard`` or ``replicate``; the draft's gradients summed) computes
+A ``dp=2`` trainer step (FSDP2 ``fully_shard`` or ``replicate``, of the policy and the draft) computes
 the single-process step over the same rollouts (``rollout.shards=4``): the loss, both gradient norms and
 every gradient of policy and draft tensor by tensor, then the same updated weights; the rollout engine's
 full copy equals the trainer's weights after the update (the refit); under FSDP each rank holds about
-half of the policy's parameters, gradients and AdamW state. ``dp=2 × cp=2`` (4 ranks) likewise.
+half of the policy's parameters, gradients and AdamW state, and of the draft's parameters. ``dp=2 × cp=2`` (4 ranks) likewise.
 """
 from __future__ import annotations
 
@@ -31,12 +31,13 @@ def _step(policy_dir, run_dir, kind, extra):
 
     def capture(t, step, finite, timer):
         seen["grads"] = {f"policy.{n}": full(p.grad).clone() for n, p in t.policy.named_parameters()}
-        seen["grads"].update({f"draft.{n}": p.grad.clone() for n, p in t.draft.named_parameters()
+        seen["grads"].update({f"draft.{n}": full(p.grad).clone() for n, p in t.draft.named_parameters()
                               if p.grad is not None})
         seen["bytes"] = [local_bytes(t.policy.parameters()), local_bytes(p.grad for p in t.policy.parameters())]
         commit(t, step, finite, timer)
         seen["bytes"].append(local_bytes(v for st in t.opt.state.values() for v in st.values()
                                          if torch.is_tensor(v) and v.dim() > 0))
+        seen["bytes"].append(local_bytes(t.draft.trainable_parameters()))
 
     update_phase.commit = capture
     try:
@@ -44,7 +45,7 @@ def _step(policy_dir, run_dir, kind, extra):
     finally:
         update_phase.commit = commit
     weights = {f"policy.{n}": full(p).detach().clone() for n, p in tr.policy.named_parameters()}
-    weights.update({f"draft.{n}": p.detach().clone() for n, p in tr.draft.named_parameters()})
+    weights.update({f"draft.{n}": full(p).detach().clone() for n, p in tr.draft.named_parameters()})
     tr.rollout_weights.check("after the update")  # the refit copy is the trainer's weights
     refit = {f"policy.{n}": p.detach().clone() for n, p in tr.rollout_weights.policy.named_parameters()}
     return m, seen["grads"], weights, refit, seen["bytes"]
@@ -84,11 +85,13 @@ def test_dp2_step_equals_single_process(tmp_path, tiny_policy_dir, varied_reward
         _same_step(got, single)
     total = [local_bytes(single[2][k] for k in single[2] if k.startswith("policy."))] * 2
     held = ranks[0][4][:2]
-    if mode == "fsdp":  # about half of the parameters and gradients, and of the AdamW moments
+    draft = local_bytes(single[2][k] for k in single[1] if k.startswith("draft."))  # its trained parameters
+    if mode == "fsdp":  # about half of the parameters and gradients, and of the AdamW moments; of the draft too
         assert all(0.4 * t < h < 0.6 * t for h, t in zip(held, total)), (held, total)
         assert 0.4 * 2 * total[0] < ranks[0][4][2] < 0.6 * 2 * total[0]
+        assert 0.4 * draft < ranks[0][4][3] < 0.6 * draft
     else:
-        assert held == total
+        assert held == total and ranks[0][4][3] == draft
 
 
 def test_dp2_cp2_step_equals_single_process(tmp_path, tiny_policy_dir, varied_reward):
