@@ -200,10 +200,13 @@ def _every_rank_has_work(c: RunConfig) -> str | None:
 
 def _data_parallel_alone_or_with_cp(c: RunConfig) -> str | None:
     par = c.parallel
-    if par.dp > 1 and (par.pp > 1 or par.microbatches > 1):
-        return f"config key 'parallel.dp' > 1 runs with parallel.pp=1 and parallel.microbatches=1 (data " \
-               f"parallelism under pipeline stages is not built yet), got parallel.dp={par.dp}, parallel.pp=" \
-               f"{par.pp}, parallel.microbatches={par.microbatches}"
+    if par.dp > 1 and par.pp > 1:
+        return f"config key 'parallel.dp' > 1 runs with parallel.pp=1 (data parallelism under pipeline stages " \
+               f"is not built yet), got parallel.dp={par.dp}, parallel.pp={par.pp}"
+    if par.dp > 1 and c.rollout.prompts_per_step < par.dp * par.microbatches:
+        return f"config key 'parallel.microbatches' must be <= rollout.prompts_per_step / parallel.dp = " \
+               f"{c.rollout.prompts_per_step // par.dp} (each DP rank's micro-batches hold whole groups), got " \
+               f"{par.microbatches}"
     return None
 
 

@@ -112,10 +112,10 @@ def update(tr: Trainer, step: int, rollout: Rollout, scored: Scored) -> Update:
                    train_draft=tr.trains_draft, policy_dtype=tr.policy_dtype,
                    draft_dtype=tr.draft_dtype, draft_seed=step_seed(cfg.seed, step),  # anchors: any layout
                    phase=timer)
-    if tr.pipelined:
-        loss, lm, policy_norm, draft_norm = _pipelined_backward(tr, step, rollout, scored, timer, loss_kw)
-    elif tr.layout.dp > 1:
+    if tr.layout.dp > 1:
         loss, lm, policy_norm, draft_norm = _data_parallel_backward(tr, rollout, scored, timer, loss_kw)
+    elif tr.pipelined:
+        loss, lm, policy_norm, draft_norm = _pipelined_backward(tr, step, rollout, scored, timer, loss_kw)
     else:
         batch = pack(rollout.prompts, [o.tokens for o in rollout.out], [o.logprobs for o in rollout.out],
                      device=cfg.device)
@@ -168,27 +168,35 @@ def _pipelined_backward(tr: Trainer, step: int, rollout: Rollout, scored: Scored
 
 
 def _data_parallel_backward(tr: Trainer, rollout: Rollout, scored: Scored, timer: PhaseTimer, loss_kw: dict):
-    """parallel.dp: the step's groups as one micro-batch per DP rank, each normalised by the step's totals
-    (``codraft.rl.microbatch``), so the gradients FSDP sums over the ranks (policy and draft) are the
-    one-batch step's; loss and metrics merged over the DP ranks as micro-batches'."""
-    cfg, mesh = tr.cfg, tr.mesh
+    """parallel.dp: the step's groups as dp × parallel.microbatches micro-batches, a DP rank running its
+    own in turn, each normalised by the step's totals (``codraft.rl.microbatch``), so the gradients FSDP sums
+    over the ranks (policy and draft) are the one-batch step's; the sums wait for the last micro-batch;
+    loss and metrics merged over the DP ranks as micro-batches'."""
+    cfg, mesh, m = tr.cfg, tr.mesh, tr.cfg.parallel.microbatches
     mbs = split_microbatches(rollout.prompts, [o.tokens for o in rollout.out], [o.logprobs for o in rollout.out],
-                             scored.advantages.to(cfg.device), cfg.rollout.group_size, mesh.dp, cfg.device)
+                             scored.advantages.to(cfg.device), cfg.rollout.group_size, mesh.dp * m, cfg.device)
     mbs = with_draft_normaliser(mbs, tr.draft if tr.trains_draft else None, loss_kw["draft_seed"])
-    mine = mbs[mesh.dp_rank]
-    with timer("loss_forward"), named_collectives(mesh, "the policy's forward (FSDP all-gathers)"):
-        loss, lm = cotrain_loss(tr.policy, tr.draft, mine.batch, mine.advantages, cp=tr.cp, totals=mine.totals,
-                                **loss_kw)
+    mine = mbs[mesh.dp_rank * m:(mesh.dp_rank + 1) * m]
+    wrapped = [tr.policy, *([tr.draft] if tr.trains_draft else [])]
     _zero_grad(tr)
+    losses, metrics = [], []
+    for i, mb in enumerate(mine):
+        for module in wrapped:  # accumulate locally; sum over the ranks after the last micro-batch only
+            module.set_requires_gradient_sync(i == len(mine) - 1)
+        with timer("loss_forward"), named_collectives(mesh, "the policy's forward (FSDP all-gathers)"):
+            loss, lm = cotrain_loss(tr.policy, tr.draft, mb.batch, mb.advantages, cp=tr.cp, totals=mb.totals,
+                                    **loss_kw)
+        with timer("backward"), named_collectives(mesh, "the backward (FSDP gradient sums)"):
+            loss.backward()
+        losses.append(loss.detach())
+        metrics.append(lm)
     with timer("backward"):
-        with named_collectives(mesh, "the backward (FSDP gradient sums)"):
-            loss.backward()  # FSDP / replicate sum the policy's and the draft's gradients over dp (× cp)
         policy_norm = full(torch.nn.utils.clip_grad_norm_(tr.policy.parameters(), cfg.grpo.grad_clip))
         draft_norm = None if tr.draft_opt is None else full(torch.nn.utils.clip_grad_norm_(
             tr.draft.trainable_parameters(), cfg.draft.grad_clip))
-    parts = mesh.dp_group.all_gather_object(lm, "the data-parallel ranks' loss metrics")
-    losses = mesh.dp_group.all_gather(loss.detach().reshape(1), "the data-parallel ranks' losses")
-    return torch.cat(losses).sum(), merge_metrics(parts, mbs), policy_norm, draft_norm
+    parts = mesh.dp_group.all_gather_object(metrics, "the data-parallel ranks' loss metrics")
+    total = mesh.dp_group.all_reduce(torch.stack(losses).sum().reshape(1), "the data-parallel ranks' losses")
+    return total[0], merge_metrics([p for rank in parts for p in rank], mbs), policy_norm, draft_norm
 
 
 def _tap_tokens(mbs, cfg: RunConfig) -> int:

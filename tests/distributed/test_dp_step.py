@@ -4,7 +4,7 @@ A ``dp=2`` trainer step (FSDP2 ``fully_shard`` or ``replicate``, of the policy a
 the single-process step over the same rollouts (``rollout.shards=4``): the loss, both gradient norms and
 every gradient of policy and draft tensor by tensor, then the same updated weights; the rollout engine's
 full copy equals the trainer's weights after the update (the refit); under FSDP each rank holds about
-half of the policy's parameters, gradients and AdamW state, and of the draft's parameters. ``dp=2 × cp=2`` (4 ranks) likewise.
+half of the policy's parameters, gradients and AdamW state, and of the draft's parameters. ``dp=2`` with two micro-batches per rank and ``dp=2 × cp=2`` (4 ranks) likewise.
 """
 from __future__ import annotations
 
@@ -92,6 +92,15 @@ def test_dp2_step_equals_single_process(tmp_path, tiny_policy_dir, varied_reward
         assert 0.4 * draft < ranks[0][4][3] < 0.6 * draft
     else:
         assert held == total and ranks[0][4][3] == draft
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "ddp"])
+def test_dp2_with_microbatches_equals_single_process(tmp_path, tiny_policy_dir, varied_reward, mode):
+    """Each DP rank accumulates two micro-batches (the gradient sums after the last)."""
+    single = _step(tiny_policy_dir, tmp_path / "one", "dspark", FOUR)
+    for got in run_ranks(_rank, 2, tiny_policy_dir, tmp_path / "dp", "dspark",
+                         ["parallel.dp=2", f"parallel.dp_shard={mode}", "parallel.microbatches=2", *FOUR]):
+        _same_step(got, single)
 
 
 def test_dp2_cp2_step_equals_single_process(tmp_path, tiny_policy_dir, varied_reward):
