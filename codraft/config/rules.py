@@ -198,11 +198,11 @@ def _every_rank_has_work(c: RunConfig) -> str | None:
     return None
 
 
-def _data_parallel_alone_or_with_cp(c: RunConfig) -> str | None:
+def _data_parallel_fits(c: RunConfig) -> str | None:
     par = c.parallel
-    if par.dp > 1 and par.pp > 1:
-        return f"config key 'parallel.dp' > 1 runs with parallel.pp=1 (data parallelism under pipeline stages " \
-               f"is not built yet), got parallel.dp={par.dp}, parallel.pp={par.pp}"
+    if par.dp > 1 and par.pp > 1 and par.dp_shard == "fsdp":
+        return "config key 'parallel.dp_shard' must be ddp with parallel.pp > 1 (FSDP under pipeline stages is " \
+               "not built yet: each stage's weights are replicated over dp and their gradients summed), got fsdp"
     if par.dp > 1 and c.rollout.prompts_per_step < par.dp * par.microbatches:
         return f"config key 'parallel.microbatches' must be <= rollout.prompts_per_step / parallel.dp = " \
                f"{c.rollout.prompts_per_step // par.dp} (each DP rank's micro-batches hold whole groups), got " \
@@ -220,5 +220,5 @@ def _taps_reach_the_device(c: RunConfig) -> str | None:
 # Rules between keys: each returns the error message, or None.
 CROSS_RULES: tuple[Callable[[RunConfig], str | None], ...] = (_auto_needs_a_draft, _rollout_copy_is_narrower,
                                                                _draft_folder_exists, _every_rank_has_work,
-                                                               _data_parallel_alone_or_with_cp,
+                                                               _data_parallel_fits,
                                                                _taps_reach_the_device, _taps_fit)

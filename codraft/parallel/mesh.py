@@ -96,13 +96,13 @@ class Mesh:
     def last(self) -> bool:
         return self.stage == self.pp - 1
 
-    def rank_of(self, stage: int, cp_rank: int = 0) -> int:
-        """The global rank of (stage, cp_rank) in this rank's data-parallel replica."""
-        return (stage * self.dp + self.dp_rank) * self.cp + cp_rank
+    def rank_of(self, stage: int, cp_rank: int = 0, dp_rank: int | None = None) -> int:
+        """The global rank of (stage, cp_rank) in data-parallel replica ``dp_rank`` (None: this rank's)."""
+        return (stage * self.dp + (self.dp_rank if dp_rank is None else dp_rank)) * self.cp + cp_rank
 
-    def column(self, cp_rank: int) -> list[int]:
-        """The global ranks of stages 0..P−1 at CP rank ``cp_rank`` (of this replica)."""
-        return [self.rank_of(s, cp_rank) for s in range(self.pp)]
+    def column(self, cp_rank: int, dp_rank: int | None = None) -> list[int]:
+        """The global ranks of stages 0..P−1 at CP rank ``cp_rank`` of replica ``dp_rank`` (None: this one's)."""
+        return [self.rank_of(s, cp_rank, dp_rank) for s in range(self.pp)]
 
     def where(self) -> str:
         dp = f", DP rank {self.dp_rank}/{self.dp}" if self.dp > 1 else ""

@@ -198,11 +198,13 @@ def estimate(cfg, m: ModelConfig, prompt_len: int, val_prompt_len: int = 0) -> E
     n = _params(m)
     # the weights, their gradients and Adam moments: a stage's, or (FSDP) a 1/(dp·cp) shard plus the
     # gathered layer; under dp the rollout engine decodes from a full copy (the refit)
-    sharded = par.dp > 1 and par.dp_shard == "fsdp"
-    weights = (n * e + 3 * n * F32) // (par.dp * par.cp) + _layer_params(m) * e if sharded else \
-        n * e + 3 * n * F32 // par.pp
+    gathered = par.dp > 1 and par.pp == 1  # the trainer's models wrapped by FSDP2, the engine's a whole copy
+    if gathered and par.dp_shard == "fsdp":
+        weights = (n * e + 3 * n * F32) // (par.dp * par.cp) + _layer_params(m) * e
+    else:
+        weights = n * e + 3 * n * F32 // par.pp
     weights += n * e if g.kl_coef > 0 else 0
-    weights += n * (2 if r.dtype == "bfloat16" else e) if par.dp > 1 else \
+    weights += n * (2 if r.dtype == "bfloat16" else e) if gathered else \
         (n * 2 if r.dtype == "bfloat16" and e == F32 else 0)
     if draft is not None:
         weights += draft.params * F32 * (4 if trains else 1) * (2 if cfg.log.frozen_probe_every else 1)

@@ -75,11 +75,13 @@ def build_pipeline(policy, draft, mesh: Mesh | None, *, transport: str = "shm", 
         dev = str(policy.embed_tokens.weight.device)
         spec = TapSpec(max_tokens=max_tokens, hidden=policy.config.hidden_size, taps=stage_taps,
                        in_flight=pp, dtype=policy.embed_tokens.weight.dtype, timeout=timeout, device=dev)
-        for c in range(mesh.cp):  # one channel per CP column; every rank takes part in building each
-            ch = open_staging_channel(spec, mesh.column(c)) if transport == "staging" \
-                else open_tap_channel(spec, transport, mesh.column(c))
-            if c == mesh.cp_rank:
-                pipe.channel = ch
+        for d in range(mesh.dp):  # one channel per column (replica, CP rank); every rank takes part in each
+            for c in range(mesh.cp):
+                column = mesh.column(c, d)
+                ch = open_staging_channel(spec, column) if transport == "staging" \
+                    else open_tap_channel(spec, transport, column)
+                if (d, c) == (mesh.dp_rank, mesh.cp_rank):
+                    pipe.channel = ch
     return pipe
 
 
@@ -94,11 +96,14 @@ def _naming(pipe: Pipeline, what: str):
 
 
 def pipeline_cotrain(pipe: Pipeline, policy, draft, mbs: list[MicroBatch], *, step: int, train_draft: bool = True,
-                     policy_dtype: torch.dtype = torch.float32, **loss_kw) -> tuple[torch.Tensor, dict]:
+                     policy_dtype: torch.dtype = torch.float32, merged: bool = True, **loss_kw
+                     ) -> tuple[torch.Tensor, dict | list[dict]]:
     """Forward and backward of the step's micro-batches on this stage (1F1B); gradients accumulate in
-    the parameters this stage runs. Returns the step's loss and metrics, on every rank."""
+    the parameters this stage runs. Returns the step's loss and metrics (``merged=False``: each
+    micro-batch's), on every rank."""
     mesh, last = pipe.mesh, pipe.last
-    if last and len(mbs) > 1 and draft is not None and train_draft:  # the draft loss's denominators: the step's
+    if last and len(mbs) > 1 and draft is not None and train_draft and mbs[0].totals.draft_norm is None:
+        # the draft loss's denominators: the step's (given already when these are a share of the step)
         mbs = with_draft_normaliser(mbs, draft, loss_kw.get("draft_seed"))
     taps = draft_taps(draft, train_draft) or ()
     mine = tuple(t for t in taps if t in pipe.layers)
@@ -149,7 +154,7 @@ def pipeline_cotrain(pipe: Pipeline, policy, draft, mbs: list[MicroBatch], *, st
                           shape=lambda m: (1, inputs[m][0].shape[1], hidden_size), dtype=w.dtype, device=w.device,
                           extra=hidden_size * len(before) if relay else 0,
                           after_forward=None if last else after_forward)
-    result = (torch.stack(losses).sum(), merge_metrics(parts, mbs)) if last else None
+    result = (torch.stack(losses).sum(), merge_metrics(parts, mbs) if merged else parts) if last else None
     if pipe.stages > 1:  # the last stage's loss and metrics, to every rank
         shared = mesh.world.all_gather_object(result, "the step's loss and metrics")
         result = shared[mesh.rank_of(pipe.stages - 1)]
@@ -173,7 +178,7 @@ def stage_parameters(policy, stage: int, stages: int, *, tied_once: bool = False
 
 
 def reduce_gradients(pipe: Pipeline, policy, draft_params: list) -> tuple[list, list]:
-    """Sum the CP ranks' shares and the tied weight's two stage shares; returns (policy params, draft
+    """Sum the DP and CP ranks' shares and the tied weight's two stage shares; returns (policy params, draft
     params) this rank owns, every one with a gradient (zeros where its micro-batches gave none)."""
     mesh = pipe.mesh
     own = stage_parameters(policy, pipe.stage, pipe.stages)
@@ -181,9 +186,10 @@ def reduce_gradients(pipe: Pipeline, policy, draft_params: list) -> tuple[list, 
     for p in own + drafts:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    if mesh is not None and mesh.cp_group is not None:
-        sync_gradients(own, mesh.cp_group, "policy")
-        sync_gradients(drafts, mesh.cp_group, "draft")
+    shares = None if mesh is None else mesh.data_group or mesh.cp_group  # the ranks of a stage: dp (× cp), or cp
+    if shares is not None:
+        sync_gradients(own, shares, "policy")
+        sync_gradients(drafts, shares, "draft")
     tied = policy.lm_head is None
     if pipe.stages > 1 and tied and (pipe.stage == 0 or pipe.last):
         g = policy.embed_tokens.weight.grad
@@ -224,11 +230,11 @@ def clip_gradients(pipe: Pipeline, policy, own: list, drafts: list, max_policy: 
 def sync_weights(pipe: Pipeline, policy, draft_params: list) -> None:
     """After the update: every stage's parameters (and the draft, from the last stage) to every rank."""
     mesh = pipe.mesh
-    for s in range(pipe.stages if pipe.stages > 1 else 0):
-        _broadcast(stage_parameters(policy, s, pipe.stages, tied_once=True), mesh.rank_of(s), mesh,
+    for s in range(pipe.stages if pipe.stages > 1 else 0):  # (replicas agree after the DP sum: replica 0's)
+        _broadcast(stage_parameters(policy, s, pipe.stages, tied_once=True), mesh.rank_of(s, dp_rank=0), mesh,
                    f"stage {s}'s weights")
     if pipe.stages > 1:
-        _broadcast(list(draft_params), mesh.rank_of(pipe.stages - 1), mesh, "the draft's weights")
+        _broadcast(list(draft_params), mesh.rank_of(pipe.stages - 1, dp_rank=0), mesh, "the draft's weights")
 
 
 def _broadcast(params: list, src: int, mesh: Mesh, what: str) -> None:

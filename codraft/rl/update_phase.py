@@ -112,10 +112,10 @@ def update(tr: Trainer, step: int, rollout: Rollout, scored: Scored) -> Update:
                    train_draft=tr.trains_draft, policy_dtype=tr.policy_dtype,
                    draft_dtype=tr.draft_dtype, draft_seed=step_seed(cfg.seed, step),  # anchors: any layout
                    phase=timer)
-    if tr.layout.dp > 1:
-        loss, lm, policy_norm, draft_norm = _data_parallel_backward(tr, rollout, scored, timer, loss_kw)
-    elif tr.pipelined:
+    if tr.pipelined:
         loss, lm, policy_norm, draft_norm = _pipelined_backward(tr, step, rollout, scored, timer, loss_kw)
+    elif tr.layout.dp > 1:
+        loss, lm, policy_norm, draft_norm = _data_parallel_backward(tr, rollout, scored, timer, loss_kw)
     else:
         batch = pack(rollout.prompts, [o.tokens for o in rollout.out], [o.logprobs for o in rollout.out],
                      device=cfg.device)
@@ -148,23 +148,31 @@ def update(tr: Trainer, step: int, rollout: Rollout, scored: Scored) -> Update:
 def _pipelined_backward(tr: Trainer, step: int, rollout: Rollout, scored: Scored, timer: PhaseTimer,
                         loss_kw: dict):
     """parallel.pp / parallel.microbatches: this stage's forward and backward over the micro-batches
-    (1F1B), the gradient sums (CP, tied embedding) and the clipping by the global norms."""
-    cfg, par = tr.cfg, tr.cfg.parallel
+    (1F1B), the gradient sums (CP, DP, tied embedding) and the clipping by the global norms. With
+    parallel.dp each data-parallel replica of the pipeline runs its share of the step's micro-batches."""
+    cfg, par, mesh = tr.cfg, tr.cfg.parallel, tr.mesh
+    dp = 1 if mesh is None else mesh.dp
     _zero_grad(tr)
     mbs = split_microbatches(rollout.prompts, [o.tokens for o in rollout.out], [o.logprobs for o in rollout.out],
-                             scored.advantages.to(cfg.device), cfg.rollout.group_size, par.microbatches,
+                             scored.advantages.to(cfg.device), cfg.rollout.group_size, par.microbatches * dp,
                              cfg.device)
+    if len(mbs) > 1 and tr.trains_draft:  # the draft's denominators: the whole step's (before the DP shares)
+        mbs = with_draft_normaliser(mbs, tr.draft, loss_kw["draft_seed"])
+    mine = mbs[mesh.dp_rank * par.microbatches:(mesh.dp_rank + 1) * par.microbatches] if dp > 1 else mbs
     if tr.pipe is None:  # collective (the tap channels): on the first update, sized from its batch
         tr.pipe = build_pipeline(tr.policy, tr.draft if tr.trains_draft else None, tr.mesh,
-                                 transport=par.taps, max_tokens=par.tap_tokens or _tap_tokens(mbs, cfg),
+                                 transport=par.taps, max_tokens=par.tap_tokens or _tap_tokens(mine, cfg),
                                  timeout=par.timeout)
     with timer("forward_backward"):
-        loss, lm = pipeline_cotrain(tr.pipe, tr.policy, tr.draft, mbs, step=step, **loss_kw)
+        loss, parts = pipeline_cotrain(tr.pipe, tr.policy, tr.draft, mine, step=step, merged=False, **loss_kw)
+    if dp > 1:  # every replica's micro-batches, in the step's order
+        shared = mesh.dp_group.all_gather_object((float(loss), parts), "the data-parallel replicas' losses")
+        loss, parts = torch.tensor(sum(x for x, _ in shared)), [p for _, share in shared for p in share]
     with timer("backward"):  # here: the gradient sums and the clipping
         own, drafts = reduce_gradients(tr.pipe, tr.policy, tr._owned()[1])
         policy_norm, draft_norm = clip_gradients(tr.pipe, tr.policy, own, drafts, cfg.grpo.grad_clip,
                                                  cfg.draft.grad_clip if tr.draft_opt is not None else None)
-    return loss, lm, policy_norm, draft_norm
+    return loss, merge_metrics(parts, mbs), policy_norm, draft_norm
 
 
 def _data_parallel_backward(tr: Trainer, rollout: Rollout, scored: Scored, timer: PhaseTimer, loss_kw: dict):

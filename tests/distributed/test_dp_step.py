@@ -4,7 +4,7 @@ A ``dp=2`` trainer step (FSDP2 ``fully_shard`` or ``replicate``, of the policy a
 the single-process step over the same rollouts (``rollout.shards=4``): the loss, both gradient norms and
 every gradient of policy and draft tensor by tensor, then the same updated weights; the rollout engine's
 full copy equals the trainer's weights after the update (the refit); under FSDP each rank holds about
-half of the policy's parameters, gradients and AdamW state, and of the draft's parameters. ``dp=2`` with two micro-batches per rank and ``dp=2 × cp=2`` (4 ranks) likewise.
+half of the policy's parameters, gradients and AdamW state, and of the draft's parameters. ``dp=2`` with two micro-batches per rank, ``dp=2 × cp=2`` and ``dp=2 × pp=2`` (4 ranks) likewise.
 """
 from __future__ import annotations
 
@@ -30,7 +30,8 @@ def _step(policy_dir, run_dir, kind, extra):
     seen, commit = {}, update_phase.commit
 
     def capture(t, step, finite, timer):
-        seen["grads"] = {f"policy.{n}": full(p.grad).clone() for n, p in t.policy.named_parameters()}
+        seen["grads"] = {f"policy.{n}": full(p.grad).clone() for n, p in t.policy.named_parameters()
+                         if p.grad is not None}  # (under pp: this stage's)
         seen["grads"].update({f"draft.{n}": full(p.grad).clone() for n, p in t.draft.named_parameters()
                               if p.grad is not None})
         seen["bytes"] = [local_bytes(t.policy.parameters()), local_bytes(p.grad for p in t.policy.parameters())]
@@ -60,9 +61,11 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
-def _same_step(got, want, tol=1e-4):
-    m, grads, weights, refit, _ = got
+def _same_step(got, want, tol=1e-4, grads=None):
+    """``grads``: the step's gradients where no one rank holds them all (the stages' together)."""
+    m, own, weights, refit, _ = got
     m0, grads0, weights0, _, _ = want
+    grads = own if grads is None else grads
     for k in ("policy/loss", "policy/grad_norm", "draft/loss", "draft/grad_norm", "policy/num_tokens",
               "reward_mean", "acceptance_length"):
         assert float(m[k]) == pytest.approx(float(m0[k]), rel=tol, abs=1e-7), k
@@ -108,3 +111,16 @@ def test_dp2_cp2_step_equals_single_process(tmp_path, tiny_policy_dir, varied_re
     for got in run_ranks(_rank, 4, tiny_policy_dir, tmp_path / "dpcp", "dflash",
                          ["parallel.dp=2", "parallel.cp=2", *FOUR], timeout=300):
         _same_step(got, single)
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_dp2_pp2_step_equals_single_process(tmp_path, tiny_policy_dir, varied_reward, microbatches):
+    """Two pipeline replicas of two stages (4 ranks): each stage's gradients summed over the replicas."""
+    single = _step(tiny_policy_dir, tmp_path / "one", "dflash", FOUR)
+    ranks = run_ranks(_rank, 4, tiny_policy_dir, tmp_path / "dppp", "dflash",
+                      ["parallel.dp=2", "parallel.pp=2", "parallel.dp_shard=ddp",
+                       f"parallel.microbatches={microbatches}", *FOUR], timeout=300)
+    for rank, got in enumerate(ranks):  # global rank = stage · 2 + replica: a replica's stages are r, r + 2
+        stages = ranks[rank % 2::2]
+        assert {k for r in stages for k in r[1]} == set(single[1])
+        _same_step(got, single, grads={k: v for r in stages for k, v in r[1].items()})

@@ -116,7 +116,8 @@ def test_rules_between_keys():
 
 
 def test_data_parallel_rules():
-    """parallel.dp: whole groups per DP rank and micro-batch, every rank a rollout shard, no pipeline stages yet."""
+    """parallel.dp: whole groups per DP rank and micro-batch, every rank a rollout shard, FSDP not under pipeline
+    stages."""
     assert load_config(None, ["parallel.dp=2", "rollout.prompts_per_step=4"]).parallel.dp == 2
     assert _refused(["parallel.dp=2", "rollout.prompts_per_step=3", "rollout.shards=0"]) == \
         "config key 'rollout.prompts_per_step' must be a multiple of parallel.dp=2 (each data-parallel rank trains " \
@@ -125,8 +126,9 @@ def test_data_parallel_rules():
         "config key 'rollout.shards' must be 0 or a multiple of the ranks, parallel.dp × parallel.pp × parallel.cp " \
         "= 2 (each rank decodes as many shards), got 3"
     assert _refused(["parallel.dp=2", "parallel.pp=2", "rollout.prompts_per_step=4"]) == \
-        "config key 'parallel.dp' > 1 runs with parallel.pp=1 (data parallelism under pipeline stages is not " \
-        "built yet), got parallel.dp=2, parallel.pp=2"
+        "config key 'parallel.dp_shard' must be ddp with parallel.pp > 1 (FSDP under pipeline stages is not built " \
+        "yet: each stage's weights are replicated over dp and their gradients summed), got fsdp"
+    load_config(None, ["parallel.dp=2", "parallel.pp=2", "parallel.dp_shard=ddp", "rollout.prompts_per_step=4"])
     assert _refused(["parallel.dp=2", "parallel.microbatches=3", "rollout.prompts_per_step=4"]) == \
         "config key 'parallel.microbatches' must be <= rollout.prompts_per_step / parallel.dp = 2 (each DP rank's " \
         "micro-batches hold whole groups), got 3"
