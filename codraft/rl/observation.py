@@ -1,5 +1,7 @@
 """Step 4 of an RL step (``Trainer.observe``): the step's metrics row, which the trainer's loop logs
 (metrics.jsonl / TensorBoard, rank 0); every `log.val_every` steps it also holds the held-out accuracy.
+Over several ranks the rollouts and losses are already the whole step's (gathered, merged); the times
+are the slowest rank's.
 """
 from __future__ import annotations
 
@@ -30,6 +32,10 @@ def observe(tr: Trainer, step: int, rollout: Rollout, probes: Probes, scored: Sc
              mismatch_kl=lm.get("policy/rollout_kl"), token_mult_prob_error=lm.get("policy/token_mult_prob_error"))
     # step time = rollout + reward + train; the measurement extras are not part of it
     m["time_step"] = time.perf_counter() - t_step - probes.seconds
+    if tr.world is not None:  # times are the slowest rank's (the others wait for it)
+        times = tr.world.all_gather_object({k: float(v) for k, v in m.items() if k.startswith("time_")},
+                                           "the ranks' step times")
+        m.update({k: max(t.get(k, 0.0) for t in times) for k in dict.fromkeys(k for t in times for k in t)})
     if tr.cfg.log.val_every and (step + 1) % tr.cfg.log.val_every == 0:
         m["val_accuracy"] = tr.validate()
     m["tokens_per_s"] = sum(lens) / rollout.seconds

@@ -86,6 +86,7 @@ def test_dp2_step_equals_single_process(tmp_path, tiny_policy_dir, varied_reward
                                                                           f"parallel.dp_shard={mode}", *FOUR])
     for got in ranks:
         _same_step(got, single)
+    assert ranks[0][0]["time_step"] == ranks[1][0]["time_step"]  # the slowest rank's, on both
     total = [local_bytes(single[2][k] for k in single[2] if k.startswith("policy."))] * 2
     held = ranks[0][4][:2]
     draft = local_bytes(single[2][k] for k in single[1] if k.startswith("draft."))  # its trained parameters
