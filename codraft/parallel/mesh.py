@@ -1,6 +1,7 @@
 """How a run is laid out over its ranks: ``Layout`` (the degrees) and ``Mesh`` (this rank's place and groups).
 
-``Layout(dp, cp, pp)`` says how many ranks split the work each way; ``dp × cp × pp`` must be the world
+``Layout(dp, cp, pp, ...)`` says how many ranks split the work each way (and how a step runs:
+``sharded``, ``pipelined``); ``dp × cp × pp`` must be the world
 size (``Layout.check``). ``build_mesh`` builds one ``torch.distributed.device_mesh.DeviceMesh`` of shape
 (pp, dp, cp) with those dimension names, and every group the run uses comes from it:
 
@@ -39,11 +40,23 @@ class Layout:
     dp: int = 1
     cp: int = 1
     pp: int = 1
+    microbatches: int = 1   # per DP rank
+    dp_shard: str = "fsdp"  # fsdp or ddp
 
     @classmethod
     def of(cls, parallel) -> "Layout":
         """From the run config's ``parallel`` section."""
-        return cls(parallel.dp, parallel.cp, parallel.pp)
+        return cls(parallel.dp, parallel.cp, parallel.pp, parallel.microbatches, parallel.dp_shard)
+
+    @property
+    def sharded(self) -> bool:
+        """The policy and draft wrapped by FSDP2 (``codraft.parallel.parallelize``): dp without stages."""
+        return self.dp > 1 and self.pp == 1
+
+    @property
+    def pipelined(self) -> bool:
+        """The step runs the 1F1B schedule: stages, or micro-batches without FSDP (which accumulates them)."""
+        return self.pp > 1 or (self.microbatches > 1 and not self.sharded)
 
     @property
     def world(self) -> int:

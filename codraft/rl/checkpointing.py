@@ -30,7 +30,7 @@ def save(tr: Trainer) -> Path | None:
         optimizers.update(policy=ConsolidatedState(tr.opt, own, tr.world),
                           draft=tr.draft_opt and ConsolidatedState(tr.draft_opt, drafts, tr.world))
     shards, draft = None, tr.draft
-    if tr.sharded:  # every rank writes its shards (DCP); rank 0 also gathers the whole policy and draft
+    if tr.layout.sharded:  # every rank writes its shards (DCP); rank 0 also gathers the whole policy and draft
         shards = ckpt.shards_folder(tr.run_dir, tr.steps_done)
         save_shards(_sharded(tr), shards)
         policy, optimizers["policy"] = full_policy(tr.policy), None
@@ -79,11 +79,11 @@ def resume_from(tr: Trainer, found) -> None:
     sharded = found.path / ckpt.SHARDS
     if sharded.is_dir():  # a data-parallel run's: resharded to this layout (any dp, or whole tensors)
         load_shards(_sharded(tr), sharded)
-    elif tr.sharded:  # a one-process checkpoint: every rank reads the whole state and keeps its shards
+    elif tr.layout.sharded:  # a one-process checkpoint: every rank reads the whole state and keeps its shards
         load_full_state(tr.policy, tr.opt, None, found.optim["policy"])  # (the weights: loaded before sharding)
         if tr.trains_draft:
             load_full_state(tr.draft, tr.draft_opt, found.draft, found.optim["draft"])
-    if sharded.is_dir() or tr.sharded:  # done above
+    if sharded.is_dir() or tr.layout.sharded:  # done above
         optimizers["policy"] = None
         if tr.trains_draft:
             optimizers["draft"], draft = None, None

@@ -57,8 +57,8 @@ from codraft import kernels
 from codraft.config import RunConfig, check_taps
 from codraft.errors import CodraftError, NonFiniteError
 from codraft.parallel.comm import init_cp
-from codraft.parallel.data_parallel import parallelize_draft, parallelize_policy
 from codraft.parallel.mesh import Layout, build_mesh
+from codraft.parallel.parallelize import parallelize
 from codraft.policy import load_policy
 from codraft.rl import checkpointing, memory, observation, rollout_phase, runs, scoring, update_phase
 from codraft.rl.logger import MetricsLogger
@@ -125,7 +125,7 @@ class Trainer:
         # what the engines decode with: the policy, or (rollout.dtype) a cast copy refreshed after every update
         r = cfg.rollout
         self.rollout_weights = RolloutWeights(self.policy, getattr(torch, cfg.policy.dtype if r.dtype == "policy"
-                                                                   else r.dtype), gather=self.sharded)
+                                                                   else r.dtype), gather=self.layout.sharded)
 
         d = cfg.draft
         self.draft = None if d.mode == "none" else starting_draft(
@@ -149,13 +149,9 @@ class Trainer:
         if cfg.grpo.kl_coef > 0:  # KL to the initial policy, also after a resume (not to the checkpoint's)
             ref = init_policy if init_policy is not self.policy else copy.deepcopy(self.policy)
             self.reference = ref.to(cfg.device).eval().requires_grad_(False)
-        if self.sharded:  # data parallelism, applied from outside the model (codraft.parallel.data_parallel)
-            self.rollout_weights.draft_for(self.draft)  # the engine's whole copy, made before the draft is sharded
-            parallelize_policy(self.policy, self.mesh, cfg.parallel.dp_shard)
-            if self.draft is not None:  # the target's parts, whole: the engine's refreshed copy
-                self.draft.bind_target(*self.rollout_weights.target_parts())
-            if self.trains_draft:
-                parallelize_draft(self.draft, self.mesh, cfg.parallel.dp_shard)
+        # the layout applied from outside the models, once (codraft.parallel.parallelize)
+        parallelize(self.policy, self.draft, self.layout, self.mesh, self.rollout_weights,
+                    trains_draft=self.trains_draft)
 
         g = cfg.grpo
         self.opt = adamw(self.policy.parameters(), lr=g.lr, weight_decay=g.weight_decay, betas=(0.9, 0.99))
@@ -213,9 +209,7 @@ class Trainer:
             if self.layout.world > 1 else None
         self.mesh = build_mesh(self.layout, cfg.device, par.timeout) if self.world is not None else None
         self.cp = None if self.mesh is None else self.mesh.cp_group
-        # the pipeline schedule runs pp > 1, and micro-batches without dp (FSDP accumulates them itself)
-        self.pipelined, self.pipe = par.pp > 1 or (par.microbatches > 1 and par.dp == 1), None
-        self.sharded = par.dp > 1 and par.pp == 1  # the models wrapped by FSDP2 (codraft.parallel.data_parallel)
+        self.pipe = None  # the pipeline schedule (layout.pipelined), built on the first update
         self.is_main = self.world is None or self.world.rank == 0
 
     def _engine(self, draft) -> Engine:

@@ -112,9 +112,9 @@ def update(tr: Trainer, step: int, rollout: Rollout, scored: Scored) -> Update:
                    train_draft=tr.trains_draft, policy_dtype=tr.policy_dtype,
                    draft_dtype=tr.draft_dtype, draft_seed=step_seed(cfg.seed, step),  # anchors: any layout
                    phase=timer)
-    if tr.pipelined:
+    if tr.layout.pipelined:
         loss, lm, policy_norm, draft_norm = _pipelined_backward(tr, step, rollout, scored, timer, loss_kw)
-    elif tr.layout.dp > 1:
+    elif tr.layout.sharded:
         loss, lm, policy_norm, draft_norm = _data_parallel_backward(tr, rollout, scored, timer, loss_kw)
     else:
         batch = pack(rollout.prompts, [o.tokens for o in rollout.out], [o.logprobs for o in rollout.out],

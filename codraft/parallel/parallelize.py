@@ -1,0 +1,31 @@
+"""``parallelize``: a run's layout applied to the plain policy and draft, from outside, in one order.
+
+1. **Pipeline split** (``parallel.pp``): a stage runs its own decoder layers (``pipeline.stage_layers``);
+   the 1F1B schedule, its stage links and TapChannels are built on the first update
+   (``codraft.rl.pipelined.build_pipeline``: the channels are sized from a batch).
+2. **Context parallelism** (``parallel.cp``): attention over the zigzag ring, installed per packed
+   batch from outside the model (``codraft.parallel.context.ShardedRow`` as the forward's attention).
+3. **Data parallelism** (``parallel.dp``): without pipeline stages, the policy (each decoder layer,
+   then the root) and the co-trained draft wrapped by FSDP2 ``fully_shard`` or ``replicate``
+   (``data_parallel``), the rollout engine's whole copies made first and refreshed from the shards
+   after every update; with pipeline stages, each DP replica is a whole pipeline whose stage gradients
+   are summed over the replicas (``parallel.dp_shard=ddp``).
+
+The trainer calls it once, after the models are built and before their optimisers.
+"""
+from __future__ import annotations
+
+from codraft.parallel.data_parallel import parallelize_draft, parallelize_policy
+from codraft.parallel.mesh import Layout, Mesh
+
+
+def parallelize(policy, draft, layout: Layout, mesh: Mesh | None, rollout_weights, *, trains_draft: bool) -> None:
+    """Apply ``layout`` to ``policy`` and ``draft`` in place (steps 1 and 2 take effect in the step itself)."""
+    if not layout.sharded:
+        return
+    rollout_weights.draft_for(draft)  # the engine's whole copy of the draft, made before it is sharded
+    parallelize_policy(policy, mesh, layout.dp_shard)
+    if draft is not None:  # the target's parts, whole: the engine's refreshed copy
+        draft.bind_target(*rollout_weights.target_parts())
+    if trains_draft:
+        parallelize_draft(draft, mesh, layout.dp_shard)
