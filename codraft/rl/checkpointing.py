@@ -2,10 +2,11 @@
 completed step, ``resume_from`` continues from one.
 
 Only rank 0 writes, one consolidated checkpoint (under pp every rank holds every weight; the stages'
-optimiser states are gathered); under dp every rank also writes its shards of the policy and its optimiser
-(``sharded/``, torch.distributed.checkpoint), which a resume at any layout reshards; a Ctrl-C during the write waits for it. A checkpoint carries the
-draft, optimisers and schedulers, the prompt counter and, with draft_length=auto, the running
-acceptance estimates, so a resumed run repeats an uninterrupted one's rollouts and updates.
+optimiser states are gathered); under dp every rank also writes its shards of the policy and its
+optimiser (``sharded/``, torch.distributed.checkpoint), which a resume at any layout reshards; a Ctrl-C
+during the write waits for it. A checkpoint carries the draft, optimisers and schedulers, the prompt
+counter and, with draft_length=auto, the running acceptance estimates, so a resumed run repeats an
+uninterrupted one's rollouts and updates.
 """
 from __future__ import annotations
 

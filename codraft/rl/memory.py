@@ -254,6 +254,43 @@ def available(device: str) -> tuple[int, str] | None:
     return None
 
 
+class PeakMemory:
+    """``with PeakMemory(device) as peak: ...`` -> ``peak.bytes``: what the block added at its peak on
+    ``device``: the CUDA allocator's peak above its start, or on Linux the resident high-water mark
+    (VmHWM, reset at the start: process-wide, so not around code that another measurement spans) above
+    the resident size at the start; None where neither can be read."""
+
+    def __init__(self, device: str):
+        self.device, self.base, self.bytes = torch.device(device), None, None
+
+    def __enter__(self) -> "PeakMemory":
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.base = torch.cuda.memory_allocated(self.device)
+        else:
+            try:
+                with open("/proc/self/clear_refs", "w") as f:
+                    f.write("5")
+                self.base = _status("VmRSS")
+            except OSError:
+                pass
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.base is not None:
+            top = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else _status("VmHWM")
+            self.bytes = max(top - self.base, 0)
+
+
+def _status(key: str) -> int:
+    """A /proc/self/status memory figure (VmRSS, VmHWM) in bytes."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def check_memory(cfg, m: ModelConfig, prompt_len: int, val_prompt_len: int = 0) -> Estimate:
     """OutOfMemory (one line: estimate, available, the keys to lower) when the step cannot fit."""
     est = estimate(cfg, m, prompt_len, val_prompt_len)

@@ -25,6 +25,8 @@ def observe(tr: Trainer, step: int, rollout: Rollout, probes: Probes, scored: Sc
         m["draft/grad_norm"] = update.draft_grad_norm
     m.update(skipped_update=int(not update.finite), nonfinite_streak=update.nonfinite_streak)
     m.update({f"time_{k}": v for k, v in update.timings.items()})  # time_train and its breakdown
+    if tr.last_refit_peak is not None:  # (dp: what gathering the shards added at its peak)
+        m["refit_peak_bytes"] = tr.last_refit_peak
     m.update(update.metrics)
     lm, rewards, lens = update.metrics, scored.rewards, [len(o.tokens) for o in rollout.out]
     m.update(reward_mean=rewards.mean(), reward_std=rewards.std() if len(rewards) > 1 else 0.0,

@@ -172,6 +172,7 @@ class Trainer:
         self.steps_done, self._done_prompts, self._saved = self.start_step, self.prompts_used, self.start_step
         self._done_acceptance = self._acceptance()
         self.nonfinite_streak, self.last_rollout, self.last_stats = 0, None, None
+        self.last_refit_peak = None  # bytes the last refit added at its peak (sharded runs)
         self.val = self.task.sample("val", cfg.log.val_size, seed=cfg.seed)
         if self.is_main:
             runs.record_start(self.run_dir, cfg, found, changed)  # the first write to the run folder

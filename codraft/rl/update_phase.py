@@ -9,7 +9,8 @@ micro-batches (1F1B) instead, and syncs every stage's update into every rank's w
 Context parallelism: every rank runs the same step on its zigzag rows (``cotrain_loss(..., cp=)``) and
 the gradients are summed over the ranks before clipping, so every rank applies the same update.
 Data parallelism: each DP rank runs its groups as one micro-batch of the step (``codraft.rl.microbatch``),
-FSDP2 sums the policy's and the draft's gradients (over dp × cp with CP); after the optimiser step the engine's full copy is refreshed from the shards (``time_refit``).
+FSDP2 sums the policy's and the draft's gradients (over dp × cp with CP); after the optimiser step the
+engine's full copy is refreshed from the shards (``time_refit``, ``refit_peak_bytes``).
 
 Faults: a step whose loss or grad norm is NaN/inf is skipped (no optimiser step, `skipped_update`; the
 trainer stops the run after `grpo.max_nonfinite_steps` of those in a row). The commit point
@@ -34,6 +35,7 @@ from codraft.parallel.context import sync_gradients
 from codraft.parallel.data_parallel import named_collectives
 from codraft.rollout.weights import full
 from codraft.rl.cotrain import cotrain_loss
+from codraft.rl.memory import PeakMemory
 from codraft.rl.microbatch import merge_metrics, split_microbatches, with_draft_normaliser
 from codraft.rl.pipelined import build_pipeline, clip_gradients, pipeline_cotrain, reduce_gradients, sync_weights
 from codraft.rl.rollout_phase import Rollout
@@ -239,8 +241,11 @@ def commit(tr: Trainer, step: int, finite: bool, timer: PhaseTimer):
                     sync_weights(tr.pipe, tr.policy,
                                  list(tr.draft.trainable_parameters()) if tr.trains_draft else [])
             if tr.rollout_weights.copies:  # the refit: the engine's copy gathered / cast from the trainer's
-                with timer("refit"):
+                gauge = PeakMemory(tr.cfg.device) if tr.layout.sharded else contextlib.nullcontext()
+                with timer("refit"), gauge as peak:
                     tr.rollout_weights.refresh()
+                if peak is not None:
+                    tr.last_refit_peak = peak.bytes  # (the gathered tensors, transient)
         tr.sched.step()
         if tr.draft_sched is not None:
             tr.draft_sched.step()

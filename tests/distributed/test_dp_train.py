@@ -52,7 +52,7 @@ def test_torchrun_dp2_equals_single_process_and_resumes_at_other_layouts(tmp_pat
     assert sorted(got) == [1, 2] and stdout.count("metrics.jsonl") <= 1  # rank 0 wrote one row per step
     for step in (1, 2):
         _same(got[step], want[step])
-    assert "time_refit" in got[1]
+    assert got[1]["time_refit"] > 0 and got[1]["refit_peak_bytes"] >= 0
     assert sorted(p.name for p in run.iterdir() if p.is_dir() and p.name.startswith("step_")) == ["step_1", "step_2"]
     # every rank's shards of the policy and its AdamW state (DCP), the whole policy as an HF folder
     step = run / "step_2"
