@@ -41,6 +41,7 @@ def bench_commands(sub):
                    help="merge into an existing --json file (rows measured again replace the old ones)")
 
     _bench_tap_parser(bench)
+    _bench_dp_parser(bench)
 
     b = bench.add_parser("gemv", help="the measured fast-path table, and few-row products by path: the C "
                                       "kernel, torch's two forms, the chosen one")
@@ -138,6 +139,21 @@ def _bench_experiment_parsers(bench):
         b.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for every run")
 
 
+def _bench_dp_parser(bench):
+    b = bench.add_parser("dp", help="data parallelism at dp=1 vs dp=2 (gloo, 1 thread per rank): per-rank bytes of "
+                                     "parameters, gradients and AdamW state (fsdp, ddp), the refit, a trainer step")
+    b.add_argument("--model", default="smollm2", help="memory and refit parts: tiny, smollm2 or an HF-format folder")
+    b.add_argument("--parts", default="memory,refit,step", help="comma list of memory, refit, step")
+    b.add_argument("--repeats", type=int, default=5, help="refit: timed calls (median reported)")
+    b.add_argument("--steps", type=int, default=3, help="step: timed trainer steps after one warm-up (median)")
+    b.add_argument("--prompts", type=int, default=8,
+                   help="step: rollout.prompts_per_step at dp=1 (dp=2 runs twice as many: weak scaling)")
+    b.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    b.add_argument("--json", metavar="FILE")
+    b.add_argument("overrides", nargs="*", metavar="key=value",
+                   help="step: config overrides of the tiny preset, both sides (e.g. parallel.dp_shard=ddp)")
+
+
 def _bench_tap_parser(bench):
     b = bench.add_parser("tap", help="TapChannel fan-in of tapped features to the last stage: shared memory vs "
                                       "point-to-point vs host staging vs relay (gloo, 1 thread per process)")
@@ -184,6 +200,10 @@ def _cmd_bench(args):
             methods=_csv(args.methods), branches=_csv(args.branch), repeats=args.repeats, warmup=args.warmup,
             seed=args.seed, c1_methods=_csv(args.c1_methods), json_path=args.json,
             append=args.append)
+    elif args.bench == "dp":
+        from codraft.bench.dp import run
+        run(model_name=args.model, parts=_csv(args.parts), repeats=args.repeats, steps=args.steps,
+            prompts=args.prompts, threads=args.threads, overrides=args.overrides, json_path=args.json)
     elif args.bench == "tap" and args.step:
         from codraft.bench.tap_step import run
         layers, hidden = (int(x) for x in args.shape.lower().split("x"))
