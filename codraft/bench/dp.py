@@ -47,6 +47,14 @@ import torch.distributed as dist
 
 from codraft.bench import format_table, machine_info
 from codraft.bench.spec import MODELS
+from codraft.config import load_config
+from codraft.parallel.data_parallel import local_bytes, parallelize_policy
+from codraft.parallel.mesh import Layout, build_mesh
+from codraft.parallel.spawn import raise_errors, spawn_ranks
+from codraft.policy import load_policy
+from codraft.rl.trainer import Trainer
+from codraft.rl.update_phase import adamw
+from codraft.rollout.weights import RolloutWeights
 
 PARTS = ("memory", "refit", "step")
 TOKENS = 64  # the memory part's batch: 1 row of this many random tokens
@@ -62,11 +70,6 @@ def _barrier(world: int) -> None:
 
 def _layout_run(rank: int, world: int, mode: str | None, cfg: dict) -> dict:
     """One layout of the memory / refit parts on this rank: bytes held, refit seconds per repeat."""
-    from codraft.parallel.data_parallel import local_bytes, parallelize_policy
-    from codraft.parallel.mesh import Layout, build_mesh
-    from codraft.policy import load_policy
-    from codraft.rl.update_phase import adamw
-    from codraft.rollout.weights import RolloutWeights
 
     torch.manual_seed(0)
     policy = load_policy(MODELS.get(cfg["model"], cfg["model"]), torch.float32)[0]
@@ -97,8 +100,6 @@ def _layout_run(rank: int, world: int, mode: str | None, cfg: dict) -> dict:
 
 def _step_run(rank: int, world: int, cfg: dict) -> dict | None:
     """The weak-scaling part on this rank: rank 0's metrics rows (the slowest rank's times), None elsewhere."""
-    from codraft.config import load_config
-    from codraft.rl.trainer import Trainer
 
     prompts = cfg["prompts"] * world
     overrides = [f"steps={cfg['steps'] + 1}", f"run_dir={os.path.join(cfg['tmp'], f'dp{world}')}",
@@ -209,7 +210,6 @@ def run(model_name: str = "smollm2", parts=PARTS, repeats: int = 5, steps: int =
         raise ValueError(f"--parts: {', '.join(bad) or 'none given'}; choose from {', '.join(PARTS)}")
     if repeats < 1 or steps < 1 or prompts < 1 or threads < 1:
         raise ValueError("--repeats, --steps, --prompts and --threads must be >= 1")
-    from codraft.parallel.spawn import raise_errors, spawn_ranks
     info = machine_info(kernels=False)
     info.update(threads_per_rank=threads, backend="gloo")
     print(f"bench dp: {info['processor']}, {info['cpu_count']} CPUs, torch {info['torch']}; {threads} intra-op "

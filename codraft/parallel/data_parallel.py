@@ -18,6 +18,12 @@ rank's engine decodes with a whole copy of it, refreshed with the policy's.
 
 After fully_shard the policy's parameters are DTensors: the rollout engine decodes from a full copy
 that ``codraft.rollout.weights.RolloutWeights`` gathers after every update (the refit).
+
+Checkpoints: ``save_shards`` / ``load_shards`` write and read every rank's shards with
+torch.distributed.checkpoint (resharded to the layout that loads them); ``full_policy`` / ``full_state``
+gather whole weights to rank 0 for the HF folder and ``draft.pt``; ``load_full_state`` shards a
+one-process checkpoint's state on load. ``named_collectives`` names a peer that died or hung inside
+FSDP's own collectives.
 """
 from __future__ import annotations
 
