@@ -1,7 +1,7 @@
 """`codraft train parallel.dp=2` under torchrun: the same metrics per step as one process over the same
 prompts (both decode rollout.shards=4 shards), rank 0 alone writes the run folder, and its checkpoint
 resumes at another layout (dp=1, and cp=2 under torchrun) with the next step equal to the one-process
-run's resumed the same way; a one-process checkpoint resumes at dp=2. The policy is the tiny preset's (tiny-sft: it earns rewards, so the GRPO gradient is not zero)."""
+run's resumed the same way; a one-process and a pp=2 checkpoint resume at dp=2. The policy is the tiny preset's (tiny-sft: it earns rewards, so the GRPO gradient is not zero)."""
 from __future__ import annotations
 
 import json
@@ -64,7 +64,11 @@ def test_torchrun_dp2_equals_single_process_and_resumes_at_other_layouts(tmp_pat
     shutil.copytree(run, other)
     _codraft(1, "--resume", str(run), "steps=3", "parallel.dp=1")
     _codraft(2, "--resume", str(other), "steps=3", "parallel.dp=1", "parallel.cp=2")
-    for folder, changed in ((run, {"parallel.dp"}), (other, {"parallel.dp", "parallel.cp"})):
+    staged = tmp_path / "pp2-then-dp2"  # a pipeline run's (consolidated) checkpoint, resumed at dp=2
+    _codraft(2, "steps=2", f"run_dir={staged}", "parallel.pp=2", *ARGS)
+    _codraft(2, "--resume", str(staged), "steps=3", "parallel.pp=1", "parallel.dp=2")
+    for folder, changed in ((run, {"parallel.dp"}), (other, {"parallel.dp", "parallel.cp"}),
+                            (staged, {"parallel.pp", "parallel.dp"})):
         _same(_rows(folder)[3], want[3])
         log = [json.loads(line) for line in (folder / "resume_log.jsonl").read_text().splitlines()]
         assert log[-1]["step"] == 2 and changed <= set(log[-1]["changed"])
