@@ -11,7 +11,9 @@
    after every update; with pipeline stages, each DP replica is a whole pipeline whose stage gradients
    are summed over the replicas (``parallel.dp_shard=ddp``).
 
-The trainer calls it once, after the models are built and before their optimisers.
+The trainer calls it once, after the models are built and before their optimisers, and holds the
+layout; the update's forward and backward for that layout are chosen once too
+(``codraft.rl.update_phase.step_body``).
 """
 from __future__ import annotations
 

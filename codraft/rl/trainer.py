@@ -211,6 +211,7 @@ class Trainer:
         self.mesh = build_mesh(self.layout, cfg.device, par.timeout) if self.world is not None else None
         self.cp = None if self.mesh is None else self.mesh.cp_group
         self.pipe = None  # the pipeline schedule (layout.pipelined), built on the first update
+        self.forward_backward = update_phase.step_body(self.layout)  # how this layout runs an update
         self.is_main = self.world is None or self.world.rank == 0
 
     def _engine(self, draft) -> Engine:

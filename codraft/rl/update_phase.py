@@ -114,26 +114,7 @@ def update(tr: Trainer, step: int, rollout: Rollout, scored: Scored) -> Update:
                    train_draft=tr.trains_draft, policy_dtype=tr.policy_dtype,
                    draft_dtype=tr.draft_dtype, draft_seed=step_seed(cfg.seed, step),  # anchors: any layout
                    phase=timer)
-    if tr.layout.pipelined:
-        loss, lm, policy_norm, draft_norm = _pipelined_backward(tr, step, rollout, scored, timer, loss_kw)
-    elif tr.layout.sharded:
-        loss, lm, policy_norm, draft_norm = _data_parallel_backward(tr, rollout, scored, timer, loss_kw)
-    else:
-        batch = pack(rollout.prompts, [o.tokens for o in rollout.out], [o.logprobs for o in rollout.out],
-                     device=cfg.device)
-        with timer("loss_forward"):
-            loss, lm = cotrain_loss(tr.policy, tr.draft, batch, scored.advantages.to(cfg.device), cp=tr.cp,
-                                    **loss_kw)
-        _zero_grad(tr)
-        with timer("backward"):
-            loss.backward()
-            if tr.cp is not None:  # each rank holds its share of the gradient: the sum is the gradient
-                sync_gradients(tr.policy.parameters(), tr.cp, "policy")
-                if tr.trains_draft:
-                    sync_gradients(tr.draft.trainable_parameters(), tr.cp, "draft")
-            policy_norm = torch.nn.utils.clip_grad_norm_(tr.policy.parameters(), g.grad_clip)
-            draft_norm = None if tr.draft_opt is None else torch.nn.utils.clip_grad_norm_(
-                tr.draft.trainable_parameters(), cfg.draft.grad_clip)
+    loss, lm, policy_norm, draft_norm = tr.forward_backward(tr, step, rollout, scored, timer, loss_kw)
     loss = loss.detach()
     finite = all(math.isfinite(float(x)) for x in (loss, policy_norm, 0.0 if draft_norm is None else draft_norm))
     tr.nonfinite_streak = 0 if finite else tr.nonfinite_streak + 1
@@ -145,6 +126,37 @@ def update(tr: Trainer, step: int, rollout: Rollout, scored: Scored) -> Update:
     commit(tr, step, finite, timer)
     timer.seconds["train"] = time.perf_counter() - t_train
     return Update(loss, lm, policy_norm, draft_norm, finite, tr.nonfinite_streak, timer.seconds)
+
+
+def step_body(layout):
+    """This layout's forward + backward of the update, chosen once (the trainer holds it): the pipeline
+    schedule (stages, or micro-batches without FSDP), the FSDP2-sharded step (data parallelism without
+    stages), or one packed batch (one process, or CP). Each returns (loss, metrics, policy grad norm,
+    draft grad norm) with the gradients summed over the ranks that share them and clipped."""
+    if layout.pipelined:
+        return _pipelined_backward
+    return _data_parallel_backward if layout.sharded else _one_batch_backward
+
+
+def _one_batch_backward(tr: Trainer, step: int, rollout: Rollout, scored: Scored, timer: PhaseTimer,
+                        loss_kw: dict):
+    """One packed forward and backward (each CP rank on its rows, the gradients summed), then clipping."""
+    cfg, g = tr.cfg, tr.cfg.grpo
+    batch = pack(rollout.prompts, [o.tokens for o in rollout.out], [o.logprobs for o in rollout.out],
+                 device=cfg.device)
+    with timer("loss_forward"):
+        loss, lm = cotrain_loss(tr.policy, tr.draft, batch, scored.advantages.to(cfg.device), cp=tr.cp, **loss_kw)
+    _zero_grad(tr)
+    with timer("backward"):
+        loss.backward()
+        if tr.cp is not None:  # each rank holds its share of the gradient: the sum is the gradient
+            sync_gradients(tr.policy.parameters(), tr.cp, "policy")
+            if tr.trains_draft:
+                sync_gradients(tr.draft.trainable_parameters(), tr.cp, "draft")
+        policy_norm = torch.nn.utils.clip_grad_norm_(tr.policy.parameters(), g.grad_clip)
+        draft_norm = None if tr.draft_opt is None else torch.nn.utils.clip_grad_norm_(
+            tr.draft.trainable_parameters(), cfg.draft.grad_clip)
+    return loss, lm, policy_norm, draft_norm
 
 
 def _pipelined_backward(tr: Trainer, step: int, rollout: Rollout, scored: Scored, timer: PhaseTimer,
@@ -177,7 +189,8 @@ def _pipelined_backward(tr: Trainer, step: int, rollout: Rollout, scored: Scored
     return loss, merge_metrics(parts, mbs), policy_norm, draft_norm
 
 
-def _data_parallel_backward(tr: Trainer, rollout: Rollout, scored: Scored, timer: PhaseTimer, loss_kw: dict):
+def _data_parallel_backward(tr: Trainer, step: int, rollout: Rollout, scored: Scored, timer: PhaseTimer,
+                            loss_kw: dict):
     """parallel.dp: the step's groups as dp × parallel.microbatches micro-batches, a DP rank running its
     own in turn, each normalised by the step's totals (``codraft.rl.microbatch``), so the gradients FSDP sums
     over the ranks (policy and draft) are the one-batch step's; the sums wait for the last micro-batch;
