@@ -46,7 +46,7 @@ from codraft.parallel.mesh import Mesh
 
 try:  # FSDP2's DDP (torch >= 2.8); private path, public behaviour
     from torch.distributed._composable.replicate_with_fsdp import replicate
-except ImportError:  # pragma: no cover - older torch: the config rule names the fallback
+except ImportError:  # pragma: no cover - older torch: parallel.dp_shard=ddp is refused in _wrap
     replicate = None
 
 
@@ -86,7 +86,6 @@ def parallelize_draft(draft: nn.Module, mesh: Mesh, mode: str) -> nn.Module:
 def local_bytes(tensors) -> int:
     """Bytes this rank holds of ``tensors`` (a DTensor's local shard only)."""
     return sum((t.to_local() if isinstance(t, DTensor) else t).nbytes for t in tensors if t is not None)
-
 
 
 def full_policy(policy: nn.Module) -> nn.Module | None:
