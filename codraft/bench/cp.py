@@ -70,6 +70,7 @@ from codraft.parallel.baselines import (METHODS, ContiguousPlan, ContiguousShard
                                         plain_ring_branch_attention, reset_comm_bytes)
 from codraft.parallel.comm import CPGroup
 from codraft.parallel.spawn import raise_errors, spawn_ranks
+from codraft.rl.memory import proc_status, reset_resident_peak
 
 HEADS, KV_HEADS, HEAD_DIM = 4, 2, 64  # tiny_model_config's attention shape
 TTT_STEPS = 3
@@ -98,24 +99,6 @@ def check_method(name: str) -> None:
 
 
 # ---- one rank -------------------------------------------------------------------------------
-
-
-def _status(key: str) -> int:
-    """A /proc/self/status memory figure (VmRSS, VmHWM) in bytes."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(key + ":"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-def _reset_peak() -> bool:
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
 
 
 class _Setup:
@@ -177,8 +160,8 @@ def _forward(s: _Setup, branch: str, x: dict, comm: CPGroup) -> list[torch.Tenso
 def _measure(s: _Setup, branch: str, comm: CPGroup, gen: torch.Generator) -> dict:
     gc.collect()
     dist.barrier()
-    exact = _reset_peak()
-    base = _status("VmRSS")
+    exact = reset_resident_peak()
+    base = proc_status("VmRSS")
     x = _inputs(s, branch, gen)
     grads = None
     reset_comm_bytes(comm)
@@ -193,7 +176,7 @@ def _measure(s: _Setup, branch: str, comm: CPGroup, gen: torch.Generator) -> dic
     t2 = time.perf_counter()
     cpu, busy = time.process_time() - cpu0, (CpuMeter._machine_busy_s() or 0.0) - busy0
     rec = {"fwd_s": t1 - t0, "total_s": (t1 - t0) + (t2 - t1b), "wall_s": t2 - t0, "cpu_s": cpu, "busy_s": busy,
-           "peak_bytes": _status("VmHWM") - base, "peak_exact": exact, "base_rss": base, "sent_fwd": fwd_bytes,
+           "peak_bytes": proc_status("VmHWM") - base, "peak_exact": exact, "base_rss": base, "sent_fwd": fwd_bytes,
            "sent": comm_bytes(comm)}
     del outs, grads, x
     return rec

@@ -268,22 +268,29 @@ class PeakMemory:
             torch.cuda.reset_peak_memory_stats(self.device)
             self.base = torch.cuda.memory_allocated(self.device)
         else:
-            try:
-                with open("/proc/self/clear_refs", "w") as f:
-                    f.write("5")
-                self.base = _status("VmRSS")
-            except OSError:
-                pass
+            if reset_resident_peak():
+                self.base = proc_status("VmRSS")
         return self
 
     def __exit__(self, *exc) -> None:
         if self.base is not None:
-            top = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else _status("VmHWM")
+            top = torch.cuda.max_memory_allocated(self.device) if self.device.type == "cuda" else proc_status("VmHWM")
             self.bytes = max(top - self.base, 0)
 
 
-def _status(key: str) -> int:
-    """A /proc/self/status memory figure (VmRSS, VmHWM) in bytes."""
+def reset_resident_peak() -> bool:
+    """Reset this process's resident high-water mark (VmHWM) to its current size; False where Linux's
+    /proc/self/clear_refs cannot be written."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def proc_status(key: str) -> int:
+    """A /proc/self/status memory figure (VmRSS, VmHWM) in bytes (0 where the key is absent)."""
     with open("/proc/self/status") as f:
         for line in f:
             if line.startswith(key + ":"):
