@@ -164,24 +164,16 @@ def _pipelined_backward(tr: Trainer, step: int, rollout: Rollout, scored: Scored
     """parallel.pp / parallel.microbatches: this stage's forward and backward over the micro-batches
     (1F1B), the gradient sums (CP, DP, tied embedding) and the clipping by the global norms. With
     parallel.dp each data-parallel replica of the pipeline runs its share of the step's micro-batches."""
-    cfg, par, mesh = tr.cfg, tr.cfg.parallel, tr.mesh
-    dp = 1 if mesh is None else mesh.dp
+    cfg, par = tr.cfg, tr.cfg.parallel
     _zero_grad(tr)
-    mbs = split_microbatches(rollout.prompts, [o.tokens for o in rollout.out], [o.logprobs for o in rollout.out],
-                             scored.advantages.to(cfg.device), cfg.rollout.group_size, par.microbatches * dp,
-                             cfg.device)
-    if len(mbs) > 1 and tr.trains_draft:  # the draft's denominators: the whole step's (before the DP shares)
-        mbs = with_draft_normaliser(mbs, tr.draft, loss_kw["draft_seed"])
-    mine = mbs[mesh.dp_rank * par.microbatches:(mesh.dp_rank + 1) * par.microbatches] if dp > 1 else mbs
+    mbs, mine = _microbatches(tr, rollout, scored, loss_kw["draft_seed"])
     if tr.pipe is None:  # collective (the tap channels): on the first update, sized from its batch
         tr.pipe = build_pipeline(tr.policy, tr.draft if tr.trains_draft else None, tr.mesh,
                                  transport=par.taps, max_tokens=par.tap_tokens or _tap_tokens(mine, cfg),
                                  timeout=par.timeout)
     with timer("forward_backward"):
         loss, parts = pipeline_cotrain(tr.pipe, tr.policy, tr.draft, mine, step=step, merged=False, **loss_kw)
-    if dp > 1:  # every replica's micro-batches, in the step's order
-        shared = mesh.dp_group.all_gather_object((float(loss), parts), "the data-parallel replicas' losses")
-        loss, parts = torch.tensor(sum(x for x, _ in shared)), [p for _, share in shared for p in share]
+    loss, parts = _over_replicas(tr, loss, parts)
     with timer("backward"):  # here: the gradient sums and the clipping
         own, drafts = reduce_gradients(tr.pipe, tr.policy, tr._owned()[1])
         policy_norm, draft_norm = clip_gradients(tr.pipe, tr.policy, own, drafts, cfg.grpo.grad_clip,
@@ -195,11 +187,8 @@ def _data_parallel_backward(tr: Trainer, step: int, rollout: Rollout, scored: Sc
     own in turn, each normalised by the step's totals (``codraft.rl.microbatch``), so the gradients FSDP sums
     over the ranks (policy and draft) are the one-batch step's; the sums wait for the last micro-batch;
     loss and metrics merged over the DP ranks as micro-batches'."""
-    cfg, mesh, m = tr.cfg, tr.mesh, tr.cfg.parallel.microbatches
-    mbs = split_microbatches(rollout.prompts, [o.tokens for o in rollout.out], [o.logprobs for o in rollout.out],
-                             scored.advantages.to(cfg.device), cfg.rollout.group_size, mesh.dp * m, cfg.device)
-    mbs = with_draft_normaliser(mbs, tr.draft if tr.trains_draft else None, loss_kw["draft_seed"])
-    mine = mbs[mesh.dp_rank * m:(mesh.dp_rank + 1) * m]
+    cfg, mesh = tr.cfg, tr.mesh
+    mbs, mine = _microbatches(tr, rollout, scored, loss_kw["draft_seed"])
     wrapped = [tr.policy, *([tr.draft] if tr.trains_draft else [])]
     _zero_grad(tr)
     losses, metrics = [], []
@@ -217,9 +206,29 @@ def _data_parallel_backward(tr: Trainer, step: int, rollout: Rollout, scored: Sc
         policy_norm = full(torch.nn.utils.clip_grad_norm_(tr.policy.parameters(), cfg.grpo.grad_clip))
         draft_norm = None if tr.draft_opt is None else full(torch.nn.utils.clip_grad_norm_(
             tr.draft.trainable_parameters(), cfg.draft.grad_clip))
-    parts = mesh.dp_group.all_gather_object(metrics, "the data-parallel ranks' loss metrics")
-    total = mesh.dp_group.all_reduce(torch.stack(losses).sum().reshape(1), "the data-parallel ranks' losses")
-    return total[0], merge_metrics([p for rank in parts for p in rank], mbs), policy_norm, draft_norm
+    loss, parts = _over_replicas(tr, torch.stack(losses).sum(), metrics)
+    return loss, merge_metrics(parts, mbs), policy_norm, draft_norm
+
+
+def _microbatches(tr: Trainer, rollout: Rollout, scored: Scored, draft_seed: int):
+    """The step's groups as dp × parallel.microbatches micro-batches (with the step's draft normaliser when
+    there are several), and this DP rank's (or replica's) ``parallel.microbatches`` of them."""
+    cfg, mesh, m = tr.cfg, tr.mesh, tr.cfg.parallel.microbatches
+    dp = 1 if mesh is None else mesh.dp
+    mbs = split_microbatches(rollout.prompts, [o.tokens for o in rollout.out], [o.logprobs for o in rollout.out],
+                             scored.advantages.to(cfg.device), cfg.rollout.group_size, dp * m, cfg.device)
+    if len(mbs) > 1 and tr.trains_draft:  # the draft's denominators: the whole step's (before the DP shares)
+        mbs = with_draft_normaliser(mbs, tr.draft, draft_seed)
+    return mbs, mbs[mesh.dp_rank * m:(mesh.dp_rank + 1) * m] if dp > 1 else mbs
+
+
+def _over_replicas(tr: Trainer, loss: torch.Tensor, parts: list[dict]) -> tuple[torch.Tensor, list[dict]]:
+    """This DP rank's loss and per-micro-batch metrics -> the step's: the losses summed and every rank's
+    metrics in the step's order (one gather); unchanged without data parallelism."""
+    if tr.mesh is None or tr.mesh.dp == 1:
+        return loss, parts
+    shared = tr.mesh.dp_group.all_gather_object((float(loss), parts), "the data-parallel ranks' losses and metrics")
+    return torch.tensor(sum(x for x, _ in shared)), [p for _, share in shared for p in share]
 
 
 def _tap_tokens(mbs, cfg: RunConfig) -> int:
