@@ -97,21 +97,7 @@ class Trainer:
         self._join_ranks(cfg)
         self.progress = progress and self.is_main
         dtype = getattr(torch, cfg.policy.dtype)
-        self._fresh = FreshFolder(cfg.run_dir) if resume is None and self.is_main else None  # what the run adds
-        # rank 0 locks the folder (refused: unwritable, or another run holds it); then a fresh run refuses a
-        # folder holding a run; a resume reads the newest checkpoint that verifies and refuses changes to keys
-        # outside runs.RESUMABLE (nothing else is written until record_start)
-        cfg, self.run_dir, found, changed, self._run_lock = runs.open_run(cfg, resume, dtype, lock=self.is_main)
-        if self.world is not None:  # every rank has checked the folder before rank 0 writes to it
-            self.world.all_gather_object(str(self.run_dir),
-                                         "the run folder (rank 0 may have refused it: see its error)")
-        try:  # the prompts vs the policy's context, the step vs the memory, before anything loads
-            memory.check_run(cfg)
-        except CodraftError:  # refused: the folder as it was
-            self._unlock()
-            if self._fresh is not None:
-                self._fresh.discard()
-            raise
+        cfg, found, changed = self._open_run(cfg, resume, dtype)
         self.cfg = cfg
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
@@ -152,14 +138,7 @@ class Trainer:
         # the layout applied from outside the models, once (codraft.parallel.parallelize)
         parallelize(self.policy, self.draft, self.layout, self.mesh, self.rollout_weights,
                     trains_draft=self.trains_draft)
-
-        g = cfg.grpo
-        self.opt = adamw(self.policy.parameters(), lr=g.lr, weight_decay=g.weight_decay, betas=(0.9, 0.99))
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, warmup_cosine(g.warmup_steps, cfg.steps, floor=0.1))
-        self.draft_opt = self.draft_sched = None
-        if self.trains_draft:
-            self.draft_opt = adamw(self.draft.trainable_parameters(), lr=d.lr, betas=(0.9, 0.95))
-            self.draft_sched = torch.optim.lr_scheduler.LambdaLR(self.draft_opt, warmup(d.warmup_steps))
+        self._make_optimizers(cfg)
         self.start_step, self.prompts_used, self._stream = 0, 0, None
         # the rollout engine; validation (greedy) has its own, so its rounds stay out of the rollouts'
         # acceptance estimate (draft_length=auto), which checkpoints carry
@@ -179,6 +158,38 @@ class Trainer:
         self.logger = MetricsLogger(self.run_dir, resume_step=self.start_step if found is not None else None) \
             if self.is_main else _NoLogger()
         self.plots: list[Path] = []
+
+    def _open_run(self, cfg: RunConfig, resume: str | None, dtype: torch.dtype):
+        """The run folder, before anything loads -> (the effective config, the checkpoint resumed or None, the
+        keys a resume changed). Rank 0 locks the folder (refused: unwritable, or another run holds it); then a
+        fresh run refuses a folder holding a run; a resume reads the newest checkpoint that verifies and
+        refuses changes to keys outside runs.RESUMABLE (nothing else is written until record_start). Then
+        the prompts against the policy's context and the step against the memory: refused, the folder is
+        left as it was."""
+        self._fresh = FreshFolder(cfg.run_dir) if resume is None and self.is_main else None  # what the run adds
+        cfg, self.run_dir, found, changed, self._run_lock = runs.open_run(cfg, resume, dtype, lock=self.is_main)
+        if self.world is not None:  # every rank has checked the folder before rank 0 writes to it
+            self.world.all_gather_object(str(self.run_dir),
+                                         "the run folder (rank 0 may have refused it: see its error)")
+        try:
+            memory.check_run(cfg)
+        except CodraftError:
+            self._unlock()
+            if self._fresh is not None:
+                self._fresh.discard()
+            raise
+        return cfg, found, changed
+
+    def _make_optimizers(self, cfg: RunConfig) -> None:
+        """AdamW and its schedule for the policy (warm-up, then cosine to 10 %) and the co-trained draft
+        (warm-up): over the parallelized parameters (FSDP's shards where the layout shards)."""
+        g, d = cfg.grpo, cfg.draft
+        self.opt = adamw(self.policy.parameters(), lr=g.lr, weight_decay=g.weight_decay, betas=(0.9, 0.99))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, warmup_cosine(g.warmup_steps, cfg.steps, floor=0.1))
+        self.draft_opt = self.draft_sched = None
+        if self.trains_draft:
+            self.draft_opt = adamw(self.draft.trainable_parameters(), lr=d.lr, betas=(0.9, 0.95))
+            self.draft_sched = torch.optim.lr_scheduler.LambdaLR(self.draft_opt, warmup(d.warmup_steps))
 
     def _training_precisions(self, cfg: RunConfig) -> tuple[torch.dtype, torch.dtype]:
         """grpo.precision, draft.precision: the products of the policy's and the draft's losses, fp32 or bf16
