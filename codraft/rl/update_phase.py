@@ -236,7 +236,7 @@ def _tap_tokens(mbs, cfg: RunConfig) -> int:
     produce: the largest group count per micro-batch, each with twice this step's longest prompt and
     every completion at rollout.max_new_tokens; under CP a rank's share plus the zigzag padding."""
     r, par = cfg.rollout, cfg.parallel
-    groups = -(-r.prompts_per_step // par.microbatches)
+    groups = -(-r.prompts_per_step // (par.microbatches * par.dp))  # (a DP replica's micro-batches)
     longest = max(int(mb.batch.cu_seqlens.diff().max()) for mb in mbs)  # a prompt and its completion
     tokens = groups * (2 * longest + r.group_size * r.max_new_tokens)
     return tokens if par.cp == 1 else -(-tokens // par.cp) + 2 * par.cp * groups * (r.group_size + 1)
