@@ -155,3 +155,18 @@ class Draft(ABC):
     @abstractmethod
     def select(self, state: Any, rows: torch.Tensor) -> Any:
         """Keep only ``rows`` (long tensor of batch indices, in order); returns the new state."""
+
+    # ---- rows that leave the batch and come back (multi-turn episodes) ----------------------
+
+    def take(self, state: Any, rows: torch.Tensor) -> Any:
+        """A new state holding copies of ``rows``; ``state`` stays valid and unchanged."""
+        raise NotImplementedError(f"the {type(self).__name__} draft cannot continue rows across turns")
+
+    def join(self, states: list) -> Any:
+        """One state: the rows of ``states`` in order (states of one batch: one ``begin``'s buffers sizes)."""
+        raise NotImplementedError(f"the {type(self).__name__} draft cannot continue rows across turns")
+
+    def extend(self, state: Any, tokens: torch.Tensor, counts: torch.Tensor, features: Features) -> Any:
+        """Append tokens the draft did not propose (an observation, then the target's next token): as
+        ``commit`` for drafts whose commit does not rely on a proposal having run."""
+        return self.commit(state, tokens, counts, features)

@@ -101,6 +101,13 @@ class BlockDecoding:
         return BlockDraftState(state.k[:, rows], state.v[:, rows], state.ctx_len[rows], state.pending[rows],
                                [x[rows] for x in state.deferred])
 
+    take = select  # (indexing copies: ``state`` is left as it was)
+
+    def join(self, states: list[BlockDraftState]) -> BlockDraftState:
+        states = [self.written(s) for s in states]  # (the deferred context K/V, into each state's own cache)
+        return BlockDraftState(*(torch.cat([getattr(s, f) for s in states], 1 if f in "kv" else 0)
+                                 for f in ("k", "v", "ctx_len", "pending")), [])
+
     def decode_hidden(self, state: BlockDraftState, slots: int, context_len: int) -> torch.Tensor:
         """Final-normed hidden (B,S,H) of the block [pending, MASK×(S−1)] over the cached context.
 

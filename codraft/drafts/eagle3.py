@@ -358,6 +358,12 @@ class Eagle3Draft(nn.Module, Draft):
         state.cache.select(rows)
         return Eagle3State(state.cache, state.hidden[rows])
 
+    def take(self, state: Eagle3State, rows) -> Eagle3State:
+        return Eagle3State(state.cache.take(rows), state.hidden[rows])
+
+    def join(self, states: list[Eagle3State]) -> Eagle3State:
+        return Eagle3State(KVCache.cat([s.cache for s in states]), torch.cat([s.hidden for s in states]))
+
     # ---- checkpoint ------------------------------------------------------------------------
 
     def hf_config(self) -> dict:

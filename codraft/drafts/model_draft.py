@@ -132,6 +132,21 @@ class ModelDraft(nn.Module, Draft):
         state.cache.select(rows)
         return ModelDraftState(state.cache, state.last2[rows])
 
+    def take(self, state: ModelDraftState, rows) -> ModelDraftState:
+        return ModelDraftState(state.cache.take(rows), state.last2[rows])
+
+    def join(self, states: list[ModelDraftState]) -> ModelDraftState:
+        return ModelDraftState(KVCache.cat([s.cache for s in states]), torch.cat([s.last2 for s in states]))
+
+    def extend(self, state: ModelDraftState, tokens, counts, features: Features) -> ModelDraftState:
+        """No proposal ran: feed [last2, tokens] and keep context - 2 + counts of it."""
+        ext = torch.cat([state.last2, tokens], 1)  # (B,2+m)
+        start = state.cache.lengths.clone()
+        state.cache.span = int(start.max())  # exact (after a proposal it is a loose bound): the rows fit
+        self.net(ext, cache=state.cache, head=False)
+        state.cache.set_lengths(start + counts)
+        return ModelDraftState(state.cache, ext.gather(1, torch.stack([counts, counts + 1], 1)))
+
 
 def _draft_config(target: ModelConfig, num_hidden_layers: int, overrides: dict) -> ModelConfig:
     if overrides.get("vocab_size", target.vocab_size) != target.vocab_size:

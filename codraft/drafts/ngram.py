@@ -91,6 +91,11 @@ class NgramDraft(Draft):
     def select(self, state: NgramState, rows) -> NgramState:
         return NgramState(state.context[rows], state.lengths[rows])
 
+    take = select  # (indexing copies)
+
+    def join(self, states: list[NgramState]) -> NgramState:
+        return NgramState(torch.cat([s.context for s in states]), torch.cat([s.lengths for s in states]))
+
 
 def build(target_config: ModelConfig, *, n: int = 3, gamma: int | None = None) -> NgramDraft:
     return NgramDraft(target_config.vocab_size, n=n, default_gamma=gamma or 4)

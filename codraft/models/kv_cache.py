@@ -78,6 +78,26 @@ class KVCache:
             self.v = self.v[:, rows]
         self.lengths = self.lengths[rows]
 
+    def take(self, rows: torch.Tensor, span: int | None = None) -> "KVCache":
+        """A new cache holding copies of ``rows`` (this one unchanged): a row that leaves the decode batch
+        for a while (waiting on its environment) and comes back (``cat``). ``span``: a host bound of the
+        taken rows' lengths (default this cache's)."""
+        out = KVCache.__new__(KVCache)
+        out.k, out.v, out.lengths = self.k[:, rows], self.v[:, rows], self.lengths[rows]
+        out.max_len, out.span = self.max_len, self.span if span is None else span
+        return out
+
+    @staticmethod
+    def cat(caches: list["KVCache"]) -> "KVCache":
+        """One cache: the rows of ``caches`` in order (caches of one allocation: the same max_len)."""
+        if len({c.max_len for c in caches}) != 1:
+            raise ValueError(f"cannot join caches of max_len {sorted({c.max_len for c in caches})}")
+        out = KVCache.__new__(KVCache)
+        out.k, out.v = torch.cat([c.k for c in caches], 1), torch.cat([c.v for c in caches], 1)
+        out.lengths = torch.cat([c.lengths for c in caches])
+        out.max_len, out.span = caches[0].max_len, max(c.span for c in caches)
+        return out
+
     def _compacted(self, t: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """t (L,B,H,M,D) with only ``rows`` (increasing), in t's own memory: layer l's kept rows go to
         offset l·n·H·M·D, never above where they were, and layer l's new place overlaps only layers

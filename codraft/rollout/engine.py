@@ -42,7 +42,9 @@ from codraft.spec.verify import Verdict, verify_drafts
 class GenerationResult:
     tokens: list[int]  # new tokens, up to and including EOS
     logprobs: list[float]  # target logprob of each, see codraft.spec.sampling for the convention
-    finish_reason: str  # "eos" or "length"
+    finish_reason: str  # "eos" or "length" (multi-turn episodes: also "turns", "env")
+    mask: list[bool] | None = None  # multi-turn: True where the policy generated the token (None: everywhere)
+    turns: int = 1  # the policy's turns (multi-turn episodes)
 
 
 class Engine:
@@ -103,8 +105,9 @@ class Engine:
         return results
 
     def start(self, prompts, max_new_tokens, temperature=1.0, top_p=1.0, top_k=0, seed=None,
-              eos_id=None) -> "Rollout":
-        """Validate, prefill and return the ``Rollout`` (``generate`` steps it to the end)."""
+              eos_id=None, *, stop=(), kind=None) -> "Rollout":
+        """Validate, prefill and return the ``Rollout`` (``generate`` steps it to the end); ``stop``: more
+        token ids a row stops after, ``kind``: a ``Rollout`` subclass (multi-turn: ``turns.TurnRollout``)."""
         self._check(prompts, max_new_tokens)
         _check_sampling(temperature, top_p, top_k, seed)
         if self._calibrates and (self.cost_model is None or self.cost_model.rows[-1] < len(prompts)):
@@ -114,7 +117,7 @@ class Engine:
         sampler = Sampler(temperature, top_p, top_k, gen)
         eos = self.model.config.eos_token_id if eos_id is None else eos_id
         eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
-        return Rollout(self, [list(p) for p in prompts], max_new_tokens, sampler, eos)
+        return (kind or Rollout)(self, [list(p) for p in prompts], max_new_tokens, sampler, eos, list(stop))
 
     def _check(self, prompts, max_new_tokens):
         if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
@@ -166,7 +169,8 @@ class Rollout:
     """One batched generation in progress: prefilled on construction, advanced by ``step()``."""
 
     @torch.inference_mode()
-    def __init__(self, engine: Engine, prompts: list[list[int]], max_new: int, sampler: Sampler, eos: list[int]):
+    def __init__(self, engine: Engine, prompts: list[list[int]], max_new: int, sampler: Sampler, eos: list[int],
+                 stop: list[int] = ()):
         self.model, self.draft, self.gamma = engine.model, engine.draft, engine.gamma
         self.acceptance, self.cost_model = engine.acceptance, engine.cost_model
         self.sampler, self.max_new, self.timing_sync = sampler, max_new, engine.timing_sync
@@ -183,6 +187,7 @@ class Rollout:
         src = torch.tensor([first.setdefault(tuple(p), i) for i, p in enumerate(prompts)], device=dev)  # (B,)
         uniq = torch.tensor(sorted(first.values()), device=dev)  # (U,) rows that are prefilled
         self.eos = torch.tensor(eos, dtype=torch.long, device=dev)
+        self.stops = torch.tensor(list(eos) + list(stop), dtype=torch.long, device=dev)  # a row stops after these
         self.cache = KVCache.for_model(self.model, len(uniq), t + max_new + self.gamma + 1)
         self.rows = torch.arange(b, device=dev)  # original index of each active row
         self.out_tokens = torch.zeros(b, max_new + self.gamma + 1, dtype=torch.long, device=dev)
@@ -245,11 +250,11 @@ class Rollout:
             fast = fast_verify(logits, x, q, self.sampler)  # the same rule in one C call, where it applies
             v = Verdict(*fast) if fast is not None else verify_drafts(logits, x, q, self.sampler)
             self._lap("verify_s")
-            # the forward advanced every row by g+1; keep [pending, x_1..x_n]
-            self.cache.set_lengths(self.cache.lengths - g + v.n_accepted)
-            counts = v.n_accepted + 1
-            self._emit(v.tokens, v.logprobs, counts)
-            self.last = v.tokens.gather(1, v.n_accepted[:, None]).squeeze(1)
+            # the tokens kept: n accepted + 1, or fewer where a stop token (EOS) or max_new cuts them
+            counts = self._emit(v.tokens, v.logprobs, v.n_accepted + 1)
+            # the forward advanced every row by g+1; keep [pending, x_1..x_{counts-1}]
+            self.cache.set_lengths(self.cache.lengths - (g + 1) + counts)
+            self.last = v.tokens.gather(1, (counts - 1)[:, None]).squeeze(1)
             self._round_accepted = (v.n_accepted[:, None] > torch.arange(g, device=self.device)).sum(0)
             self._lap("bookkeeping_s")
             self.draft_state = self.draft.commit(self.draft_state, v.tokens, counts, feats)
@@ -286,12 +291,14 @@ class Rollout:
         if self.acceptance is not None:
             self.acceptance.observe(rows, accepted)
 
-    def _emit(self, tokens: torch.Tensor, logp: torch.Tensor, counts: torch.Tensor):
-        """Append tokens[b, :counts[b]] (B,m) to the outputs, cut at EOS and max_new; set self.done."""
-        rows, n_out = self.rows, self.n_out[self.rows]  # (B,)
+    def _emit(self, tokens: torch.Tensor, logp: torch.Tensor, counts: torch.Tensor, rows: torch.Tensor | None = None):
+        """Append tokens[b, :counts[b]] (B,m) to the outputs of ``rows`` (default: the batch's), cut at a stop
+        token (EOS) and max_new; set self.done -> the tokens kept per row."""
+        rows = self.rows if rows is None else rows
+        n_out = self.n_out[rows]  # (B,)
         j = torch.arange(tokens.shape[1], device=self.device)
         room = torch.minimum(counts, self.max_new - n_out)
-        is_eos = (j < room[:, None]) & (tokens[..., None] == self.eos).any(-1)  # (B,m); isin may sync
+        is_eos = (j < room[:, None]) & (tokens[..., None] == self.stops).any(-1)  # (B,m); isin may sync
         hit = is_eos.any(-1)
         n_new = torch.where(hit, is_eos.long().argmax(-1) + 1, room)  # through the first EOS
         pos = n_out[:, None] + j  # (B,m): slots past n_new are junk, overwritten by later writes
@@ -299,6 +306,7 @@ class Rollout:
         self.out_logp[rows[:, None], pos] = logp
         self.n_out[rows] = n_out + n_new
         self.done = hit | (n_out + n_new >= self.max_new)
+        return n_new
 
     def _sync(self) -> list[int]:
         """The round's one host sync: done flags, the longest cache row and the round's acceptance
@@ -307,15 +315,20 @@ class Rollout:
         flags = torch.cat([self.done.long(), longest[None], self._round_accepted]).tolist()
         b = self.done.numel()
         done, self.cache.span = flags[:b], flags[b]  # exact span: attention reads no further
-        if all(done):
-            self.finished = True
-        elif any(done):
-            keep = torch.tensor([i for i, d in enumerate(done) if not d], device=self.device)
-            self.rows, self.last = self.rows[keep], self.last[keep]
-            self.cache.select(keep)
-            if self.draft is not None:
-                self.draft_state = self.draft.select(self.draft_state, keep)
+        if any(done):
+            self._leave([i for i, d in enumerate(done) if d], [i for i, d in enumerate(done) if not d])
         return flags[b + 1:]
+
+    def _leave(self, done: list[int], keep: list[int]):
+        """Rows ``done`` have stopped: drop them from the cache, the draft and the batch."""
+        if not keep:
+            self.finished = True
+            return
+        keep = torch.tensor(keep, device=self.device)
+        self.rows, self.last = self.rows[keep], self.last[keep]
+        self.cache.select(keep)
+        if self.draft is not None:
+            self.draft_state = self.draft.select(self.draft_state, keep)
 
     def _lap(self, phase: str):
         if self.timing_sync and self.device.type != "cpu":

@@ -16,6 +16,8 @@ A task hands out `Problem`s (prompt, canonical answer, worked reference solution
 - `gsm_symbolic` — GSM8K-style word problems from `reasoning_gym` for real models; the
   prompt asks for a final line `#### <number>`, the SFT target is the dataset's worked
   solution (it already ends with that line).
+- `lookup` — questions over a table of employees, departments and budgets, answered with tools
+  (the `lookup` environment, `codraft.envs`): `ann+3=` is the budget of ann's department plus 3.
 - `chain_sum` — short sums/differences from `reasoning_gym` (2 terms of 1-2 digits by
   default) for SmolLM2-135M, which scores 19 % unaided (greedy); the answer is the last number in
   the completion (small models do not keep to a marker format).
@@ -44,9 +46,10 @@ from codraft.tasks.arith_haystack import ArithHaystackTask
 from codraft.tasks.base import SPLITS, Problem, Task, parse_number
 from codraft.tasks.chain_sum import ChainSumTask
 from codraft.tasks.gsm import GsmSymbolicTask
+from codraft.tasks.lookup import LookupTask
 
 TASKS: dict[str, type[Task]] = {"arith": ArithTask, "arith_haystack": ArithHaystackTask, "chain_sum": ChainSumTask,
-                                "gsm_symbolic": GsmSymbolicTask}
+                                "gsm_symbolic": GsmSymbolicTask, "lookup": LookupTask}
 
 
 def make_task(name: str, **knobs: Any) -> Task:
@@ -61,5 +64,5 @@ def make_task(name: str, **knobs: Any) -> Task:
     return cls(**knobs)
 
 
-__all__ = ["SPLITS", "TASKS", "ArithHaystackTask", "ArithTask", "ChainSumTask", "GsmSymbolicTask", "Problem", "Task", "make_task",
+__all__ = ["SPLITS", "TASKS", "ArithHaystackTask", "ArithTask", "ChainSumTask", "GsmSymbolicTask", "LookupTask", "Problem", "Task", "make_task",
            "parse_number"]

@@ -1,0 +1,31 @@
+"""Multi-turn environments: the policy calls tools and reads their results within one episode.
+
+- ``calculator`` — any task with a ``calc`` tool (``[calc 17+23*4-8]`` -> ``{101}``);
+- ``lookup`` — the ``lookup`` task's table behind ``dept`` and ``budget`` tools: two calls per episode.
+
+Your own: subclass ``Environment`` with a ``task`` (problems and the final reward) and ``tools`` (name
+-> a function of the argument text returning text), and register it in ``ENVS``. ``EpisodeBatch`` runs
+a batch of episodes against one (``codraft.rollout.turns.run_episodes`` drives the engine).
+"""
+from __future__ import annotations
+
+from codraft.envs.base import Environment, EpisodeEnd, ToolCall, ToolFormat
+from codraft.envs.calculator import Calculator, calc
+from codraft.envs.episodes import EpisodeBatch, Scores
+from codraft.envs.lookup import Lookup
+from codraft.tasks import LookupTask, Task
+
+ENVS = {"calculator": Calculator, "lookup": Lookup}
+
+
+def make_env(name: str, task: Task) -> Environment:
+    """The environment ``name`` over ``task``; unknown names are refused listing the known ones."""
+    if name not in ENVS:
+        raise ValueError(f"unknown environment {name!r}; known: {', '.join(sorted(ENVS))}")
+    if name == "lookup" and not isinstance(task, LookupTask):
+        raise ValueError(f"env.name=lookup reads the lookup task's table: set task.name=lookup (got {task.name!r})")
+    return ENVS[name](task)
+
+
+__all__ = ["ENVS", "Calculator", "Environment", "EpisodeBatch", "EpisodeEnd", "Lookup", "Scores", "ToolCall",
+           "ToolFormat", "calc", "make_env"]
