@@ -11,6 +11,7 @@ import torch
 
 from codraft.config.taps import Taps, _taps_fit
 from codraft.drafts import available_drafts
+from codraft.envs import ENVS
 from codraft.tasks import TASKS
 
 if TYPE_CHECKING:
@@ -107,6 +108,12 @@ RULES: dict[str, Range | OneOf | Text | Device | Flag | Taps] = {
     "task.name": OneOf(tuple(TASKS)),
     "task.max_chars": Range(1, note="longer completions get reward 0"),
     "task.format_reward": Range(0, 1, hi_open=True, note="below a correct answer's 1"),
+    "env.name": OneOf(("none", *ENVS)),
+    "env.max_turns": COUNT,
+    "env.timeout": POSITIVE,
+    "env.latency_ms": NON_NEGATIVE,
+    "env.overlap": Flag(),
+    "env.workers": COUNT,
     "rollout.prompts_per_step": COUNT,
     "rollout.group_size": COUNT,
     "rollout.max_new_tokens": COUNT,
@@ -210,6 +217,13 @@ def _data_parallel_fits(c: RunConfig) -> str | None:
     return None
 
 
+def _env_has_its_task(c: RunConfig) -> str | None:
+    if (c.env.name == "lookup") != (c.task.name == "lookup"):
+        return f"config key 'task.name' must be lookup exactly when env.name=lookup (the environment's tools " \
+               f"read the task's table), got task.name={c.task.name!r} with env.name={c.env.name!r}"
+    return None
+
+
 def _taps_reach_the_device(c: RunConfig) -> str | None:
     if c.parallel.pp > 1 and c.parallel.taps == "shm" and c.device != "cpu":
         return f"config key 'parallel.taps' must not be shm on device={c.device}: the shared-memory channel is " \
@@ -220,5 +234,5 @@ def _taps_reach_the_device(c: RunConfig) -> str | None:
 # Rules between keys: each returns the error message, or None.
 CROSS_RULES: tuple[Callable[[RunConfig], str | None], ...] = (_auto_needs_a_draft, _rollout_copy_is_narrower,
                                                                _draft_folder_exists, _every_rank_has_work,
-                                                               _data_parallel_fits,
+                                                               _data_parallel_fits, _env_has_its_task,
                                                                _taps_reach_the_device, _taps_fit)

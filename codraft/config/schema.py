@@ -26,6 +26,18 @@ class TaskConfig:
 
 
 @dataclass
+class EnvConfig:
+    name: str = "none"              # none (the task, one turn) or a multi-turn environment: calculator, lookup
+    max_turns: int = 4              # the policy's turns per episode; its tokens and the observations' share
+    #                                 rollout.max_new_tokens
+    timeout: float = 30.0           # seconds a tool call may take; past it the episode ends with reward 0
+    latency_ms: float = 0.0         # every tool call first sleeps this long (a slow tool)
+    overlap: bool = True            # rows rejoin as soon as their answer is in; false: each round first waits for
+    #                                 every pending answer (seeded runs repeat exactly)
+    workers: int = 8                # tool calls that run at once
+
+
+@dataclass
 class RolloutConfig:
     prompts_per_step: int = 8
     group_size: int = 4             # completions per prompt (GRPO group)
@@ -102,6 +114,7 @@ class RunConfig:
     memory_check: bool = True       # refuse a step estimated larger than the memory available (codraft.rl.memory)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     draft: DraftConfig = field(default_factory=DraftConfig)

@@ -84,6 +84,21 @@ class DraftBatch:
             raise ValueError(f"DraftBatch.teacher_tokens {tuple(self.teacher_tokens.shape)} must name the "
                              f"{self.teacher_logits.shape[1]} columns of teacher_logits")
 
+    def unbroken(self, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+        """Whether packed positions lo..hi (inclusive, same shapes) hold no observation: a non-target token
+        after a target of its sequence (multi-turn episodes: the environment's text between two turns). A
+        draft never proposes across one (a turn ends before it), so no draft target chain spans one;
+        single-turn sequences have none (their only non-targets, the prompt, come first)."""
+        lm = self.loss_mask[0].long()
+        cu = self.cu_seqlens.to(lm.device, torch.long)
+        targets = lm.cumsum(0)
+        seq = torch.searchsorted(cu[1:], torch.arange(lm.shape[0], device=lm.device), right=True)
+        before = torch.cat([targets.new_zeros(1), targets])[cu[:-1].clamp(max=lm.shape[0])]  # targets before seq
+        seen = targets - lm - torch.cat([before, before.new_zeros(1)])[seq] > 0  # a target earlier in the sequence
+        breaks = torch.cat([lm.new_zeros(1), ((lm == 0) & seen).long().cumsum(0)])  # (T+1,) prefix counts
+        t = lm.shape[0]
+        return breaks[(hi + 1).clamp(0, t)] == breaks[lo.clamp(0, t)]
+
     def uniforms(self, generator: torch.Generator | None = None) -> torch.Tensor:
         """(T,) uniforms in [0,1), one per packed position (the block drafts' anchor scores).
 

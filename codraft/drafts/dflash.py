@@ -101,7 +101,7 @@ class DFlashDraft(BlockDraftBase):
         in_seq = lab_pos < blocks.seq_end[:, None]
         lab_pos = lab_pos.clamp(max=t - 1)
         labels, in_vocab = self.vocab_labels(batch.input_ids[0, lab_pos])
-        m = in_seq & batch.loss_mask[0, lab_pos] & in_vocab
+        m = in_seq & batch.loss_mask[0, lab_pos] & in_vocab & batch.unbroken(blocks.anchors[:, None], lab_pos)
         m[:, 0] = False  # slot 0 is the anchor, not a prediction
         return labels, m.float()
 

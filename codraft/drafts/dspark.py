@@ -186,7 +186,8 @@ class DSparkDraft(BlockDraftBase):
         src = src.clamp(max=t - 1)
         lab_pos = (src + 1).clamp(max=t - 1)
         labels, in_vocab = self.vocab_labels(batch.input_ids[0, lab_pos])
-        return src, labels, (in_seq & batch.loss_mask[0, lab_pos] & in_vocab).float()
+        unbroken = batch.unbroken(blocks.anchors[:, None], lab_pos)  # (no observation inside the chain)
+        return src, labels, (in_seq & batch.loss_mask[0, lab_pos] & in_vocab & unbroken).float()
 
     def loss_normaliser(self, batch: DraftBatch) -> torch.Tensor | None:
         """(S+1,) the supervised slots k of the batch's blocks (the loss divides by Σ_k w_k·count_k, acc_k

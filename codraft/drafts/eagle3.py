@@ -279,8 +279,9 @@ class Eagle3Draft(nn.Module, Draft):
         # (T,) end of t's sequence (cu[-1] for padding: never valid)
         rows = batch.teacher_rows.to(dev)  # (R,)
         supervised = (rows + 1 < t) & batch.loss_mask[0, (rows + 1).clamp(max=t - 1)].bool()  # (R,)
+        # (and no observation among x_{r-j}..x_{r+1}: the chain the draft would propose from t, multi-turn)
         return [supervised & (rows - 1 - j >= 0) & (rows + 1 < end[(rows - 1 - j).clamp_min(0)])
-                for j in range(self.ttt_steps)]
+                & batch.unbroken(rows - j, rows + 1) for j in range(self.ttt_steps)]
 
     def loss_normaliser(self, batch: DraftBatch) -> torch.Tensor | None:
         """(2·ttt_steps,) int64: each step's positions (its loss's denominator), then the positions its

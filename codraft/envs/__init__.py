@@ -4,14 +4,15 @@
 - ``lookup`` — the ``lookup`` task's table behind ``dept`` and ``budget`` tools: two calls per episode.
 
 Your own: subclass ``Environment`` with a ``task`` (problems and the final reward) and ``tools`` (name
--> a function of the argument text returning text), and register it in ``ENVS``. ``EpisodeBatch`` runs
-a batch of episodes against one (``codraft.rollout.turns.run_episodes`` drives the engine).
+-> a function of the argument text returning text), and register it in ``ENVS``. ``play`` runs a batch
+of episodes against one (``EpisodeBatch`` answers, ``codraft.rollout.turns.run_episodes`` drives the
+engine).
 """
 from __future__ import annotations
 
 from codraft.envs.base import Environment, EpisodeEnd, ToolCall, ToolFormat
 from codraft.envs.calculator import Calculator, calc
-from codraft.envs.episodes import EpisodeBatch, Scores
+from codraft.envs.episodes import Episode, EpisodeBatch, play
 from codraft.envs.lookup import Lookup
 from codraft.tasks import LookupTask, Task
 
@@ -27,5 +28,5 @@ def make_env(name: str, task: Task) -> Environment:
     return ENVS[name](task)
 
 
-__all__ = ["ENVS", "Calculator", "Environment", "EpisodeBatch", "EpisodeEnd", "Lookup", "Scores", "ToolCall",
-           "ToolFormat", "calc", "make_env"]
+__all__ = ["ENVS", "Calculator", "Environment", "Episode", "EpisodeBatch", "EpisodeEnd", "Lookup", "ToolCall",
+           "ToolFormat", "calc", "make_env", "play"]

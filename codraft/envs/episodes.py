@@ -14,9 +14,11 @@ import itertools
 import queue
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, fields
 
 from codraft.envs.base import Environment, EpisodeEnd, ToolFormat
+from codraft.rollout.engine import Engine, GenerationResult
+from codraft.rollout.turns import run_episodes
 from codraft.tasks import Problem
 
 _ENDINGS = {"context": "its observation is longer than the room left in rollout.max_new_tokens",
@@ -24,13 +26,14 @@ _ENDINGS = {"context": "its observation is longer than the room left in rollout.
 
 
 @dataclass
-class Scores:
-    rewards: list[float]
-    reasons: dict[int, str]       # episode -> why it ended early (the step's warning)
-    env_errors: int               # environment faults: raised, hung, not text
-    tool_calls: list[int]         # per episode
-    seconds: float                # time spent inside tool calls (over all threads)
-    reward_errors: list = field(default_factory=list)
+class Episode(GenerationResult):
+    """One finished episode: the engine's result (tokens, logprobs, mask, turns) and how it went."""
+    reward: float = 0.0
+    reason: str | None = None              # why it ended early (the step's warning), None: it did not
+    fault: bool = False                    # an environment fault ended it (raised, hung, not text)
+    tool_calls: int = 0
+    env_s: float = 0.0                     # seconds inside its tool calls
+    reward_error: Exception | None = None  # the reward function failed (scored 0)
 
 
 class EpisodeBatch:
@@ -44,7 +47,7 @@ class EpisodeBatch:
         self.reasons: dict[int, str] = {}
         self.faults: set[int] = set()
         self.calls = [0] * len(problems)
-        self.seconds = 0.0
+        self.seconds = [0.0] * len(problems)  # (a row has one call at a time: no two threads add to one)
         self._state: dict[int, object] = {}
         self._jobs: dict[int, tuple[int, float]] = {}  # row -> (job id, deadline)
         self._ids = itertools.count()
@@ -121,7 +124,7 @@ class EpisodeBatch:
                 self._done.put((job, row, None, str(e), False))
             except Exception as e:  # noqa: BLE001 - any fault of (user) environment code ends that episode only
                 self._done.put((job, row, None, f"the environment raised {e!r}", True))
-            self.seconds += time.perf_counter() - t0
+            self.seconds[row] += time.perf_counter() - t0
 
     def _answer(self, row: int, turn: list[int]) -> list[int] | None:
         call = self.fmt.parse(self.tok.decode(turn))
@@ -140,19 +143,34 @@ class EpisodeBatch:
 
     # ---- the scores
 
-    def score(self, results) -> Scores:
-        """Each finished episode's reward from the policy's own text (0 after an environment fault)."""
+    def score(self, results: list[GenerationResult]) -> list[Episode]:
+        """Each finished episode with its reward from the policy's own text (0 after an environment fault)."""
         self.close()
-        rewards, errors = [], []
+        out = []
         for row, (problem, res) in enumerate(zip(self.problems, results)):
-            if res.finish_reason in _ENDINGS:
-                self.reasons.setdefault(row, _ENDINGS[res.finish_reason])
+            reason = self.reasons.get(row, _ENDINGS.get(res.finish_reason))
             own = [t for t, m in zip(res.tokens, res.mask or [True] * len(res.tokens)) if m]
             r, e = (0.0, None) if row in self.faults else _reward(self.env, problem, self.tok.decode(own))
-            rewards.append(r)
-            if e is not None:
-                errors.append(e)
-        return Scores(rewards, self.reasons, len(self.faults), self.calls, self.seconds, errors)
+            out.append(Episode(**{f.name: getattr(res, f.name) for f in fields(GenerationResult)}, reward=r,
+                               reason=reason, fault=row in self.faults, tool_calls=self.calls[row],
+                               env_s=self.seconds[row], reward_error=e))
+        return out
+
+
+def play(engine: Engine, env: Environment, problems: list[Problem], tok, *, prompts: list[list[int]] | None = None,
+         max_tokens: int, max_turns: int = 4, timeout: float = 30.0, latency_ms: float = 0.0, workers: int = 8,
+         overlap: bool = True, **sampling) -> list[Episode]:
+    """One scored episode per problem (``prompts``: their token ids, default the tokenizer's prompt_ids);
+    ``sampling``: ``run_episodes``'s temperature, top_p, seed, progress."""
+    fmt = ToolFormat.for_tokenizer(tok)
+    answers = EpisodeBatch(env, problems, tok, fmt, timeout=timeout, latency_ms=latency_ms, workers=workers)
+    try:
+        results = run_episodes(engine, prompts or [tok.prompt_ids(p.prompt) for p in problems], answers,
+                               max_tokens=max_tokens, max_turns=max_turns, stop=fmt.stop_ids(tok),
+                               overlap=overlap, **{"eos_id": tok.eos_id, **sampling})
+    finally:
+        answers.close()
+    return answers.score(results)
 
 
 def _reward(env: Environment, problem: Problem, text: str) -> tuple[float, Exception | None]:

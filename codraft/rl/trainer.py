@@ -69,6 +69,7 @@ from codraft.rl.scoring import Scored
 from codraft.rl.update_phase import Update, adamw, hold_ctrl_c
 from codraft.rollout import Engine, load_or_calibrate
 from codraft.rollout.weights import RolloutWeights
+from codraft.envs import make_env
 from codraft.tasks import make_task
 from codraft.train import checkpoint as ckpt
 from codraft.drafts.eagle3_layer import parse_taps
@@ -104,6 +105,8 @@ class Trainer:
         self.policy, self.tok, self.policy_dir = load_policy(cfg.policy.init, dtype)
         check_taps(cfg, self.policy.config.num_hidden_layers)  # a named policy's depth is known from here
         self.task = make_task(cfg.task.name, max_chars=cfg.task.max_chars, format_reward=cfg.task.format_reward)
+        # multi-turn: the environment over the task, and how this policy writes tool calls
+        self.env = None if cfg.env.name == "none" else make_env(cfg.env.name, self.task)
         init_policy = self.policy
         if found is not None:
             self.policy = kernels.enable(found.policy)  # as load_policy's
@@ -283,8 +286,8 @@ class Trainer:
     def validate(self) -> float:
         return rollout_phase.validate(self)
 
-    def _generate(self, engine: Engine, prompts, seed: int, temperature=None, group: int = 1):
-        return rollout_phase.generate(self, engine, prompts, seed, temperature, group)
+    def _generate(self, engine: Engine, prompts, seed: int, temperature=None, group: int = 1, problems=None):
+        return rollout_phase.generate(self, engine, prompts, seed, temperature, group, problems)
 
     def save(self) -> Path | None:
         return checkpointing.save(self)

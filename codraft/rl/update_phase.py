@@ -143,7 +143,7 @@ def _one_batch_backward(tr: Trainer, step: int, rollout: Rollout, scored: Scored
     """One packed forward and backward (each CP rank on its rows, the gradients summed), then clipping."""
     cfg, g = tr.cfg, tr.cfg.grpo
     batch = pack(rollout.prompts, [o.tokens for o in rollout.out], [o.logprobs for o in rollout.out],
-                 device=cfg.device)
+                 device=cfg.device, masks=[o.mask for o in rollout.out])
     with timer("loss_forward"):
         loss, lm = cotrain_loss(tr.policy, tr.draft, batch, scored.advantages.to(cfg.device), cp=tr.cp, **loss_kw)
     _zero_grad(tr)
@@ -216,7 +216,8 @@ def _microbatches(tr: Trainer, rollout: Rollout, scored: Scored, draft_seed: int
     cfg, mesh, m = tr.cfg, tr.mesh, tr.cfg.parallel.microbatches
     dp = 1 if mesh is None else mesh.dp
     mbs = split_microbatches(rollout.prompts, [o.tokens for o in rollout.out], [o.logprobs for o in rollout.out],
-                             scored.advantages.to(cfg.device), cfg.rollout.group_size, dp * m, cfg.device)
+                             scored.advantages.to(cfg.device), cfg.rollout.group_size, dp * m, cfg.device,
+                             [o.mask for o in rollout.out])
     if len(mbs) > 1 and tr.trains_draft:  # the draft's denominators: the whole step's (before the DP shares)
         mbs = with_draft_normaliser(mbs, tr.draft, draft_seed)
     return mbs, mbs[mesh.dp_rank * m:(mesh.dp_rank + 1) * m] if dp > 1 else mbs

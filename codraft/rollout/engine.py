@@ -242,6 +242,7 @@ class Rollout:
                 self.draft_state = self.draft.commit(self.draft_state, self.last[:, None], ones, feats)
                 self._lap("draft_s")
             self._round_accepted = self._round_accepted[:0]
+            self._row_accepted = torch.zeros_like(self.last)
         else:
             x, q = self.draft.propose(self.draft_state, g, self.sampler, context_len=self.cache.span + 1)
             self._lap("draft_s")
@@ -256,9 +257,11 @@ class Rollout:
             self.cache.set_lengths(self.cache.lengths - (g + 1) + counts)
             self.last = v.tokens.gather(1, (counts - 1)[:, None]).squeeze(1)
             self._round_accepted = (v.n_accepted[:, None] > torch.arange(g, device=self.device)).sum(0)
+            self._row_accepted = v.n_accepted
             self._lap("bookkeeping_s")
             self.draft_state = self.draft.commit(self.draft_state, v.tokens, counts, feats)
             self._lap("draft_s")
+        self._round_rows = self.rows  # (the rows of this round: _sync drops those that stopped)
         accepted = self._sync()
         self._count(b, g, accepted)
         self._lap("bookkeeping_s")

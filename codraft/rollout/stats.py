@@ -14,7 +14,8 @@ Counting conventions:
   * acceptance_per_position[k-1] = P(draft token k accepted) over the row-rounds that drafted
     position k (unconditional, so non-increasing for a fixed γ, where τ = 1 + Σ_k of it);
   * mean_gamma = drafted / row_rounds: tokens drafted per row-round;
-  * emitted_tokens counts the tokens actually returned (the prefill's first token included);
+  * emitted_tokens counts the tokens actually returned (the prefill's first token included; in multi-turn
+    episodes the observations' too);
   * times are host perf_counter seconds. On an accelerator the split between phases is
     only exact with ``Engine(..., timing_sync=True)`` (a device sync per phase); the total
     is always exact because results are copied to the host at the end.
@@ -41,10 +42,20 @@ class SpecStats:
     verify_s: float = 0.0  # target forward + sampling/accept rule (plain: decode forward + sampling)
     bookkeeping_s: float = 0.0  # stop criteria, output writes, cache rollback, host sync, row dropping
     total_s: float = 0.0
+    # multi-turn episodes (codraft.rollout.turns): rounds and accepted draft tokens by the row's turn
+    # (0 = the first), and the time no row could decode, every one waiting on its environment
+    row_rounds_per_turn: list[int] = field(default_factory=list)
+    accepted_per_turn: list[int] = field(default_factory=list)
+    env_wait_s: float = 0.0
 
     @property
     def acceptance_length(self) -> float:
         return 1.0 + self.accepted / self.row_rounds if self.row_rounds else 1.0
+
+    @property
+    def acceptance_length_per_turn(self) -> list[float]:
+        """τ of the rounds in each turn of multi-turn episodes."""
+        return [1.0 + a / r if r else 1.0 for a, r in zip(self.accepted_per_turn, self.row_rounds_per_turn)]
 
     @property
     def acceptance_rate(self) -> float:
@@ -82,7 +93,7 @@ class SpecStats:
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
-        for name in ("acceptance_length", "acceptance_rate", "acceptance_per_position", "mean_gamma", "tokens_per_s"):
+        for name in ("acceptance_length", "acceptance_length_per_turn", "acceptance_rate", "acceptance_per_position", "mean_gamma", "tokens_per_s"):
             d[name] = getattr(self, name)
         return d
 

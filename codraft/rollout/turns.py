@@ -55,6 +55,14 @@ class TurnRollout(Rollout):
         self.left: list[int] = []  # rows that stopped since the driver last looked
         super().__init__(engine, prompts, max_new, sampler, eos, stop)
         self.policy_token = torch.ones_like(self.out_tokens, dtype=torch.bool)
+        self.turn = torch.zeros(len(prompts), dtype=torch.long, device=self.device)  # each row's, from 0
+        self.per_turn = torch.zeros(2, 1, dtype=torch.long, device=self.device)  # row-rounds, accepted
+
+    def _count(self, rows: int, g: int, accepted: list[int]):
+        super()._count(rows, g, accepted)
+        turn = self.turn[self._round_rows].clamp(max=self.per_turn.shape[1] - 1)
+        self.per_turn[0].index_add_(0, turn, torch.ones_like(turn))
+        self.per_turn[1].index_add_(0, turn, self._row_accepted)
 
     def _leave(self, done: list[int], keep: list[int]):
         idx = torch.tensor(done, device=self.device)
@@ -93,6 +101,7 @@ class TurnRollout(Rollout):
         at = (rows[:, None].expand(-1, width - 1)[valid], (n_out[:, None] + j)[valid])
         self.out_tokens[at], self.out_logp[at], self.policy_token[at] = obs[:, :width - 1][valid], 0.0, False
         self.n_out[rows] = n_out + k
+        self.turn[rows] += 1
         state = None
         if self.draft is not None:
             tokens = obs.scatter(1, k[:, None], nxt[:, None])  # (R,width) [o_1..o_k, next]
@@ -124,14 +133,16 @@ class TurnRollout(Rollout):
 def run_episodes(engine: Engine, prompts: list[list[int]], answers: Answers, *, max_tokens: int, max_turns: int,
                  stop: list[int], temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
                  seed: int | None = None, eos_id=None, overlap: bool = True, progress=None
-                 ) -> tuple[list[GenerationResult], float]:
+                 ) -> list[GenerationResult]:
     """One episode per prompt, up to ``max_tokens`` new tokens each (its turns and observations) and
-    ``max_turns`` turns -> (results, seconds spent waiting with no row to decode). finish_reason: "eos"
+    ``max_turns`` turns (``engine.stats``: their statistics, with τ per turn and the time spent waiting
+    with no row to decode). finish_reason: "eos"
     (the environment ended it), "length" (out of tokens), "context" (an observation longer than the room
     left), "turns" (max_turns reached)."""
     if max_turns < 1:
         raise ValueError(f"max_turns must be >= 1, got {max_turns}")
     run = engine.start(prompts, max_tokens, temperature, top_p, top_k, seed, eos_id, stop=stop, kind=TurnRollout)
+    run.per_turn = torch.zeros(2, max_turns, dtype=torch.long, device=run.device)
     b = len(prompts)
     turns, begin, finish = [1] * b, [0] * b, [None] * b
     idle = 0.0
@@ -180,5 +191,7 @@ def run_episodes(engine: Engine, prompts: list[list[int]], answers: Answers, *, 
     results = run.results()
     for res, why, t in zip(results, finish, turns):
         res.finish_reason, res.turns = why or "length", t
+    run.stats.row_rounds_per_turn, run.stats.accepted_per_turn = run.per_turn.tolist()
+    run.stats.env_wait_s = idle
     engine.stats = run.stats
-    return results, idle
+    return results

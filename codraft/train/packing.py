@@ -52,19 +52,25 @@ class Packed:
 
 
 def pack(prompts: list[list[int]], completions: list[list[int]], rollout_logprobs: list[list[float]] | None = None,
-         device: torch.device | str = "cpu", *, share_prompts: bool = True) -> Packed:
+         device: torch.device | str = "cpu", *, share_prompts: bool = True, masks: list | None = None) -> Packed:
     """One packed row, sequence i = prompts[i] + completions[i]; ``share_prompts``: also the
-    SharedPrompts layout when consecutive prompts repeat (a GRPO group), which the policy runs on."""
+    SharedPrompts layout when consecutive prompts repeat (a GRPO group), which the policy runs on.
+    masks[i] (multi-turn episodes; None: every token): False on completion tokens the policy did not
+    generate (observations), which stay context only: not ``completion``, not in ``index_mask``."""
     ids, comp, starts, lens = [], [], [], []
-    for p, c in zip(prompts, completions):
+    masks = masks or [None] * len(prompts)
+    for p, c, m in zip(prompts, completions, masks):
         starts.append(len(ids) + len(p))
         lens.append(len(c))
         ids += p + c
-        comp += [False] * len(p) + [True] * len(c)
+        comp += [False] * len(p) + ([True] * len(c) if m is None else [bool(x) for x in m])
     n, width = len(prompts), max(max(lens), 1)
     j = torch.arange(width)
     index = torch.tensor(starts)[:, None] + j
     index_mask = j < torch.tensor(lens)[:, None]
+    for i, m in enumerate(masks):
+        if m is not None:
+            index_mask[i, :len(m)] &= torch.tensor(m, dtype=torch.bool)
     lp = torch.zeros(n, width)
     for i, l in enumerate(rollout_logprobs or []):
         lp[i, :len(l)] = torch.tensor(l, dtype=torch.float32)

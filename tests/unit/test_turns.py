@@ -58,7 +58,7 @@ def _draft(kind, target):
 
 
 def _episodes(engine, temperature=0.0, seed=0, max_tokens=40, **kw):
-    out, _ = run_episodes(engine, PROMPTS, Scripted(), max_tokens=max_tokens, max_turns=5, stop=STOP, eos_id=[],
+    out = run_episodes(engine, PROMPTS, Scripted(), max_tokens=max_tokens, max_turns=5, stop=STOP, eos_id=[],
                           temperature=temperature, seed=seed, **kw)
     return out
 
@@ -94,7 +94,7 @@ def test_policy_logprobs_equal_a_fresh_forward_over_the_history(target, kind):
 
 def test_observations_are_masked_outputs(target):
     env = Scripted()
-    out, _ = run_episodes(Engine(target), PROMPTS, env, max_tokens=60, max_turns=5, stop=STOP, eos_id=[],
+    out = run_episodes(Engine(target), PROMPTS, env, max_tokens=60, max_turns=5, stop=STOP, eos_id=[],
                           temperature=0.0)
     for r in out:
         assert len(r.mask) == len(r.tokens)
@@ -107,7 +107,7 @@ def test_observations_are_masked_outputs(target):
 
 
 def test_budgets_end_episodes(target):
-    out, _ = run_episodes(Engine(target), PROMPTS, Scripted(ends_after=99), max_tokens=40, max_turns=2, stop=STOP,
+    out = run_episodes(Engine(target), PROMPTS, Scripted(ends_after=99), max_tokens=40, max_turns=2, stop=STOP,
                           eos_id=[], temperature=0.0)
     assert {r.finish_reason for r in out} <= {"turns", "length", "context"}
     assert all(r.turns <= 2 and len(r.tokens) <= 40 for r in out)
