@@ -36,6 +36,20 @@ def _rollouts(seed, groups=4, group_size=2):
     return prompts, completions, logprobs, torch.randn(len(prompts), generator=g)
 
 
+def _observations(completions, seed=11):
+    """Multi-turn masks: an observation of 1-4 tokens after a turn of the completion (False: not the
+    policy's), in about half the completions."""
+    g = torch.Generator().manual_seed(seed)
+    masks = []
+    for c in completions:
+        m = [True] * len(c)
+        if len(c) > 6 and torch.rand(1, generator=g) < 0.6:
+            at, n = int(torch.randint(1, len(c) - 5, (1,), generator=g)), int(torch.randint(1, 5, (1,), generator=g))
+            m[at:at + n] = [False] * n
+        masks.append(m)
+    return masks
+
+
 def _grads(policy, draft=None):
     out = {f"policy.{n}": p.grad.clone() for n, p in policy.named_parameters() if p.grad is not None}
     if draft is not None:
@@ -44,15 +58,17 @@ def _grads(policy, draft=None):
     return out
 
 
-def _step(kind, mesh, transport, microbatches, kl=0.0, dtype=torch.float32):
-    """One step's loss, metrics, gradients and norms; ``dtype``: the policy's and the draft's products."""
+def _step(kind, mesh, transport, microbatches, kl=0.0, dtype=torch.float32, multiturn=False):
+    """One step's loss, metrics, gradients and norms; ``dtype``: the policy's and the draft's products;
+    ``multiturn``: completions with observations in them (masked out of every loss)."""
     policy, draft = _models(kind)
     reference = None
     if kl:
         torch.manual_seed(9)
         reference = Transformer(policy.config).requires_grad_(False)
     prompts, completions, logprobs, adv = _rollouts(3)
-    mbs = split_microbatches(prompts, completions, logprobs, adv, 2, microbatches, "cpu")
+    masks = _observations(completions) if multiturn else None
+    mbs = split_microbatches(prompts, completions, logprobs, adv, 2, microbatches, "cpu", masks)
     pipe = build_pipeline(policy, draft, mesh, transport=transport, max_tokens=1024, timeout=60)
     loss, m = pipeline_cotrain(pipe, policy, draft, mbs, step=7, reference=reference, kl_coef=kl, policy_dtype=dtype,
                                draft_dtype=dtype, draft_seed=5, **LOSS_KW)
@@ -69,13 +85,13 @@ def _step(kind, mesh, transport, microbatches, kl=0.0, dtype=torch.float32):
         [float(n) for n in norms]
 
 
-def _compare(rank, world, pp, cp, kinds, transports, microbatches, kl=0.0):
+def _compare(rank, world, pp, cp, kinds, transports, microbatches, kl=0.0, multiturn=False):
     mesh = build_mesh(Layout(pp=pp, cp=cp), timeout=60)
     out = {}
     for kind in kinds:
-        ref = _step(kind, None, "shm", microbatches, kl)
+        ref = _step(kind, None, "shm", microbatches, kl, multiturn=multiturn)
         for transport in transports:
-            got = _step(kind, mesh, transport, microbatches, kl)
+            got = _step(kind, mesh, transport, microbatches, kl, multiturn=multiturn)
             errs = {"loss": _rel(got[0], ref[0])}
             errs.update({f"metric {k}": _rel(got[1][k], v) for k, v in ref[1].items()})
             errs.update({f"grad {k}": _rel(got[2][k], v) for k, v in ref[2].items()})
@@ -98,6 +114,16 @@ def test_pp_step_equals_single_process(pp, cp, kinds, transports, microbatches, 
         for case, errs in res.items():
             bad = {k: e for k, e in errs.items() if not e <= RTOL}
             assert not bad, f"PP={pp} CP={cp} rank {rank} {case}: relative differences above {RTOL}: {bad}"
+
+
+@pytest.mark.parametrize("pp,cp,kinds,microbatches", [(2, 1, ("dflash", "eagle3"), 2), (1, 2, ("dspark",), 1)])
+def test_multiturn_step_equals_single_process(pp, cp, kinds, microbatches):
+    """Episodes with observations (masked out of the RL, KL and draft losses) through PP = 2 and CP = 2."""
+    for rank, res in enumerate(run_ranks(_compare, pp * cp, pp, cp, kinds, ("shm",), microbatches, 0.05, True,
+                                         timeout=300)):
+        for case, errs in res.items():
+            bad = {k: e for k, e in errs.items() if not e <= RTOL}
+            assert not bad, f"multi-turn PP={pp} CP={cp} rank {rank} {case}: relative differences above {RTOL}: {bad}"
 
 
 def _compare_bf16(rank, world, pp, cp, kind, transport):
