@@ -140,6 +140,14 @@ def _bench_experiment_parsers(bench):
 
 
 def _bench_dp_parser(bench):
+    b = bench.add_parser("multiturn", help="multi-turn tool calling: the end-to-end gain of speculative rollouts "
+                                            "as tool latency grows (env.latency_ms)")
+    b.add_argument("--config", default="tiny-tools", help="a preset or YAML with an environment (env.name)")
+    b.add_argument("--latency-ms", default="0,20,100", help="comma list of env.latency_ms values")
+    b.add_argument("--steps", type=int, default=4, help="timed trainer steps per latency after one warm-up (median)")
+    b.add_argument("--json", metavar="FILE")
+    b.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
+
     b = bench.add_parser("dp", help="data parallelism at dp=1 vs dp=2 (gloo, 1 thread per rank): per-rank bytes of "
                                      "parameters, gradients and AdamW state (fsdp, ddp), the refit, a trainer step")
     b.add_argument("--model", default="smollm2", help="memory and refit parts: tiny, smollm2 or an HF-format folder")
@@ -200,6 +208,10 @@ def _cmd_bench(args):
             methods=_csv(args.methods), branches=_csv(args.branch), repeats=args.repeats, warmup=args.warmup,
             seed=args.seed, c1_methods=_csv(args.c1_methods), json_path=args.json,
             append=args.append)
+    elif args.bench == "multiturn":
+        from codraft.bench.multiturn import run
+        run(config=args.config, latencies=[float(x) for x in _csv(args.latency_ms)], steps=args.steps,
+            overrides=args.overrides, json_path=args.json)
     elif args.bench == "dp":
         from codraft.bench.dp import run
         run(model_name=args.model, parts=_csv(args.parts), repeats=args.repeats, steps=args.steps,
