@@ -89,6 +89,16 @@ class Flag:
         return "true or false"
 
 
+class _EnvNames:
+    """none and the environments registered when a config is checked (``codraft.envs.ENVS``: yours too)."""
+
+    def __iter__(self):
+        return iter(("none", *ENVS))
+
+    def __contains__(self, name) -> bool:
+        return name == "none" or name in ENVS
+
+
 COUNT = Range(1)
 EVERY = Range(0, note="every k steps; 0 = off")
 NON_NEGATIVE = Range(0)
@@ -103,12 +113,12 @@ RULES: dict[str, Range | OneOf | Text | Device | Flag | Taps] = {
     "device": Device(),
     "memory_check": Flag(),  # false: run a step estimated above the memory available (the estimate is an upper
     #                          bound: it takes every completion at rollout.max_new_tokens)
-    "policy.init": Text("a policy name (tiny-sft, smollm2-135m) or an HF-format folder (not empty)"),
+    "policy.init": Text("a policy name (tiny-sft, tiny-tools, smollm2-135m) or an HF-format folder (not empty)"),
     "policy.dtype": OneOf(("float32", "bfloat16")),
     "task.name": OneOf(tuple(TASKS)),
     "task.max_chars": Range(1, note="longer completions get reward 0"),
     "task.format_reward": Range(0, 1, hi_open=True, note="below a correct answer's 1"),
-    "env.name": OneOf(("none", *ENVS)),
+    "env.name": OneOf(_EnvNames()),
     "env.max_turns": COUNT,
     "env.timeout": POSITIVE,
     "env.latency_ms": NON_NEGATIVE,

@@ -14,7 +14,7 @@ from codraft.errors import CodraftError
 
 @dataclass
 class PolicyConfig:
-    init: str = "tiny-sft"          # "tiny-sft" (cached warm start), "smollm2-135m", or an HF folder
+    init: str = "tiny-sft"          # "tiny-sft" / "tiny-tools" (cached warm starts), "smollm2-135m", or an HF folder
     dtype: str = "float32"
 
 

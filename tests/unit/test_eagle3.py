@@ -78,6 +78,9 @@ def _naive_loss(d, batch: DraftBatch) -> torch.Tensor:
     cu = batch.cu_seqlens.tolist()
     for s0, s1 in zip(cu[:-1], cu[1:]):
         x, n = batch.input_ids[0, s0:s1].tolist(), s1 - s0
+        lm = batch.loss_mask[0, s0:s1].tolist()
+        # an observation: a non-target after a target of the sequence (multi-turn); no chain crosses one
+        obs = [not lm[i] and any(lm[:i]) for i in range(n)]
         hidden = F.linear(torch.cat([batch.features[l][0, s0:s1] for l in d.layers], -1), d.fc.weight)  # (n,H)
         keys, values = [], []
         for j in range(steps):
@@ -105,7 +108,8 @@ def _naive_loss(d, batch: DraftBatch) -> torch.Tensor:
             logp = F.log_softmax(F.linear(d.norm(hidden), d.lm_head.weight), -1)  # (n,V_d)
             for t in range(n):
                 tt = s0 + t + 1 + j  # teacher row; predicts token tt + 1
-                if t + 2 + j < n and batch.loss_mask[0, tt + 1] and d.t2d[batch.teacher_at(torch.tensor(tt)).argmax()]:
+                if t + 2 + j < n and batch.loss_mask[0, tt + 1] and not any(obs[t + 1:t + 3 + j]) \
+                        and d.t2d[batch.teacher_at(torch.tensor(tt)).argmax()]:
                     p = batch.teacher_at(torch.tensor(tt))[used].softmax(-1)
                     num[j] = num[j] - (p * logp[t]).sum()
                     cnt[j] += 1
