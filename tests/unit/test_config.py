@@ -136,6 +136,18 @@ def test_data_parallel_rules():
         "config key 'parallel.dp_shard' must be one of fsdp, ddp, got 'zero3'"
 
 
+def test_environment_keys_are_checked():
+    """An unknown environment is refused listing the known ones; lookup's tools need lookup's table."""
+    assert load_config("tiny-tools", []).env.name == "lookup"
+    assert _refused(["env.name=search"]) == "config key 'env.name' must be one of none, calculator, lookup, got 'search'"
+    assert _refused(["env.name=lookup"]) == \
+        "config key 'task.name' must be lookup exactly when env.name=lookup (the environment's tools read the " \
+        "task's table), got task.name='arith' with env.name='lookup'"
+    assert _refused(["task.name=lookup"]).startswith("config key 'task.name' must be lookup exactly when")
+    assert _refused(["env.name=calculator", "env.timeout=0"]) == "config key 'env.timeout' must be > 0, got 0.0"
+    assert "env.max_turns" in _refused(["env.max_turns=0"])
+
+
 def _policy_folder(tmp_path, layers: int) -> str:
     """A policy folder as far as the config reads it: config.json with the layer count."""
     folder = tmp_path / f"policy{layers}"

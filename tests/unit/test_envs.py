@@ -94,3 +94,21 @@ def test_faults_end_only_their_episode():
 def test_timeout_must_be_positive():
     with pytest.raises(ValueError, match="env.timeout"):
         EpisodeBatch(Faulty(), [], TOK, FMT, timeout=0)
+
+
+def test_chat_format_answers_as_a_tool_turn(tmp_path):
+    """A ChatML tokenizer: the turn ends with EOS (no other stop token) and the result comes back as a
+    `tool` turn of the template, special tokens as their single ids, then a new assistant turn."""
+    from codraft.tokenizer import HFTokenizer
+    from tokenizer_folder import tiny_tokenizer_folder
+    tok = HFTokenizer(tiny_tokenizer_folder(tmp_path / "tok"))
+    fmt = ToolFormat.for_tokenizer(tok)
+    assert fmt.stop_ids(tok) == []
+    batch = EpisodeBatch(Calculator(make_task("arith")), make_task("arith").sample("train", 1), tok, fmt, timeout=5)
+    batch.submit(0, tok.encode("Let me compute. <tool_call>calc 2+3</tool_call>") + [tok.eos_id])
+    (row, obs), = _wait(batch).items()
+    start, end = tok.encode("<|im_start|>"), tok.encode("<|im_end|>")
+    assert len(start) == len(end) == 1 and end == [tok.eos_id]
+    assert obs == tok.encode("\n") + start + tok.encode("tool\n5") + end + tok.encode("\n") + start \
+        + tok.encode("assistant\n")
+    batch.close()

@@ -73,7 +73,7 @@ def test_greedy_speculative_episodes_equal_plain(target, kind):
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) <= 1e-5
 
 
-@pytest.mark.parametrize("kind", [None, "eagle3", "dflash"])
+@pytest.mark.parametrize("kind", [None, "model", "ngram", "eagle3", "dflash", "dspark"])
 def test_policy_logprobs_equal_a_fresh_forward_over_the_history(target, kind):
     """T = 1: every policy token's logprob equals the one a forward over prompt + all earlier tokens
     (observations included) gives: the appended observation left the cache as a full prefill would."""
@@ -115,8 +115,51 @@ def test_budgets_end_episodes(target):
         run_episodes(Engine(target), PROMPTS, Scripted(), max_tokens=10, max_turns=0, stop=STOP)
 
 
+def test_an_observation_longer_than_the_room_left_ends_the_episode(target):
+    class Long(Scripted):
+        def submit(self, row, turn):
+            super().submit(row, turn)
+            self.queue[-1] = (row, [7] * 30)  # more than max_tokens leaves after any turn
+    out = run_episodes(Engine(target), PROMPTS, Long(), max_tokens=30, max_turns=5, stop=STOP, eos_id=[],
+                       temperature=0.0)
+    assert {r.finish_reason for r in out} <= {"context", "length"} and "context" in {r.finish_reason for r in out}
+    assert all(r.turns == 1 and all(r.mask) for r in out)  # nothing of it was appended
+
+
 def test_seeded_episodes_repeat(target):
     engine = Engine(target, _draft("dflash", target), gamma=3)
     a, b = (_episodes(engine, temperature=1.0, seed=11) for _ in range(2))
     assert [r.tokens for r in a] == [r.tokens for r in b]
     assert not math.isnan(sum(sum(r.logprobs) for r in a))
+
+
+def test_exact_distribution_after_an_observation():
+    """T = 1: the first token, then an observation appended to every row's cache, then L = γ + 2 tokens
+    (the target's sample from the observation's last logits, then a whole speculative round with its bonus):
+    their joint distribution is the enumerated one over prompt + first token + observation (chi-square)."""
+    from spec_harness import PROMPT, V as V8, chi2_fits, config, exact_joint, sampling_probs
+    from codraft.rollout.turns import TurnRollout
+    target = scaled(Transformer(config(2)), 0.35, seed=0)
+    torch.manual_seed(1)
+    draft = build_draft("model", config(2), num_hidden_layers=1)
+    scaled(draft.net, 0.1, 1)  # flatter than the target: rounds reject as well as accept
+    obs, gamma, n = [6, 2], 2, 6000
+    window = gamma + 2
+    run = Engine(target, draft, gamma=gamma).start([PROMPT] * n, 1 + len(obs) + window, seed=0, eos_id=[],
+                                                  kind=TurnRollout)
+    run._leave(list(range(n)), [])  # every row ends its turn after its first token ...
+    run.rejoin([(r, obs) for r in range(n)])  # ... and its observation comes back
+    while not run.finished:
+        run.step()
+    res = run.results()
+    assert all(r.mask == [True, False, False] + [True] * window and r.tokens[1:3] == obs for r in res)
+    with torch.no_grad():
+        first = sampling_probs(target(torch.tensor([PROMPT]))[:, -1], 1.0)[0]  # (V,)
+    joint = torch.stack([first[t] * exact_joint(target, window, prompt=PROMPT + [t] + obs) for t in range(V8)])
+    seqs = torch.tensor([[r.tokens[0]] + r.tokens[1 + len(obs):] for r in res])  # (n, 1 + window)
+    counts = torch.bincount(seqs @ (V8 ** torch.arange(window, -1, -1)), minlength=V8 ** (window + 1))
+    fits, stat, crit = chi2_fits(counts, joint, alpha=1e-4)
+    assert fits, f"chi-square {stat:.1f} >= {crit:.1f}"
+    # the same samples against the distribution without the observation: the test can tell them apart
+    wrong = torch.stack([first[t] * exact_joint(target, window, prompt=PROMPT + [t]) for t in range(V8)])
+    assert not chi2_fits(counts, wrong, alpha=1e-4)[0]
