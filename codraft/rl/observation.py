@@ -38,6 +38,7 @@ def observe(tr: Trainer, step: int, rollout: Rollout, probes: Probes, scored: Sc
         times = tr.world.all_gather_object({k: float(v) for k, v in m.items() if k.startswith("time_")},
                                            "the ranks' step times")
         m.update({k: max(t.get(k, 0.0) for t in times) for k in dict.fromkeys(k for t in times for k in t)})
+    m["time_rollout_share"] = m["time_rollout"] / m["time_step"]  # (of the slowest rank's times)
     if tr.cfg.log.val_every and (step + 1) % tr.cfg.log.val_every == 0:
         m["val_accuracy"] = tr.validate()
     m["tokens_per_s"] = sum(lens) / rollout.seconds

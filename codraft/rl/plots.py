@@ -11,6 +11,9 @@ PANELS = [
     ("acceptance", ["acceptance_length", "frozen_acceptance_length"], "acceptance length τ"),
     ("mismatch", ["mismatch_kl", "token_mult_prob_error"], "train–inference mismatch"),
     ("step_time", ["time_rollout", "time_train", "time_step"], "seconds per step"),
+    # multi-turn episodes (env.name): drawn only where a run logged them
+    ("episodes", ["turns_mean", "tool_calls_mean", "env_errors"], "turns and tool calls per episode, env errors"),
+    ("env_time", ["time_rollout", "time_env_wait", "time_env"], "rollout, waiting on tools, inside tools (s)"),
 ]
 
 
