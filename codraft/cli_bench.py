@@ -148,6 +148,20 @@ def _bench_dp_parser(bench):
     b.add_argument("--json", metavar="FILE")
     b.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides")
 
+    b = bench.add_parser("moe", help="the verify forward of γ + 1 tokens against one token, for a MoE target and a "
+                                      "dense one of the same active size; experts activated")
+    b.add_argument("--hidden", type=int, default=512)
+    b.add_argument("--layers", type=int, default=8)
+    b.add_argument("--experts", type=int, default=16)
+    b.add_argument("--top-k", type=int, default=2)
+    b.add_argument("--moe-size", type=int, default=512, help="an expert's intermediate size (dense: top-k times it)")
+    b.add_argument("--gammas", default="1,3,7")
+    b.add_argument("--batch", type=int, default=1)
+    b.add_argument("--context", type=int, default=128)
+    b.add_argument("--repeats", type=int, default=20)
+    b.add_argument("--threads", type=int, default=2)
+    b.add_argument("--json", metavar="FILE")
+
     b = bench.add_parser("dp", help="data parallelism at dp=1 vs dp=2 (gloo, 1 thread per rank): per-rank bytes of "
                                      "parameters, gradients and AdamW state (fsdp, ddp), the refit, a trainer step")
     b.add_argument("--model", default="smollm2", help="memory and refit parts: tiny, smollm2 or an HF-format folder")
@@ -212,6 +226,11 @@ def _cmd_bench(args):
         from codraft.bench.multiturn import run
         run(config=args.config, latencies=[float(x) for x in _csv(args.latency_ms)], steps=args.steps,
             overrides=args.overrides, json_path=args.json)
+    elif args.bench == "moe":
+        from codraft.bench.moe import run
+        run(hidden=args.hidden, layers=args.layers, experts=args.experts, top_k=args.top_k, moe_size=args.moe_size,
+            gammas=[int(x) for x in _csv(args.gammas)], batch=args.batch, context=args.context, repeats=args.repeats,
+            threads=args.threads, json_path=args.json)
     elif args.bench == "dp":
         from codraft.bench.dp import run
         run(model_name=args.model, parts=_csv(args.parts), repeats=args.repeats, steps=args.steps,

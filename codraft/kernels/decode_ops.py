@@ -80,7 +80,10 @@ def layer_applies(layer, x: torch.Tensor, cache_k: torch.Tensor) -> bool:
     """Whether ``decoder_stack`` can run this decoder layer (a model's ``DecoderLayer``, a block draft's)
     on x, at any row count: x, the cache and the norm weights CPU fp32 without autograd (q/k norms, if
     any, with the layer's eps), the 7 projection weights contiguous and all fp32 or all bf16, kernels
-    built. Whether it is the fastest path is the caller's call."""
+    built; a dense layer (a mixture of experts runs its C attention and its experts' products, not this
+    call). Whether it is the fastest path is the caller's call."""
+    if not hasattr(layer.mlp, "gate_proj"):
+        return False
     norms, projections = _layer_weights(layer)
     qk, a = _qk_norms(layer), layer.self_attn
     if qk is not None:

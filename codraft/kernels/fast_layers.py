@@ -92,7 +92,8 @@ class FastTransformer(Transformer):
             stack = list(self.layers._modules.values())[layers.start:layers.stop]
             first = stack[0]
             if isinstance(first, FastDecoderLayer) and all(type(l) is type(first) for l in stack) \
-                    and decode_ops.layer_applies(first, x, ctx.cache.k):
+                    and all(hasattr(l.mlp, "gate_proj") for l in stack) \
+                    and decode_ops.layer_applies(first, x, ctx.cache.k):  # (dense layers only)
                 path = layer_path(first, x)
                 if path in FUSED:
                     done = decode_ops.decoder_stack(self, layers.start, stack, x, ctx.cos, ctx.sin, ctx.cache,

@@ -74,6 +74,9 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
                 unexpected.append(name)
                 continue
             if tuple(t.shape) != tuple(expected[name].shape):
+                if name.endswith("mlp.gate.weight"):  # a router: one row per expert
+                    raise ValueError(f"checkpoint {path} has {t.shape[0]} experts ({name}), config.json says "
+                                     f"num_experts={config.num_experts}")
                 raise ValueError(f"tensor {name} in {f.name} has shape {tuple(t.shape)}, "
                                  f"expected {tuple(expected[name].shape)} from config.json")
             state[_our_name(name)] = t.to(dtype)

@@ -66,11 +66,14 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 class MLP(nn.Module):
-    def __init__(self, c: ModelConfig):
+    """SwiGLU; ``size``: its intermediate size (default the config's; a MoE expert's is smaller)."""
+
+    def __init__(self, c: ModelConfig, size: int | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, c.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        size = size or c.intermediate_size
+        self.gate_proj = nn.Linear(c.hidden_size, size, bias=False)
+        self.up_proj = nn.Linear(c.hidden_size, size, bias=False)
+        self.down_proj = nn.Linear(size, c.hidden_size, bias=False)
 
     def forward(self, x):
         return linear(F.silu(linear(x, self.gate_proj.weight)) * linear(x, self.up_proj.weight),

@@ -1,7 +1,8 @@
 """The Llama/Qwen3-family decoder, free of distributed code.
 
 Features: token embedding, RMSNorm, RoPE (with Llama-3 frequency scaling), grouped-query
-attention, optional q/k RMSNorm (Qwen3), SwiGLU MLP, tied or untied LM head. Parameter
+attention, optional q/k RMSNorm (Qwen3), SwiGLU MLP or a sparse mixture of experts per layer
+(Qwen3-MoE, Qwen2-MoE: ``codraft.models.moe``), tied or untied LM head. Parameter
 names follow HF (`model.layers.N.self_attn.q_proj.weight` minus the `model.` prefix), so
 state dicts map one-to-one.
 
@@ -32,6 +33,7 @@ from codraft.attention import PackedCausal, cache_causal_mask, varlen_attention
 from codraft.models.config import ModelConfig
 from codraft.models.layers import MLP, RMSNorm, apply_rope, linear, rope_cos_sin, rope_inv_freq
 from codraft.models.kv_cache import KVCache
+from codraft.models.moe import SparseMoE
 
 AttnFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, "torch.Tensor | PackedCausal | None"], torch.Tensor]
 
@@ -78,12 +80,12 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, c: ModelConfig):
+    def __init__(self, c: ModelConfig, index: int = 0):
         super().__init__()
         self.input_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.self_attn = Attention(c)
         self.post_attention_layernorm = RMSNorm(c.hidden_size, c.rms_norm_eps)
-        self.mlp = MLP(c)
+        self.mlp = SparseMoE(c) if c.sparse_layer(index) else MLP(c)  # (MoE: codraft.models.moe)
 
     def forward(self, x, cos, sin, attn: AttnFn, mask, cache: KVCache | None, layer: int, positions, span):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, mask, cache, layer, positions, span)
@@ -96,7 +98,7 @@ class Transformer(nn.Module):
         self.config = config
         self.attention = attention
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, i) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = None if config.tie_word_embeddings else nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.register_buffer("inv_freq", rope_inv_freq(config), persistent=False)

@@ -3,6 +3,8 @@ loss, metrics, gradient norms and every parameter's gradient, for each draft kin
 groups of 2 and 4 ranks (the single-process step runs in each rank as the reference)."""
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -43,9 +45,13 @@ def _batch(seed, groups=3, group_size=2, long=False):
     return pack(prompts, completions, logprobs), adv
 
 
-def _models(kind):
+def _models(kind, moe=False):
+    """The tiny policy (``moe``: as a Qwen3-MoE target, 4 experts, top-2, its first layer dense) and a draft."""
     tok = CharTokenizer()
     cfg = tiny_model_config(tok)
+    if moe:
+        cfg = dataclasses.replace(cfg, architectures=["Qwen3MoeForCausalLM"], num_experts=4, num_experts_per_tok=2,
+                                  moe_intermediate_size=96, mlp_only_layers=[0], norm_topk_prob=True)
     torch.manual_seed(0)
     policy = Transformer(cfg)
     draft = init_draft(kind, policy, gamma=3, **({"num_anchors": 8} if kind in ("dflash", "dspark") else {}))

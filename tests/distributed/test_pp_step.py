@@ -58,10 +58,10 @@ def _grads(policy, draft=None):
     return out
 
 
-def _step(kind, mesh, transport, microbatches, kl=0.0, dtype=torch.float32, multiturn=False):
+def _step(kind, mesh, transport, microbatches, kl=0.0, dtype=torch.float32, multiturn=False, moe=False):
     """One step's loss, metrics, gradients and norms; ``dtype``: the policy's and the draft's products;
-    ``multiturn``: completions with observations in them (masked out of every loss)."""
-    policy, draft = _models(kind)
+    ``multiturn``: completions with observations in them (masked out of every loss); ``moe``: a MoE policy."""
+    policy, draft = _models(kind, moe)
     reference = None
     if kl:
         torch.manual_seed(9)
@@ -85,13 +85,13 @@ def _step(kind, mesh, transport, microbatches, kl=0.0, dtype=torch.float32, mult
         [float(n) for n in norms]
 
 
-def _compare(rank, world, pp, cp, kinds, transports, microbatches, kl=0.0, multiturn=False):
+def _compare(rank, world, pp, cp, kinds, transports, microbatches, kl=0.0, multiturn=False, moe=False):
     mesh = build_mesh(Layout(pp=pp, cp=cp), timeout=60)
     out = {}
     for kind in kinds:
-        ref = _step(kind, None, "shm", microbatches, kl, multiturn=multiturn)
+        ref = _step(kind, None, "shm", microbatches, kl, multiturn=multiturn, moe=moe)
         for transport in transports:
-            got = _step(kind, mesh, transport, microbatches, kl, multiturn=multiturn)
+            got = _step(kind, mesh, transport, microbatches, kl, multiturn=multiturn, moe=moe)
             errs = {"loss": _rel(got[0], ref[0])}
             errs.update({f"metric {k}": _rel(got[1][k], v) for k, v in ref[1].items()})
             errs.update({f"grad {k}": _rel(got[2][k], v) for k, v in ref[2].items()})
@@ -124,6 +124,16 @@ def test_multiturn_step_equals_single_process(pp, cp, kinds, microbatches):
         for case, errs in res.items():
             bad = {k: e for k, e in errs.items() if not e <= RTOL}
             assert not bad, f"multi-turn PP={pp} CP={cp} rank {rank} {case}: relative differences above {RTOL}: {bad}"
+
+
+@pytest.mark.parametrize("pp,cp,kinds,microbatches", [(2, 1, ("dflash", "eagle3"), 2), (1, 2, ("dspark",), 1)])
+def test_moe_step_equals_single_process(pp, cp, kinds, microbatches):
+    """A mixture-of-experts policy (dense and sparse layers) through PP = 2 and CP = 2, with each draft kind."""
+    for rank, res in enumerate(run_ranks(_compare, pp * cp, pp, cp, kinds, ("shm",), microbatches, 0.05, False, True,
+                                         timeout=300)):
+        for case, errs in res.items():
+            bad = {k: e for k, e in errs.items() if not e <= RTOL}
+            assert not bad, f"MoE PP={pp} CP={cp} rank {rank} {case}: relative differences above {RTOL}: {bad}"
 
 
 def _compare_bf16(rank, world, pp, cp, kind, transport):

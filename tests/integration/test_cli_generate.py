@@ -168,7 +168,7 @@ def test_engine_refuses_bad_sampling_settings(policy_dir, kw, message):
     (["--kind", "dflash", "--max-new-tokens", "0"], "--max-new-tokens must be >= 1"),
     (["--kind", "dflash", "--gamma", "0"], "--gamma must be >= 1"),
     (["--kind", "dflash", "--lr", "nan"], "--lr must be > 0 and finite, got nan"),
-    (["--kind", "dflash", "--task", "chess"], "--task must be one of arith, arith_haystack, chain_sum, gsm_symbolic, got 'chess'"),
+    (["--kind", "dflash", "--task", "chess"], "--task must be one of arith, arith_haystack, chain_sum, gsm_symbolic, lookup, got 'chess'"),
     (["--kind", "dflash", "--taps", "0,1,2"], r"--taps must be auto with --kind dflash \(it sets the EAGLE-3 draft"),
     (["--kind", "eagle3", "--taps", "0,1"], "--taps must name 3 layers with --kind eagle3"),
     (["--kind", "eagle3", "--taps", "1,1,2"], "--taps must be auto or distinct layer ids >= 0"),
