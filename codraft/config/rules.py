@@ -113,7 +113,8 @@ RULES: dict[str, Range | OneOf | Text | Device | Flag | Taps] = {
     "device": Device(),
     "memory_check": Flag(),  # false: run a step estimated above the memory available (the estimate is an upper
     #                          bound: it takes every completion at rollout.max_new_tokens)
-    "policy.init": Text("a policy name (tiny-sft, tiny-tools, smollm2-135m) or an HF-format folder (not empty)"),
+    "policy.init": Text("a policy name (tiny-sft, tiny-tools, tiny-moe, smollm2-135m) or an HF-format folder "
+                        "(not empty)"),
     "policy.dtype": OneOf(("float32", "bfloat16")),
     "task.name": OneOf(tuple(TASKS)),
     "task.max_chars": Range(1, note="longer completions get reward 0"),
@@ -144,6 +145,7 @@ RULES: dict[str, Range | OneOf | Text | Device | Flag | Taps] = {
     "grpo.weight_decay": NON_NEGATIVE,
     "grpo.max_nonfinite_steps": COUNT,
     "grpo.precision": PRECISION,
+    "grpo.routing_replay": Flag(),
     "draft.mode": OneOf(("none", "frozen", "cotrain")),
     "draft.kind": OneOf(available_drafts()),
     "draft.taps": Taps(),
@@ -227,6 +229,14 @@ def _data_parallel_fits(c: RunConfig) -> str | None:
     return None
 
 
+def _replay_in_one_batch(c: RunConfig) -> str | None:
+    par = c.parallel
+    if c.grpo.routing_replay and (par.dp > 1 or par.cp > 1 or par.pp > 1 or par.microbatches > 1):
+        return "config key 'grpo.routing_replay' must be false with parallel.dp, cp, pp or microbatches > 1 (the " \
+               "replayed routes are laid out for the one-batch step only), got true"
+    return None
+
+
 def _env_has_its_task(c: RunConfig) -> str | None:
     if (c.env.name == "lookup") != (c.task.name == "lookup"):
         return f"config key 'task.name' must be lookup exactly when env.name=lookup (the environment's tools " \
@@ -244,5 +254,5 @@ def _taps_reach_the_device(c: RunConfig) -> str | None:
 # Rules between keys: each returns the error message, or None.
 CROSS_RULES: tuple[Callable[[RunConfig], str | None], ...] = (_auto_needs_a_draft, _rollout_copy_is_narrower,
                                                                _draft_folder_exists, _every_rank_has_work,
-                                                               _data_parallel_fits, _env_has_its_task,
+                                                               _data_parallel_fits, _env_has_its_task, _replay_in_one_batch,
                                                                _taps_reach_the_device, _taps_fit)

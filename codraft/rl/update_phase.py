@@ -34,7 +34,7 @@ from codraft.config import RunConfig
 from codraft.parallel.context import sync_gradients
 from codraft.parallel.data_parallel import named_collectives
 from codraft.rollout.weights import full
-from codraft.rl.cotrain import cotrain_loss
+from codraft.rl.cotrain import cotrain_loss, replay_routes
 from codraft.rl.memory import PeakMemory
 from codraft.rl.microbatch import merge_metrics, split_microbatches, with_draft_normaliser
 from codraft.rl.pipelined import build_pipeline, clip_gradients, pipeline_cotrain, reduce_gradients, sync_weights
@@ -144,8 +144,10 @@ def _one_batch_backward(tr: Trainer, step: int, rollout: Rollout, scored: Scored
     cfg, g = tr.cfg, tr.cfg.grpo
     batch = pack(rollout.prompts, [o.tokens for o in rollout.out], [o.logprobs for o in rollout.out],
                  device=cfg.device, masks=[o.mask for o in rollout.out])
+    replay = replay_routes(batch, [o.routes for o in rollout.out]) if g.routing_replay else None
     with timer("loss_forward"):
-        loss, lm = cotrain_loss(tr.policy, tr.draft, batch, scored.advantages.to(cfg.device), cp=tr.cp, **loss_kw)
+        loss, lm = cotrain_loss(tr.policy, tr.draft, batch, scored.advantages.to(cfg.device), cp=tr.cp,
+                                replay=replay, **loss_kw)
     _zero_grad(tr)
     with timer("backward"):
         loss.backward()

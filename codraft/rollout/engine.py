@@ -22,6 +22,7 @@ Outputs accumulate on the device and are copied to the host once at the end.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import numbers
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ import torch.nn as nn
 
 from codraft.kernels.sampling import sample as fast_sample, verify as fast_verify
 from codraft.models import KVCache
+from codraft.models.moe import Routing
 from codraft.rollout.draft_length import AcceptanceEstimate, choose, load_or_calibrate
 from codraft.rollout.stats import SpecStats
 from codraft.spec.sampling import Sampler
@@ -45,6 +47,9 @@ class GenerationResult:
     finish_reason: str  # "eos" or "length" (multi-turn episodes: also "turns", "env")
     mask: list[bool] | None = None  # multi-turn: True where the policy generated the token (None: everywhere)
     turns: int = 1  # the policy's turns (multi-turn episodes)
+    # Engine(record_routes=True) on a MoE target: (prompt + tokens, MoE layers, k) the experts each token was
+    # routed to when it was an input (int16; −1 where it never was: the last token), for routing replay
+    routes: torch.Tensor | None = None
 
 
 class Engine:
@@ -56,12 +61,13 @@ class Engine:
     estimate (``self.acceptance``, kept across calls) and ``cost_model`` (default: calibrated on
     this device at the first call, cached on disk); max_len: longest prompt + new tokens allowed
     (default ``model.config.max_position_embeddings``); timing_sync: sync the device at every phase
-    boundary so ``stats`` splits time exactly on accelerators (costs extra syncs).
+    boundary so ``stats`` splits time exactly on accelerators (costs extra syncs); record_routes: on a
+    mixture-of-experts target, each result's ``routes`` (routing replay).
     ``self.gamma`` is the most tokens a round drafts.
     """
 
     def __init__(self, model: nn.Module, draft=None, gamma: int | str | None = None, *, cost_model=None,
-                 max_len: int | None = None, timing_sync: bool = False):
+                 max_len: int | None = None, timing_sync: bool = False, record_routes: bool = False):
         cfg = model.config
         if draft is None and gamma is not None:
             raise ValueError(f"gamma={gamma} given without a draft")
@@ -84,6 +90,7 @@ class Engine:
         self.acceptance = AcceptanceEstimate(self.gamma) if auto else None
         self.cost_model, self._calibrates = cost_model, auto and cost_model is None
         self.timing_sync = timing_sync
+        self.record_routes = record_routes and getattr(model.config, "moe", False)
         self.device = next(model.parameters()).device
         if isinstance(draft, nn.Module):
             draft.to(self.device)
@@ -193,15 +200,25 @@ class Rollout:
         self.out_tokens = torch.zeros(b, max_new + self.gamma + 1, dtype=torch.long, device=dev)
         self.out_logp = torch.zeros(b, max_new + self.gamma + 1, device=dev)
         self.n_out = torch.zeros(b, dtype=torch.long, device=dev)
+        self.prompt_lens = [len(p) for p in prompts]
+        self.routes = None  # (B, positions, MoE layers, k) with record_routes: codraft.models.moe.Routing
+        if engine.record_routes:
+            c = self.model.config
+            moe_layers = sum(c.sparse_layer(i) for i in range(c.num_hidden_layers))
+            self.routes = torch.full((b, t + max_new + self.gamma + 1, moe_layers, c.num_experts_per_tok), -1,
+                                     dtype=torch.int16, device=dev)
         self._round_accepted = torch.zeros(0, dtype=torch.long, device=dev)  # (g,) rows that accepted >= k
         self.finished = False
 
         shared = shared_prefix(list(first))
         logits, feats = self._prefill(ids[uniq], lens[uniq], shared)  # (U,1,V)
+        slot = torch.searchsorted(uniq, src)  # (B,) position of each row's source in uniq
         if len(uniq) < b:  # copy each prefilled row to the rows that repeat its prompt
-            slot = torch.searchsorted(uniq, src)  # (B,) position of each row's source in uniq
             self.cache.select(slot)
             logits, feats = logits[slot], {l: f[slot] for l, f in feats.items()}
+        if self.routes is not None:  # the prompts' routes, to every row; none past a prompt's end
+            self.routes[:, :t] = self._prefill_routes[slot]
+            self.routes[:, :t][torch.arange(t, device=dev)[None] >= lens[:, None]] = -1
         self.cache.set_lengths(lens, span=t)
         self.last, logp = self._sample(logits[:, 0])  # (B,) the pending token
         self._lap("prefill_s")
@@ -218,12 +235,40 @@ class Rollout:
         features at every position; their first ``shared`` tokens (the same in every row) run once, in a
         forward of their own, and the cache rows start from a copy of them."""
         if shared == 0:
-            return self.model(ids, cache=self.cache, logit_index=lens - 1, taps=self.taps)
+            with self._routing() as r:
+                out = self.model(ids, cache=self.cache, logit_index=lens - 1, taps=self.taps)
+            self._prefill_routes = r and self._by_token(r.pop(), ids.shape)
+            return out
         head = KVCache.for_model(self.model, 1, shared)
-        _, pre = self.model(ids[:1, :shared], cache=head, taps=self.taps, head=False)
-        self.cache.start_from(head, shared)
-        logits, feats = self.model(ids[:, shared:], cache=self.cache, logit_index=lens - shared - 1, taps=self.taps)
+        with self._routing() as r:
+            _, pre = self.model(ids[:1, :shared], cache=head, taps=self.taps, head=False)
+            self.cache.start_from(head, shared)
+            logits, feats = self.model(ids[:, shared:], cache=self.cache, logit_index=lens - shared - 1,
+                                       taps=self.taps)
+        if r is not None:
+            rest = self._by_token(r.pop(), (len(ids), ids.shape[1] - shared))
+            self._prefill_routes = torch.cat([self._by_token(r.pop(), (1, shared)).expand(len(ids), -1, -1, -1),
+                                              rest], 1)
         return logits, {i: torch.cat([pre[i].expand(len(ids), -1, -1), f], 1) for i, f in feats.items()}
+
+    def _routing(self):
+        """Around a target forward: the experts it routes to, recorded (record_routes), else nothing."""
+        return Routing(self.model) if self.routes is not None else contextlib.nullcontext()
+
+    @staticmethod
+    def _by_token(calls: torch.Tensor, shape) -> torch.Tensor:
+        """A forward's routes (L, B·T, k) -> (B, T, L, k)."""
+        return calls.view(calls.shape[0], *shape, calls.shape[-1]).permute(1, 2, 0, 3).to(torch.int16)
+
+    def _keep_routes(self, r, rows: torch.Tensor, start: torch.Tensor, counts: torch.Tensor):
+        """A forward's routes at positions start + j, j < counts, of ``rows`` (what the cache kept)."""
+        if r is None:
+            return
+        w = r.calls[-1].shape[1] // len(rows)
+        got = self._by_token(r.pop(), (len(rows), w))
+        j = torch.arange(w, device=self.device)
+        keep = j < counts[:, None]
+        self.routes[rows[:, None].expand(-1, w)[keep], (start[:, None] + j)[keep]] = got[keep]
 
     @torch.inference_mode()
     def step(self):
@@ -232,8 +277,11 @@ class Rollout:
             return
         b = self.rows.numel()
         g = self.draft_length(b)
+        start = self.cache.lengths.clone()
         if self.draft is None or g == 0:
-            logits, feats = self.model(self.last[:, None], cache=self.cache, taps=self.taps)  # (B,1,V)
+            with self._routing() as r:
+                logits, feats = self.model(self.last[:, None], cache=self.cache, taps=self.taps)  # (B,1,V)
+            self._keep_routes(r, self.rows, start, torch.ones_like(start))
             self.last, logp = self._sample(logits[:, 0])
             self._lap("verify_s")
             ones = torch.ones_like(self.last)
@@ -246,13 +294,15 @@ class Rollout:
         else:
             x, q = self.draft.propose(self.draft_state, g, self.sampler, context_len=self.cache.span + 1)
             self._lap("draft_s")
-            logits, feats = self.model(torch.cat([self.last[:, None], x], 1), cache=self.cache,
-                                       taps=self.taps)  # (B,g+1,V)
+            with self._routing() as r:
+                logits, feats = self.model(torch.cat([self.last[:, None], x], 1), cache=self.cache,
+                                           taps=self.taps)  # (B,g+1,V)
             fast = fast_verify(logits, x, q, self.sampler)  # the same rule in one C call, where it applies
             v = Verdict(*fast) if fast is not None else verify_drafts(logits, x, q, self.sampler)
             self._lap("verify_s")
             # the tokens kept: n accepted + 1, or fewer where a stop token (EOS) or max_new cuts them
             counts = self._emit(v.tokens, v.logprobs, v.n_accepted + 1)
+            self._keep_routes(r, self.rows, start, counts)
             # the forward advanced every row by g+1; keep [pending, x_1..x_{counts-1}]
             self.cache.set_lengths(self.cache.lengths - (g + 1) + counts)
             self.last = v.tokens.gather(1, (counts - 1)[:, None]).squeeze(1)
@@ -349,5 +399,9 @@ class Rollout:
         self.stats.emitted_tokens = sum(n)
         self._lap("bookkeeping_s")
         self.stats.total_s = self._t - self._t0
-        return [GenerationResult(t[:m], lp[:m], "eos" if m and t[m - 1] in eos else "length")
-                for t, lp, m in zip(tokens, logps, n)]
+        out = [GenerationResult(t[:m], lp[:m], "eos" if m and t[m - 1] in eos else "length")
+               for t, lp, m in zip(tokens, logps, n)]
+        if self.routes is not None:  # over each row's prompt and tokens
+            for res, r, p in zip(out, self.routes.cpu(), self.prompt_lens):
+                res.routes = r[:p + len(res.tokens)]
+        return out

@@ -91,7 +91,9 @@ class TurnRollout(Rollout):
         cache, last = KVCache.cat([p.cache for p in parts]), torch.cat([p.last for p in parts])
         counts, start = k + 1, cache.lengths.clone()
         ids = torch.cat([last[:, None], obs[:, :width - 1]], 1)  # [pending, o_1..o_k] per row, right-padded
-        logits, feats = self.model(ids, cache=cache, logit_index=counts - 1, taps=self.taps)  # (R,1,V)
+        with self._routing() as r:
+            logits, feats = self.model(ids, cache=cache, logit_index=counts - 1, taps=self.taps)  # (R,1,V)
+        self._keep_routes(r, rows, start, counts)
         cache.set_lengths(start + counts)
         nxt, logp = self._sample(logits[:, 0])
         self._lap("prefill_s")

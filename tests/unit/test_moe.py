@@ -133,3 +133,41 @@ def test_speculative_sampling_is_exact_on_a_moe_target():
     out = Engine(target, draft, gamma=gamma).generate([PROMPT] * n, gamma + 2, seed=0, eos_id=[])
     fits, stat, crit = chi2_fits(histogram(out, gamma + 2), exact_joint(target, gamma + 2), alpha=1e-4)
     assert fits, f"chi-square {stat:.1f} >= {crit:.1f}"
+
+
+def _replayed_logprobs(model, prompts, out, replay_from=None):
+    """Per completion token, the model's logprob (T = 1) in one packed forward, routed as the rollout did
+    (``replay_from``: the results whose routes to replay; None: the model's own routing)."""
+    from codraft.models.moe import Routing
+    from codraft.rl.cotrain import replay_routes
+    from codraft.train.packing import pack
+    batch = pack(prompts, [o.tokens for o in out], share_prompts=False)
+    replay = None if replay_from is None else replay_routes(batch, [o.routes for o in replay_from])
+    with torch.no_grad(), Routing(model, replay):
+        logits = model(batch.input_ids, cu_seqlens=batch.cu_seqlens)[0]
+    targets = batch.index[batch.index_mask]
+    return logits[targets - 1].log_softmax(-1).gather(1, batch.input_ids[0, targets][:, None])[:, 0]
+
+
+def test_routing_replay():
+    """The engine records each token's experts (the prompts' too; none for the last token, never an input);
+    the trainer's packed forward replaying them gives the rollout's logprobs, replaying other experts does
+    not: the replay is what routes the forward."""
+    import copy
+    from codraft.rollout import Engine
+    torch.manual_seed(0)
+    policy = Transformer(_config(num_hidden_layers=3, mlp_only_layers=[0])).eval()
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.mul_(10)  # peaky routers and logits: routes matter
+    prompts = [[1, 2, 3, 4, 5], [6, 7, 8], [9, 10, 11, 12]]
+    out = Engine(policy, record_routes=True).generate(prompts, 12, seed=0, eos_id=[])
+    rollout_lp = torch.tensor([lp for o in out for lp in o.logprobs])
+    assert all(o.routes.shape == (len(p) + 12, 2, 2) and (o.routes[:-1] >= 0).all() and (o.routes[-1] < 0).all()
+               for p, o in zip(prompts, out))
+    replayed = _replayed_logprobs(policy, prompts, out, out)
+    assert (replayed - rollout_lp).abs().max() <= 1e-3  # (fp32 rounding of peaky logits)
+    wrong = [copy.copy(o) for o in out]
+    for o in wrong:
+        o.routes = torch.where(o.routes >= 0, (o.routes + 1) % 8, o.routes)
+    assert (_replayed_logprobs(policy, prompts, out, wrong) - rollout_lp).abs().max() > 1e-2
