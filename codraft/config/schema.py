@@ -68,6 +68,7 @@ class GRPOConfig:
     precision: str = "float32"      # the policy loss's products: float32, bfloat16 (fp32 masters) or auto (measured)
     routing_replay: bool = False    # MoE policy: the trainer's forward routes each token to the experts the rollout
     #                                 chose (recorded by the engine), so their logprobs agree
+    router_aux_coef: float = 0.0    # MoE policy: weight of the routers' load-balancing loss (0 = off, as RL usually)
 
 
 @dataclass

@@ -5,6 +5,10 @@ probabilities renormalised over the k when ``norm_topk_prob``, cast to x's dtype
 of ``moe_intermediate_size``; Qwen2-MoE adds a shared expert (a SwiGLU MLP of
 ``shared_expert_intermediate_size``) on every token, gated by sigmoid(x w_sᵀ).
 
+The routers' load-balancing loss (``load_balancing_loss``, the trainer's ``grpo.router_aux_coef``) and
+routing replay (``Routing``: record the experts a forward chose, make another forward choose the same)
+are applied from outside the module.
+
 Grouped products: the (token, slot) pairs are sorted by expert once; each active expert runs one
 product over its tokens, never a loop over tokens, and the weighted outputs are added back per token
 in expert order (as transformers does). A decode step of R rows runs at most min(E, R·k) experts: why a
@@ -65,9 +69,9 @@ class SparseMoE(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, x.shape[-1])
         routing = self.routing  # set from outside (``Routing``): None in plain use
-        _, weights, experts = self.route(x2, None if routing is None else routing.replayed(self, len(x2)))
+        logits, weights, experts = self.route(x2, None if routing is None else routing.replayed(self, len(x2)))
         if routing is not None:
-            routing.record(self, experts)
+            routing.record(self, experts, logits)
         out = self.grouped(x2, weights, experts)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(linear(x2, self.shared_expert_gate.weight)) * self.shared_expert(x2)
@@ -78,12 +82,14 @@ class Routing:
     """Routing replay from outside the model: installed on every ``SparseMoE`` of ``model`` for a ``with``
     block, it records the experts each forward chose (``calls``: per forward, (L, N, k) over the MoE
     layers in order and the forward's tokens in (B, T) order) and, given ``replay`` (L, N, k; −1: free),
-    makes the next forward route its N tokens that way (the trainer's forward on the rollout's routes)."""
+    makes the next forward route its N tokens that way (the trainer's forward on the rollout's routes);
+    with ``logits``, keeps every layer's router logits for ``load_balancing_loss``."""
 
-    def __init__(self, model: nn.Module, replay: torch.Tensor | None = None):
+    def __init__(self, model: nn.Module, replay: torch.Tensor | None = None, logits: bool = False):
         self.layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
         self.index = {id(m): i for i, m in enumerate(self.layers)}
         self.replay, self.calls, self._call = replay, [], []
+        self.logits = [] if logits else None  # the router logits (with their graph): the load-balancing loss
 
     def __enter__(self) -> "Routing":
         for m in self.layers:
@@ -102,7 +108,9 @@ class Routing:
             raise ValueError(f"routing replay holds {r.shape[0]} tokens, the forward runs {n}")
         return r
 
-    def record(self, module: SparseMoE, experts: torch.Tensor):
+    def record(self, module: SparseMoE, experts: torch.Tensor, logits: torch.Tensor):
+        if self.logits is not None:
+            self.logits.append(logits)
         self._call.append(experts.detach())
         if len(self._call) == len(self.layers):  # the last MoE layer of this forward
             self.calls.append(torch.stack(self._call))
@@ -111,3 +119,12 @@ class Routing:
     def pop(self) -> torch.Tensor:
         """The last forward's routes (L, N, k)."""
         return self.calls.pop()
+
+
+def load_balancing_loss(logits: list[torch.Tensor], top_k: int) -> torch.Tensor:
+    """The routers' auxiliary load-balancing loss over every layer's tokens (Switch Transformer's, as
+    transformers computes it): E · Σ_e (fraction of the top-k slots given to e) · (mean probability of e)."""
+    cat = torch.cat(logits).float()  # (L·N, E)
+    probs = F.softmax(cat, dim=-1)
+    chosen = F.one_hot(torch.topk(probs, top_k, dim=-1).indices, cat.shape[-1]).float()  # (L·N, k, E)
+    return cat.shape[-1] * (chosen.mean(0) * probs.mean(0)[None]).sum()

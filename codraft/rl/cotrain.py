@@ -34,7 +34,7 @@ import torch
 
 from codraft.drafts.batch import DraftBatch
 from codraft.models.bf16 import products
-from codraft.models.moe import Routing
+from codraft.models.moe import Routing, load_balancing_loss
 from codraft.parallel.comm import CPGroup
 from codraft.parallel.context import ShardedRow
 from codraft.rl.grpo import entropy_from_logits, grpo_loss, token_logprobs
@@ -108,7 +108,7 @@ def cotrain_loss(policy, draft, batch: Packed, advantages: torch.Tensor, *, temp
                  tis_cap: float | None = None, train_draft: bool = True, phase=None, cp: CPGroup | None = None,
                  totals=None, policy_dtype: torch.dtype = torch.float32,
                  draft_dtype: torch.dtype = torch.float32, draft_seed: int | None = None,
-                 replay: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
+                 replay: torch.Tensor | None = None, router_aux_coef: float = 0.0) -> tuple[torch.Tensor, dict]:
     """Total loss and metrics for one packed batch (the caller runs backward and the optimisers).
 
     phase: optional timing hook, a callable returning a context manager (e.g. the trainer's
@@ -126,14 +126,22 @@ def cotrain_loss(policy, draft, batch: Packed, advantages: torch.Tensor, *, temp
     from a seed of (draft_seed, the sequence's index in the step: ``totals.first`` + its index here;
     ``train.seeding.sequence_seeds``), the same at every layout. None: from the global RNG.
     replay: routing replay on a MoE policy (``replay_routes``): the experts its forward routes each token to.
+    router_aux_coef: > 0 adds that times the routers' load-balancing loss (``moe.load_balancing_loss``) over the
+    batch's tokens (a MoE policy, the one-batch step).
     """
     row = packed_row(batch, cp)
-    with products(policy_dtype), Routing(policy, replay) if replay is not None else contextlib.nullcontext():
+    routing = Routing(policy, replay, logits=router_aux_coef > 0) if replay is not None or router_aux_coef > 0 \
+        else contextlib.nullcontext()
+    with products(policy_dtype), routing:
         hidden, feats = row.forward(policy, draft_taps(draft, train_draft))
-    return loss_from_hidden(policy, draft, batch, row, hidden, feats, advantages, temperature=temperature, lam=lam,
-                            eps_low=eps_low, eps_high=eps_high, norm=norm, kl_coef=kl_coef, reference=reference,
-                            tis_cap=tis_cap, train_draft=train_draft, phase=phase, totals=totals,
-                            policy_dtype=policy_dtype, draft_dtype=draft_dtype, draft_seed=draft_seed)
+    loss, m = loss_from_hidden(policy, draft, batch, row, hidden, feats, advantages, temperature=temperature, lam=lam,
+                               eps_low=eps_low, eps_high=eps_high, norm=norm, kl_coef=kl_coef, reference=reference,
+                               tis_cap=tis_cap, train_draft=train_draft, phase=phase, totals=totals,
+                               policy_dtype=policy_dtype, draft_dtype=draft_dtype, draft_seed=draft_seed)
+    if router_aux_coef > 0:  # (the one-batch step only: a product of batch means does not split)
+        aux = load_balancing_loss(routing.logits, policy.config.num_experts_per_tok)
+        loss, m["policy/router_aux_loss"] = loss + router_aux_coef * aux, aux.detach()
+    return loss, m
 
 
 def loss_from_hidden(policy, draft, batch: Packed, row, hidden: torch.Tensor, feats: dict, advantages: torch.Tensor,

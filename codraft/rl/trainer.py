@@ -104,10 +104,10 @@ class Trainer:
         random.seed(cfg.seed)
         self.policy, self.tok, self.policy_dir = load_policy(cfg.policy.init, dtype)
         check_taps(cfg, self.policy.config.num_hidden_layers)  # a named policy's depth is known from here
-        if cfg.grpo.routing_replay and not self.policy.config.moe:
-            raise ConfigError(f"config key 'grpo.routing_replay' must be false for a dense policy: {cfg.policy.init} "
-                              f"has no mixture-of-experts layers (architecture "
-                              f"{self.policy.config.architectures[0]}), got true")
+        for key, on in (("routing_replay", cfg.grpo.routing_replay), ("router_aux_coef", cfg.grpo.router_aux_coef)):
+            if on and not self.policy.config.moe:
+                raise ConfigError(f"config key 'grpo.{key}' is for a mixture-of-experts policy: {cfg.policy.init} is "
+                                  f"dense (architecture {self.policy.config.architectures[0]}), got {on}")
         self.task = make_task(cfg.task.name, max_chars=cfg.task.max_chars, format_reward=cfg.task.format_reward)
         # multi-turn: the environment over the task, and how this policy writes tool calls
         self.env = None if cfg.env.name == "none" else make_env(cfg.env.name, self.task)

@@ -147,7 +147,7 @@ def _one_batch_backward(tr: Trainer, step: int, rollout: Rollout, scored: Scored
     replay = replay_routes(batch, [o.routes for o in rollout.out]) if g.routing_replay else None
     with timer("loss_forward"):
         loss, lm = cotrain_loss(tr.policy, tr.draft, batch, scored.advantages.to(cfg.device), cp=tr.cp,
-                                replay=replay, **loss_kw)
+                                replay=replay, router_aux_coef=g.router_aux_coef, **loss_kw)
     _zero_grad(tr)
     with timer("backward"):
         loss.backward()

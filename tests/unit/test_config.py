@@ -269,7 +269,7 @@ def test_a_key_given_twice_in_a_yaml_file_is_refused_with_both_lines(tmp_path):
 def test_config_names_a_preset_or_a_file(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ConfigError,
-                       match=r"^unknown preset 'huge' \(presets: smollm2-chainsum, tiny, tiny-long, tiny-tools\); no file 'huge'"):
+                       match=r"^unknown preset 'huge' \(presets: smollm2-chainsum, tiny, tiny-long, tiny-moe, tiny-tools\); no file 'huge'"):
         load_config("huge")
     with pytest.raises(ConfigError, match=r"^unknown preset 'x.txt' \(presets: .*\); no file 'x.txt' either"):
         load_config("x.txt")
@@ -306,7 +306,7 @@ def test_config_names_a_preset_or_a_file(tmp_path, monkeypatch):
     (["grpo.lr=-1"], "config key 'grpo.lr' must be >= 0"),
     (["steps=[1"], r"override 'steps=\[1': invalid YAML at line 1, column 9"),
     (["--config", "x.txt"],
-     r"unknown preset 'x.txt' \(presets: smollm2-chainsum, tiny, tiny-long, tiny-tools\); no file 'x.txt' either"),
+     r"unknown preset 'x.txt' \(presets: smollm2-chainsum, tiny, tiny-long, tiny-moe, tiny-tools\); no file 'x.txt' either"),
 ])
 def test_cli_train_refuses_before_any_work(tmp_path, monkeypatch, args, message):
     _no_loading(monkeypatch)

@@ -171,3 +171,19 @@ def test_routing_replay():
     for o in wrong:
         o.routes = torch.where(o.routes >= 0, (o.routes + 1) % 8, o.routes)
     assert (_replayed_logprobs(policy, prompts, out, wrong) - rollout_lp).abs().max() > 1e-2
+
+
+def test_load_balancing_loss_is_transformers():
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+    from codraft.models.moe import Routing, load_balancing_loss
+    torch.manual_seed(0)
+    model = Transformer(_config(num_hidden_layers=3, mlp_only_layers=[1]))
+    ids = torch.randint(0, 50, (1, 17))
+    with Routing(model, logits=True) as r:
+        model(ids)
+    assert len(r.logits) == 2
+    ours = load_balancing_loss(r.logits, 2)
+    ref = load_balancing_loss_func(tuple(r.logits), num_experts=8, top_k=2)
+    assert torch.allclose(ours, ref, atol=1e-6)
+    ours.backward()  # the routers learn from it
+    assert model.layers[0].mlp.gate.weight.grad.abs().sum() > 0
