@@ -1,5 +1,6 @@
 """A tiny policy, its rollouts and short runs of the trainer: the setup that unit, distributed and
 integration tests share (the fixtures built on it are in conftest.py)."""
+import dataclasses
 import json
 
 import torch
@@ -21,9 +22,14 @@ def tiny_policy(seed=0, layers=4, hidden=64):
     return Transformer(cfg), tok
 
 
-def save_tiny_policy(path, layers=2, hidden=32):
-    """A random tiny policy saved as the trainer's policy.init reads it (HF folder + its char tokenizer)."""
+def save_tiny_policy(path, layers=2, hidden=32, moe=False):
+    """A random tiny policy saved as the trainer's policy.init reads it (HF folder + its char tokenizer);
+    ``moe``: as a Qwen3-MoE decoder (4 experts, top-2, the first layer dense)."""
     policy, tok = tiny_policy(layers=layers, hidden=hidden)
+    if moe:
+        torch.manual_seed(0)
+        policy = Transformer(dataclasses.replace(policy.config, architectures=["Qwen3MoeForCausalLM"], num_experts=4,
+                                                 num_experts_per_tok=2, moe_intermediate_size=64, mlp_only_layers=[0]))
     save_pretrained(policy, path, extra_files={CHAR_TOKENIZER_FILE: json.dumps({"alphabet": tok.alphabet})})
     return path
 

@@ -230,12 +230,9 @@ def _data_parallel_fits(c: RunConfig) -> str | None:
     return None
 
 
-def _moe_keys_in_one_batch(c: RunConfig) -> str | None:
+def _aux_loss_in_one_batch(c: RunConfig) -> str | None:
     par = c.parallel
     split = par.dp > 1 or par.cp > 1 or par.pp > 1 or par.microbatches > 1
-    if split and c.grpo.routing_replay:
-        return "config key 'grpo.routing_replay' must be false with parallel.dp, cp, pp or microbatches > 1 (the " \
-               "replayed routes are laid out for the one-batch step only), got true"
     if split and c.grpo.router_aux_coef > 0:
         return f"config key 'grpo.router_aux_coef' must be 0 with parallel.dp, cp, pp or microbatches > 1 (the " \
                f"load-balancing loss is a product of batch means: split, it is another loss), got {c.grpo.router_aux_coef}"
@@ -259,5 +256,5 @@ def _taps_reach_the_device(c: RunConfig) -> str | None:
 # Rules between keys: each returns the error message, or None.
 CROSS_RULES: tuple[Callable[[RunConfig], str | None], ...] = (_auto_needs_a_draft, _rollout_copy_is_narrower,
                                                                _draft_folder_exists, _every_rank_has_work,
-                                                               _data_parallel_fits, _env_has_its_task, _moe_keys_in_one_batch,
+                                                               _data_parallel_fits, _env_has_its_task, _aux_loss_in_one_batch,
                                                                _taps_reach_the_device, _taps_fit)

@@ -57,9 +57,11 @@ class SparseMoE(nn.Module):
         counts = torch.bincount(flat, minlength=self.num_experts).tolist()  # one host sync per layer call
         tokens, w = order // self.top_k, weights.reshape(-1)[order]
         out = torch.zeros_like(x)
-        start = 0
+        start, training = 0, torch.is_grad_enabled()
         for e, n in enumerate(counts):
-            if n:
+            # an expert no token chose still runs (on no rows) when training: its gradient is then zeros, not
+            # None, so every rank of a data-parallel group reduces the same tensors (FSDP, replicate)
+            if n or training:
                 t = tokens[start:start + n]
                 y = self.experts[e](x[t]) * w[start:start + n, None]
                 out.index_add_(0, t, y.to(out.dtype))

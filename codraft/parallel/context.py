@@ -93,6 +93,10 @@ class ShardedRow:
         """This rank's ids of the policy's layout and the keywords that run the model on them."""
         return self.plan.shard(self.ids, self.comm.rank), {"layout": self.shard, "attention": self.attention}
 
+    def local(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """A tensor over the policy layout's tokens (along ``dim``) at this rank's rows (padding: −1)."""
+        return self.plan.shard(x, self.comm.rank, dim=dim, fill=-1)
+
     def draft_features(self, feats: dict) -> dict:
         """Taps at this rank's rows of the policy's layout -> detached, at its rows of the drafts'."""
         if self.batch.shared is None:

@@ -73,6 +73,10 @@ class PackedRow:
     def select(self, rows: torch.Tensor):
         return (rows if self.sh is None else self.sh.gather[rows]), None
 
+    def local(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """A tensor over the policy layout's tokens (along ``dim``) at the rows this rank runs: all of them."""
+        return x
+
     def assemble(self, x: torch.Tensor, live) -> torch.Tensor:
         return x
 
@@ -125,11 +129,13 @@ def cotrain_loss(policy, draft, batch: Packed, advantages: torch.Tensor, *, temp
     draft_seed: the step's seed (``train.seeding.step_seed``): the draft loss draws each sequence's anchors
     from a seed of (draft_seed, the sequence's index in the step: ``totals.first`` + its index here;
     ``train.seeding.sequence_seeds``), the same at every layout. None: from the global RNG.
-    replay: routing replay on a MoE policy (``replay_routes``): the experts its forward routes each token to.
+    replay: routing replay on a MoE policy (``replay_routes``): the experts its forward routes each token to,
+    (MoE layers, tokens of the policy's layout, k).
     router_aux_coef: > 0 adds that times the routers' load-balancing loss (``moe.load_balancing_loss``) over the
     batch's tokens (a MoE policy, the one-batch step).
     """
     row = packed_row(batch, cp)
+    replay = None if replay is None else row.local(replay)  # (CP: this rank's rows of it)
     routing = Routing(policy, replay, logits=router_aux_coef > 0) if replay is not None or router_aux_coef > 0 \
         else contextlib.nullcontext()
     with products(policy_dtype), routing:

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from codraft.rl.cotrain import draft_normaliser
+from codraft.rl.cotrain import draft_normaliser, replay_routes
 from codraft.train.packing import Packed, pack
 
 _SUMS = ("policy/loss", "policy/pg_loss", "policy/num_tokens", "draft/loss")
@@ -44,6 +44,7 @@ class MicroBatch:
     batch: Packed
     advantages: torch.Tensor  # (N_m,)
     totals: Totals
+    replay: torch.Tensor | None = None  # routing replay: (MoE layers, tokens of the policy's layout, k)
 
 
 def draft_targets(batch: Packed) -> int:
@@ -53,8 +54,10 @@ def draft_targets(batch: Packed) -> int:
 
 
 def split_microbatches(prompts: list, completions: list, logprobs: list, advantages: torch.Tensor, group_size: int,
-                       microbatches: int, device, masks: list | None = None) -> list[MicroBatch]:
-    """The step's N = G·n sequences as ``microbatches`` packed micro-batches of whole groups."""
+                       microbatches: int, device, masks: list | None = None, routes: list | None = None
+                       ) -> list[MicroBatch]:
+    """The step's N = G·n sequences as ``microbatches`` packed micro-batches of whole groups (``routes``: the
+    rollout's per sequence, for routing replay)."""
     groups = len(prompts) // group_size
     if not 1 <= microbatches <= groups:
         raise ValueError(f"parallel.microbatches={microbatches} must be between 1 and the step's {groups} groups "
@@ -66,7 +69,8 @@ def split_microbatches(prompts: list, completions: list, logprobs: list, advanta
     tokens = sum(int(p.index_mask.sum()) for p in parts)
     sequences = sum(int((p.index_mask.sum(-1) > 0).sum()) for p in parts)
     targets = [draft_targets(p) for p in parts]
-    return [MicroBatch(p, advantages[a:b], Totals(max(tokens, 1), max(sequences, 1), t / max(sum(targets), 1), a))
+    return [MicroBatch(p, advantages[a:b], Totals(max(tokens, 1), max(sequences, 1), t / max(sum(targets), 1), a),
+                       None if routes is None else replay_routes(p, routes[a:b]))
             for p, (a, b), t in zip(parts, zip(cuts, cuts[1:]), targets)]
 
 

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from codraft.models.bf16 import products
+from codraft.models.moe import Routing
 from codraft.parallel.context import sync_gradients
 from codraft.parallel.mesh import Mesh
 from codraft.parallel.pipeline import PipelineError, StageLink, run_schedule, stage_layers
@@ -117,7 +118,9 @@ def pipeline_cotrain(pipe: Pipeline, policy, draft, mbs: list[MicroBatch], *, st
     def forward(m, x, carried):
         ids, kw = inputs[m]
         ctx = policy.layer_inputs(1, ids.shape[1], ids.device, **kw)
-        with products(policy_dtype):
+        replay = mbs[m].replay  # routing replay: this stage's MoE layers route as the rollout did
+        with products(policy_dtype), contextlib.nullcontext() if replay is None else \
+                Routing(policy, rows[m].local(replay)):
             out, tapped[m] = policy.run_layers(policy.embed(ids) if x is None else x, ctx, pipe.layers, mine)
         if last or not relay:
             return out, carried

@@ -199,7 +199,7 @@ def _data_parallel_backward(tr: Trainer, step: int, rollout: Rollout, scored: Sc
             module.set_requires_gradient_sync(i == len(mine) - 1)
         with timer("loss_forward"), named_collectives(mesh, "the policy's forward (FSDP all-gathers)"):
             loss, lm = cotrain_loss(tr.policy, tr.draft, mb.batch, mb.advantages, cp=tr.cp, totals=mb.totals,
-                                    **loss_kw)
+                                    replay=mb.replay, **loss_kw)
         with timer("backward"), named_collectives(mesh, "the backward (FSDP gradient sums)"):
             loss.backward()
         losses.append(loss.detach())
@@ -219,7 +219,8 @@ def _microbatches(tr: Trainer, rollout: Rollout, scored: Scored, draft_seed: int
     dp = 1 if mesh is None else mesh.dp
     mbs = split_microbatches(rollout.prompts, [o.tokens for o in rollout.out], [o.logprobs for o in rollout.out],
                              scored.advantages.to(cfg.device), cfg.rollout.group_size, dp * m, cfg.device,
-                             [o.mask for o in rollout.out])
+                             [o.mask for o in rollout.out],
+                             [o.routes for o in rollout.out] if cfg.grpo.routing_replay else None)
     if len(mbs) > 1 and tr.trains_draft:  # the draft's denominators: the whole step's (before the DP shares)
         mbs = with_draft_normaliser(mbs, tr.draft, draft_seed)
     return mbs, mbs[mesh.dp_rank * m:(mesh.dp_rank + 1) * m] if dp > 1 else mbs

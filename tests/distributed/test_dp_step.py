@@ -125,3 +125,49 @@ def test_dp2_pp2_step_equals_single_process(tmp_path, tiny_policy_dir, varied_re
         stages = ranks[rank % 2::2]
         assert {k for r in stages for k in r[1]} == set(single[1])
         _same_step(got, single, grads={k: v for r in stages for k, v in r[1].items()})
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "ddp"])
+def test_dp2_moe_policy_with_routing_replay_equals_single_process(tmp_path, varied_reward, mode):
+    """A mixture-of-experts policy whose forward replays the rollout's routes, sharded or replicated."""
+    from tiny_runs import save_tiny_policy
+    policy = save_tiny_policy(tmp_path / "moe", layers=3, moe=True)
+    extra = ["grpo.routing_replay=true", *FOUR]
+    single = _step(policy, tmp_path / "one", "dflash", extra)
+    for got in run_ranks(_rank, 2, policy, tmp_path / "dp", "dflash",
+                         ["parallel.dp=2", f"parallel.dp_shard={mode}", *extra], timeout=300):
+        _same_step(got, single)
+
+
+def _experts_rank(rank, world):
+    """A MoE layer sharded over 2 ranks whose tokens use disjoint experts (one rank none of 1..3): the
+    gradients FSDP sums are the one-process gradients of both ranks' tokens, every expert's defined."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from codraft.models import ModelConfig
+    from codraft.models.moe import Routing, SparseMoE
+    c = ModelConfig(vocab_size=10, hidden_size=8, intermediate_size=8, num_hidden_layers=1, num_attention_heads=2,
+                    architectures=["Qwen3MoeForCausalLM"], num_experts=4, num_experts_per_tok=1, moe_intermediate_size=4)
+    torch.manual_seed(0)
+    ref, xs = SparseMoE(c), torch.randn(2, 1, 3, 8)
+    routes = torch.tensor([[[[0], [0], [0]]], [[[1], [2], [3]]]])  # (rank, layers, tokens, k)
+    holder = torch.nn.Module()
+    holder.m = ref
+    for r in range(2):  # the reference: both ranks' tokens, the losses summed
+        with Routing(holder, routes[r]):
+            ref(xs[r]).square().sum().backward()
+    want = {n: p.grad.clone() for n, p in ref.named_parameters()}
+    torch.manual_seed(0)
+    moe = SparseMoE(c)
+    fully_shard(moe, mesh=init_device_mesh("cpu", (2,)))
+    moe.set_force_sum_reduction_for_comms(True)
+    moe.set_gradient_divide_factor(1.0)
+    holder.m = moe
+    with Routing(holder, routes[rank]):
+        moe(xs[rank]).square().sum().backward()
+    return {n: float((full(p.grad) - want[n]).abs().max()) for n, p in moe.named_parameters()}
+
+
+def test_fsdp_with_experts_some_rank_never_uses():
+    for errs in run_ranks(_experts_rank, 2):
+        assert max(errs.values()) < 1e-6, errs

@@ -58,9 +58,17 @@ def _grads(policy, draft=None):
     return out
 
 
-def _step(kind, mesh, transport, microbatches, kl=0.0, dtype=torch.float32, multiturn=False, moe=False):
+def _routes(prompts, completions, moe_layers=3, experts=4, k=2, seed=13):
+    """Routing replay: random distinct experts for every token of every sequence."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.rand(len(p) + len(c), moe_layers, experts, generator=g).argsort(-1)[..., :k]
+            for p, c in zip(prompts, completions)]
+
+
+def _step(kind, mesh, transport, microbatches, kl=0.0, dtype=torch.float32, multiturn=False, moe=False, replay=False):
     """One step's loss, metrics, gradients and norms; ``dtype``: the policy's and the draft's products;
-    ``multiturn``: completions with observations in them (masked out of every loss); ``moe``: a MoE policy."""
+    ``multiturn``: completions with observations in them (masked out of every loss); ``moe``: a MoE policy,
+    ``replay``: routed as random rollout routes say."""
     policy, draft = _models(kind, moe)
     reference = None
     if kl:
@@ -68,7 +76,8 @@ def _step(kind, mesh, transport, microbatches, kl=0.0, dtype=torch.float32, mult
         reference = Transformer(policy.config).requires_grad_(False)
     prompts, completions, logprobs, adv = _rollouts(3)
     masks = _observations(completions) if multiturn else None
-    mbs = split_microbatches(prompts, completions, logprobs, adv, 2, microbatches, "cpu", masks)
+    mbs = split_microbatches(prompts, completions, logprobs, adv, 2, microbatches, "cpu", masks,
+                             _routes(prompts, completions) if replay else None)
     pipe = build_pipeline(policy, draft, mesh, transport=transport, max_tokens=1024, timeout=60)
     loss, m = pipeline_cotrain(pipe, policy, draft, mbs, step=7, reference=reference, kl_coef=kl, policy_dtype=dtype,
                                draft_dtype=dtype, draft_seed=5, **LOSS_KW)
@@ -85,17 +94,20 @@ def _step(kind, mesh, transport, microbatches, kl=0.0, dtype=torch.float32, mult
         [float(n) for n in norms]
 
 
-def _compare(rank, world, pp, cp, kinds, transports, microbatches, kl=0.0, multiturn=False, moe=False):
+def _compare(rank, world, pp, cp, kinds, transports, microbatches, kl=0.0, multiturn=False, moe=False, replay=False):
     mesh = build_mesh(Layout(pp=pp, cp=cp), timeout=60)
     out = {}
     for kind in kinds:
-        ref = _step(kind, None, "shm", microbatches, kl, multiturn=multiturn, moe=moe)
+        ref = _step(kind, None, "shm", microbatches, kl, multiturn=multiturn, moe=moe, replay=replay)
         for transport in transports:
-            got = _step(kind, mesh, transport, microbatches, kl, multiturn=multiturn, moe=moe)
+            got = _step(kind, mesh, transport, microbatches, kl, multiturn=multiturn, moe=moe, replay=replay)
             errs = {"loss": _rel(got[0], ref[0])}
             errs.update({f"metric {k}": _rel(got[1][k], v) for k, v in ref[1].items()})
             errs.update({f"grad {k}": _rel(got[2][k], v) for k, v in ref[2].items()})
             errs.update({f"norm {i}": _rel(a, b) for i, (a, b) in enumerate(zip(got[3], ref[3]))})
+            if replay:  # (and the replayed routes are what the forward used: the own routing's loss differs)
+                own = _step(kind, None, "shm", microbatches, kl, multiturn=multiturn, moe=moe)[0]
+                errs["replay is applied (0 = yes)"] = float(_rel(own, ref[0]) <= 1e-7)
             assert set(got[1]) == set(ref[1]), set(got[1]) ^ set(ref[1])
             assert set(got[2]) == set(ref[2]), set(got[2]) ^ set(ref[2])
             out[(kind, transport)] = errs
@@ -126,11 +138,14 @@ def test_multiturn_step_equals_single_process(pp, cp, kinds, microbatches):
             assert not bad, f"multi-turn PP={pp} CP={cp} rank {rank} {case}: relative differences above {RTOL}: {bad}"
 
 
-@pytest.mark.parametrize("pp,cp,kinds,microbatches", [(2, 1, ("dflash", "eagle3"), 2), (1, 2, ("dspark",), 1)])
-def test_moe_step_equals_single_process(pp, cp, kinds, microbatches):
-    """A mixture-of-experts policy (dense and sparse layers) through PP = 2 and CP = 2, with each draft kind."""
+@pytest.mark.parametrize("pp,cp,kinds,microbatches,replay", [(2, 1, ("dflash", "eagle3"), 2, False),
+                                                              (1, 2, ("dspark",), 1, False),
+                                                              (2, 1, ("eagle3",), 2, True), (1, 2, ("dflash",), 2, True)])
+def test_moe_step_equals_single_process(pp, cp, kinds, microbatches, replay):
+    """A mixture-of-experts policy (dense and sparse layers) through PP = 2 and CP = 2, with each draft kind,
+    and with its routes replayed."""
     for rank, res in enumerate(run_ranks(_compare, pp * cp, pp, cp, kinds, ("shm",), microbatches, 0.05, False, True,
-                                         timeout=300)):
+                                         replay, timeout=300)):
         for case, errs in res.items():
             bad = {k: e for k, e in errs.items() if not e <= RTOL}
             assert not bad, f"MoE PP={pp} CP={cp} rank {rank} {case}: relative differences above {RTOL}: {bad}"

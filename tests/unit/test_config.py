@@ -148,6 +148,15 @@ def test_environment_keys_are_checked():
     assert "env.max_turns" in _refused(["env.max_turns=0"])
 
 
+def test_the_aux_loss_needs_the_one_batch_step():
+    assert load_config(None, ["grpo.routing_replay=true", "grpo.router_aux_coef=0.01"]).grpo.routing_replay
+    assert load_config(None, ["grpo.routing_replay=true", "parallel.microbatches=2"]).parallel.microbatches == 2
+    assert _refused(["grpo.router_aux_coef=0.01", "parallel.cp=2"]) == \
+        "config key 'grpo.router_aux_coef' must be 0 with parallel.dp, cp, pp or microbatches > 1 (the load-" \
+        "balancing loss is a product of batch means: split, it is another loss), got 0.01"
+    assert _refused(["grpo.router_aux_coef=-1"]).startswith("config key 'grpo.router_aux_coef' must be >= 0")
+
+
 def _policy_folder(tmp_path, layers: int) -> str:
     """A policy folder as far as the config reads it: config.json with the layer count."""
     folder = tmp_path / f"policy{layers}"

@@ -64,7 +64,7 @@ def _config(**kw):
 def test_grouped_products_equal_the_per_token_reference():
     torch.manual_seed(0)
     moe = SparseMoE(_config())
-    x = torch.randn(37, 32)
+    x = torch.randn(5, 32)
     _, w, e = moe.route(x)
     ref = torch.stack([sum(w[n, j] * moe.experts[int(e[n, j])](x[n:n + 1])[0] for j in range(moe.top_k))
                        for n in range(len(x))])
@@ -73,7 +73,8 @@ def test_grouped_products_equal_the_per_token_reference():
     x.requires_grad_(True)
     moe(x[None]).square().sum().backward()
     used = set(e.flatten().tolist())
-    assert all((moe.experts[i].down_proj.weight.grad is not None) == (i in used) for i in range(8))
+    assert len(used) < 8  # some expert got no token: its gradient is zeros, not None (data parallelism)
+    assert all((moe.experts[i].down_proj.weight.grad.abs().sum() > 0) == (i in used) for i in range(8))
 
 
 @pytest.mark.parametrize("bad,msg", [
