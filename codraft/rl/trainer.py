@@ -149,8 +149,9 @@ class Trainer:
         self.start_step, self.prompts_used, self._stream = 0, 0, None
         # the rollout engine; validation (greedy) has its own, so its rounds stay out of the rollouts'
         # acceptance estimate (draft_length=auto), which checkpoints carry
-        self.engine, self.val_engine, self.plain_engine = self._engine(self.draft), self._engine(self.draft), \
-            self._engine(None)
+        replay = cfg.grpo.routing_replay  # (the plain rollout of the speedup probe records as the rollout does)
+        self.engine, self.val_engine, self.plain_engine = self._engine(self.draft, replay), self._engine(self.draft), \
+            self._engine(None, replay)
         if found is not None:
             checkpointing.resume_from(self, found)
         # steps_done/_done_prompts/_done_acceptance: the last step whose update is fully applied (what
@@ -232,11 +233,11 @@ class Trainer:
         self.forward_backward = update_phase.step_body(self.layout)  # how this layout runs an update
         self.is_main = self.world is None or self.world.rank == 0
 
-    def _engine(self, draft) -> Engine:
+    def _engine(self, draft, routes: bool = False) -> Engine:
         """An engine over the rollout weights and ``draft`` (None: plain), drafting draft.gamma tokens per
-        round or, with rollout.draft_length=auto, up to that many."""
+        round or, with rollout.draft_length=auto, up to that many; ``routes``: its rollouts record the experts
+        each token went to (routing replay)."""
         policy, draft = self.rollout_weights.policy, self.rollout_weights.draft_for(draft)
-        routes = self.cfg.grpo.routing_replay  # (the rollouts record the experts each token went to)
         if draft is None:
             return Engine(policy, record_routes=routes)
         if self.cost_model is None:

@@ -44,7 +44,7 @@ from codraft.spec.verify import Verdict, verify_drafts
 class GenerationResult:
     tokens: list[int]  # new tokens, up to and including EOS
     logprobs: list[float]  # target logprob of each, see codraft.spec.sampling for the convention
-    finish_reason: str  # "eos" or "length" (multi-turn episodes: also "turns", "env")
+    finish_reason: str  # "eos" or "length" (multi-turn episodes: also "context", "turns")
     mask: list[bool] | None = None  # multi-turn: True where the policy generated the token (None: everywhere)
     turns: int = 1  # the policy's turns (multi-turn episodes)
     # Engine(record_routes=True) on a MoE target: (prompt + tokens, MoE layers, k) the experts each token was

@@ -199,3 +199,23 @@ def test_greedy_text_matches_transformers(folder):
         texts.append(tok.decode(mine))
     # the real weights, correctly un-permuted, know this (a wrong q/k layout gives gibberish)
     assert "Paris" in texts[0], texts[0]
+
+
+def test_tool_turns_in_smollm2s_chat_format(folder):
+    """Multi-turn tool calling on SmolLM2 (codraft.envs): its turn ends with EOS (<|im_end|>), and a tool's
+    result comes back as a `tool` turn of its ChatML template, then a new assistant turn."""
+    from codraft.envs import Calculator, EpisodeBatch, ToolFormat
+    from codraft.tasks import make_task
+    tok = load_tokenizer(folder)
+    fmt = ToolFormat.for_tokenizer(tok)
+    assert fmt.stop_ids(tok) == [] and tok.decode([tok.eos_id], skip_special_tokens=False) == "<|im_end|>"
+    batch = EpisodeBatch(Calculator(make_task("chain_sum")), make_task("chain_sum").sample("train", 1), tok, fmt,
+                         timeout=5)
+    batch.submit(0, tok.encode("<tool_call>calc 41 - 7 + 3</tool_call>") + [tok.eos_id])
+    answers = []
+    while batch.pending:
+        answers += batch.ready("any")
+    batch.close()
+    (_, obs), = answers
+    assert tok.decode(obs, skip_special_tokens=False) == "\n<|im_start|>tool\n37<|im_end|>\n<|im_start|>assistant\n"
+    assert tok.encode("<|im_start|>")[0] in obs  # the special token as its one id
