@@ -14,11 +14,12 @@ from codraft.config.loading import RETIRED, apply, flatten, load_config, preset_
 from codraft.config.rules import (COUNT, CROSS_RULES, EVERY, NON_NEGATIVE, POSITIVE, PRECISION, RULES, Device,
                                   Flag, OneOf, Range, Text)
 from codraft.config.schema import (ConfigError, DraftConfig, EnvConfig, GRPOConfig, LogConfig, ParallelConfig,
-                                   PolicyConfig, RolloutConfig, RunConfig, TaskConfig, _all_keys, check_taps, validate)
+                                   PolicyConfig, RolloutConfig, RunConfig, TaskConfig, _all_keys, check_policy,
+                                   check_taps, validate)
 from codraft.config.taps import Taps, taps_problem
 
 __all__ = ["COUNT", "CROSS_RULES", "EVERY", "NON_NEGATIVE", "POSITIVE", "PRECISION", "RETIRED", "RULES",
-           "ConfigError", "Device", "DraftConfig", "EnvConfig", "Flag", "GRPOConfig", "LogConfig", "OneOf", "ParallelConfig",
-           "PolicyConfig", "Range", "RolloutConfig", "RunConfig", "Taps", "TaskConfig", "Text", "apply",
-           "check_taps", "flatten", "load_config", "preset_names", "refuse_repeated_keys", "taps_problem",
-           "validate"]
+           "ConfigError", "Device", "DraftConfig", "EnvConfig", "Flag", "GRPOConfig", "LogConfig", "OneOf",
+           "ParallelConfig", "PolicyConfig", "Range", "RolloutConfig", "RunConfig", "Taps", "TaskConfig", "Text",
+           "apply", "check_policy", "check_taps", "flatten", "load_config", "preset_names", "refuse_repeated_keys",
+           "taps_problem", "validate"]

@@ -155,6 +155,16 @@ def validate(cfg: RunConfig) -> RunConfig:
     return cfg
 
 
+def check_policy(c: RunConfig, policy) -> None:
+    """The keys that depend on the loaded policy's config (``ModelConfig``; the trainer calls it): the taps
+    against its depth (``check_taps``), the MoE keys against its layers. ConfigError, as ``validate``."""
+    check_taps(c, policy.num_hidden_layers)
+    for key, on in (("routing_replay", c.grpo.routing_replay), ("router_aux_coef", c.grpo.router_aux_coef)):
+        if on and not policy.moe:
+            raise ConfigError(f"config key 'grpo.{key}' is for a mixture-of-experts policy: {c.policy.init} is "
+                              f"dense (architecture {policy.architectures[0]}), got {on}")
+
+
 def check_taps(c: RunConfig, num_layers: int) -> None:
     """``draft.taps`` against the loaded policy's depth (the trainer calls it: a named policy's depth is
     unknown to ``validate``). ConfigError, as ``validate`` raises it."""

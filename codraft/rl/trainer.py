@@ -54,7 +54,7 @@ import torch
 from tqdm import tqdm
 
 from codraft import kernels
-from codraft.config import ConfigError, RunConfig, check_taps
+from codraft.config import RunConfig, check_policy
 from codraft.errors import CodraftError, NonFiniteError
 from codraft.parallel.comm import init_cp
 from codraft.parallel.mesh import Layout, build_mesh
@@ -103,11 +103,7 @@ class Trainer:
         torch.manual_seed(cfg.seed)
         random.seed(cfg.seed)
         self.policy, self.tok, self.policy_dir = load_policy(cfg.policy.init, dtype)
-        check_taps(cfg, self.policy.config.num_hidden_layers)  # a named policy's depth is known from here
-        for key, on in (("routing_replay", cfg.grpo.routing_replay), ("router_aux_coef", cfg.grpo.router_aux_coef)):
-            if on and not self.policy.config.moe:
-                raise ConfigError(f"config key 'grpo.{key}' is for a mixture-of-experts policy: {cfg.policy.init} is "
-                                  f"dense (architecture {self.policy.config.architectures[0]}), got {on}")
+        check_policy(cfg, self.policy.config)  # what depends on the policy: known from here
         self.task = make_task(cfg.task.name, max_chars=cfg.task.max_chars, format_reward=cfg.task.format_reward)
         # multi-turn: the environment over the task, and how this policy writes tool calls
         self.env = None if cfg.env.name == "none" else make_env(cfg.env.name, self.task)
