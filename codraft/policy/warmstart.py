@@ -132,12 +132,12 @@ def sft_loss(model: Transformer, batch: Packed, pad_id: int) -> torch.Tensor:
 def evaluate(model, tok, task, problems, max_new_tokens: int, batch_size: int = 100) -> float:
     """Greedy held-out accuracy (mean reward); a task with tools (``lookup``) as episodes in its environment."""
     engine = Engine(model)
+    env = make_env(task.name, task) if task.name in ENVS else None
     rewards = []
     for i in range(0, len(problems), batch_size):
         chunk = problems[i:i + batch_size]
-        if task.name in ENVS:
-            rewards += [e.reward for e in play(engine, make_env(task.name, task), chunk, tok,
-                                               max_tokens=max_new_tokens, temperature=0.0)]
+        if env is not None:
+            rewards += [e.reward for e in play(engine, env, chunk, tok, max_tokens=max_new_tokens, temperature=0.0)]
             continue
         outs = engine.generate([tok.prompt_ids(p.prompt) for p in chunk], max_new_tokens=max_new_tokens,
                                temperature=0.0, eos_id=tok.eos_id)

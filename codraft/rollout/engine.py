@@ -207,6 +207,7 @@ class Rollout:
             moe_layers = sum(c.sparse_layer(i) for i in range(c.num_hidden_layers))
             self.routes = torch.full((b, t + max_new + self.gamma + 1, moe_layers, c.num_experts_per_tok), -1,
                                      dtype=torch.int16, device=dev)
+            self._recorder = Routing(self.model)  # installed around each target forward, popped after it
         self._round_accepted = torch.zeros(0, dtype=torch.long, device=dev)  # (g,) rows that accepted >= k
         self.finished = False
 
@@ -253,21 +254,22 @@ class Rollout:
 
     def _routing(self):
         """Around a target forward: the experts it routes to, recorded (record_routes), else nothing."""
-        return Routing(self.model) if self.routes is not None else contextlib.nullcontext()
+        return self._recorder if self.routes is not None else contextlib.nullcontext()
 
     @staticmethod
     def _by_token(calls: torch.Tensor, shape) -> torch.Tensor:
         """A forward's routes (L, B·T, k) -> (B, T, L, k)."""
         return calls.view(calls.shape[0], *shape, calls.shape[-1]).permute(1, 2, 0, 3).to(torch.int16)
 
-    def _keep_routes(self, r, rows: torch.Tensor, start: torch.Tensor, counts: torch.Tensor):
-        """A forward's routes at positions start + j, j < counts, of ``rows`` (what the cache kept)."""
+    def _keep_routes(self, r, rows: torch.Tensor, start: torch.Tensor | None, counts):
+        """A forward's routes at positions start + j, j < counts (per row, or one int), of ``rows`` (what the
+        cache kept)."""
         if r is None:
             return
         w = r.calls[-1].shape[1] // len(rows)
         got = self._by_token(r.pop(), (len(rows), w))
         j = torch.arange(w, device=self.device)
-        keep = j < counts[:, None]
+        keep = (j < counts[:, None]) if torch.is_tensor(counts) else (j < counts).expand(len(rows), -1)
         self.routes[rows[:, None].expand(-1, w)[keep], (start[:, None] + j)[keep]] = got[keep]
 
     @torch.inference_mode()
@@ -277,11 +279,11 @@ class Rollout:
             return
         b = self.rows.numel()
         g = self.draft_length(b)
-        start = self.cache.lengths.clone()
+        start = None if self.routes is None else self.cache.lengths.clone()  # (where recorded routes go)
         if self.draft is None or g == 0:
             with self._routing() as r:
                 logits, feats = self.model(self.last[:, None], cache=self.cache, taps=self.taps)  # (B,1,V)
-            self._keep_routes(r, self.rows, start, torch.ones_like(start))
+            self._keep_routes(r, self.rows, start, 1)
             self.last, logp = self._sample(logits[:, 0])
             self._lap("verify_s")
             ones = torch.ones_like(self.last)
@@ -290,7 +292,7 @@ class Rollout:
                 self.draft_state = self.draft.commit(self.draft_state, self.last[:, None], ones, feats)
                 self._lap("draft_s")
             self._round_accepted = self._round_accepted[:0]
-            self._row_accepted = torch.zeros_like(self.last)
+            self._row_accepted = None  # (no draft tokens this round)
         else:
             x, q = self.draft.propose(self.draft_state, g, self.sampler, context_len=self.cache.span + 1)
             self._lap("draft_s")

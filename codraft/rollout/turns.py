@@ -62,7 +62,8 @@ class TurnRollout(Rollout):
         super()._count(rows, g, accepted)
         turn = self.turn[self._round_rows].clamp(max=self.per_turn.shape[1] - 1)
         self.per_turn[0].index_add_(0, turn, torch.ones_like(turn))
-        self.per_turn[1].index_add_(0, turn, self._row_accepted)
+        if self._row_accepted is not None:  # (a plain round accepts nothing)
+            self.per_turn[1].index_add_(0, turn, self._row_accepted)
 
     def _leave(self, done: list[int], keep: list[int]):
         idx = torch.tensor(done, device=self.device)
