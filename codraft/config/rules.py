@@ -220,9 +220,6 @@ def _every_rank_has_work(c: RunConfig) -> str | None:
 
 def _data_parallel_fits(c: RunConfig) -> str | None:
     par = c.parallel
-    if par.dp > 1 and par.pp > 1 and par.dp_shard == "fsdp":
-        return "config key 'parallel.dp_shard' must be ddp with parallel.pp > 1 (FSDP under pipeline stages is " \
-               "not built yet: each stage's weights are replicated over dp and their gradients summed), got fsdp"
     if par.dp > 1 and c.rollout.prompts_per_step < par.dp * par.microbatches:
         return f"config key 'parallel.microbatches' must be <= rollout.prompts_per_step / parallel.dp = " \
                f"{c.rollout.prompts_per_step // par.dp} (each DP rank's micro-batches hold whole groups), got " \

@@ -46,15 +46,17 @@ from codraft.parallel.mesh import Mesh
 
 try:  # FSDP2's DDP (torch >= 2.8); private path, public behaviour
     from torch.distributed._composable.replicate_with_fsdp import replicate
-except ImportError:  # pragma: no cover - older torch: parallel.dp_shard=ddp is refused in _wrap
+except ImportError:  # pragma: no cover - older torch: parallel.dp_shard=ddp is refused in wrap
     replicate = None
 
 
-def _wrap(module: nn.Module, parts: list[nn.Module], ranks, mode: str) -> None:
+def wrap(module: nn.Module, parts: list[nn.Module], ranks, mode: str, ignored: set | None = None) -> None:
+    """``fsdp``: each of ``parts`` its own FSDP2 unit, then ``module`` (without ``ignored``); ``ddp``:
+    replicated. Gradients are summed over ``ranks``, not averaged."""
     if mode == "fsdp":
         for part in parts:  # each its own all-gather / reduce-scatter group, bottom-up
             fully_shard(part, mesh=ranks)
-        fully_shard(module, mesh=ranks)
+        fully_shard(module, mesh=ranks, ignored_params=ignored)
     elif mode == "ddp":
         if replicate is None:
             raise RuntimeError("parallel.dp_shard=ddp needs torch >= 2.8 (FSDP2's replicate); use fsdp")
@@ -70,7 +72,7 @@ def _wrap(module: nn.Module, parts: list[nn.Module], ranks, mode: str) -> None:
 def parallelize_policy(policy: nn.Module, mesh: Mesh, mode: str) -> nn.Module:
     """Shard (``fsdp``: each decoder layer, then the root) or replicate (``ddp``) ``policy`` in place over
     ``mesh.data_mesh`` (dp, × cp)."""
-    _wrap(policy, list(policy.layers), mesh.data_mesh, mode)
+    wrap(policy, list(policy.layers), mesh.data_mesh, mode)
     return policy
 
 
@@ -78,7 +80,7 @@ def parallelize_draft(draft: nn.Module, mesh: Mesh, mode: str) -> nn.Module:
     """The co-trained draft, sharded or replicated as the policy (one group: it is small). Its loss is a
     method, not ``forward``: registered so that FSDP gathers the parameters around it (``loss_normaliser``
     reads the batch alone)."""
-    _wrap(draft, [], mesh.data_mesh, mode)
+    wrap(draft, [], mesh.data_mesh, mode)
     register_fsdp_forward_method(draft, "loss")
     return draft
 
@@ -92,11 +94,14 @@ def full_policy(policy: nn.Module) -> nn.Module | None:
     """The sharded policy as one plain module on rank 0 (None elsewhere), for a checkpoint as the
     single-process run writes it, which any layout resumes from: collective."""
     sd = full_state(policy)
-    if not sd:
-        return None
+    return plain_policy(policy.config, sd) if sd else None
+
+
+def plain_policy(config, weights: dict) -> nn.Module:
+    """A plain ``Transformer`` holding ``weights`` (whole tensors, taken as they are)."""
     with torch.device("meta"):  # no memory until the gathered tensors are assigned
-        plain = Transformer(policy.config)
-    plain.load_state_dict(sd, assign=True)
+        plain = Transformer(config)
+    plain.load_state_dict(weights, assign=True)
     return plain
 
 
@@ -113,40 +118,49 @@ def named_collectives(mesh: Mesh, what: str):
                       f"parallel.timeout: {str(e).splitlines()[0]}") from e
 
 
-def save_shards(parts: dict[str, tuple[nn.Module, torch.optim.Optimizer]], folder: Path) -> None:
-    """Every rank writes its shards of each module and its optimiser state (``parts``: name -> (module,
-    optimiser)) to ``folder`` (``torch.distributed.checkpoint``; rank 0 writes the metadata once all have
-    written): collective."""
+# parts: name -> (module, its optimiser, the names of the module's tensors this rank holds, or None: all)
+FLAT = StateDictOptions(flatten_optimizer_state_dict=True)  # one key per parameter: ranks may hold different ones
+
+
+def save_shards(parts: dict[str, tuple], folder: Path) -> None:
+    """Every rank writes its part of each module and its optimiser state (``parts``) to ``folder``
+    (``torch.distributed.checkpoint``: FSDP shards, or whole tensors, which ranks holding the same write once;
+    rank 0 writes the metadata once all have written): collective."""
     dcp.save(_state(parts), checkpoint_id=folder)
 
 
-def load_shards(parts: dict[str, tuple[nn.Module, torch.optim.Optimizer]], folder: Path) -> None:
-    """Each module and its optimiser state from a ``save_shards`` folder, resharded to this run's layout:
-    FSDP shards at any dp, or whole tensors (one process, CP, PP). Collective where a process group exists."""
+def load_shards(parts: dict[str, tuple], folder: Path) -> None:
+    """Each rank's part of each module and its optimiser state from a ``save_shards`` folder, resharded to
+    this run's layout. Collective where a process group exists."""
     state = _state(parts)
     dcp.load(state, checkpoint_id=folder)
-    for name, (module, opt) in parts.items():
-        set_model_state_dict(module, state[name])
-        set_optimizer_state_dict(module, opt, state[f"{name}_optim"])
+    for name, (module, opt, held) in parts.items():
+        set_model_state_dict(module, state[name], options=StateDictOptions(strict=held is None))
+        set_optimizer_state_dict(module, opt, state[f"{name}_optim"], options=FLAT)
 
 
 def _state(parts: dict) -> dict:
     state = {}
-    for name, (module, opt) in parts.items():
-        state[name], state[f"{name}_optim"] = get_model_state_dict(module), get_optimizer_state_dict(module, opt)
+    for name, (module, opt, held) in parts.items():
+        sd = get_model_state_dict(module)
+        state[name] = sd if held is None else {k: v for k, v in sd.items() if k in held}
+        state[f"{name}_optim"] = get_optimizer_state_dict(module, opt, options=FLAT)
     return state
 
 
-def load_full_state(module: nn.Module, opt: torch.optim.Optimizer, weights: dict | None, sd: dict) -> None:
-    """A one-process checkpoint's weights (None: already loaded) and optimiser state (parameter indices over
-    the trained parameters, whole tensors) into a sharded module: every rank passes the whole state and
-    keeps its shards (collective)."""
+def load_full_state(module: nn.Module, opt: torch.optim.Optimizer, weights: dict | None, sd: dict,
+                    names: list[str]) -> None:
+    """A one-process checkpoint's weights (None: already loaded) and optimiser state (whole tensors, keyed
+    by indices into ``names``) into this rank's part of ``module`` (its shards, its stage's tensors):
+    every rank passes the whole state and keeps its part (collective where ``module`` is sharded)."""
     full = StateDictOptions(full_state_dict=True)
     if weights is not None:
         set_model_state_dict(module, weights, options=full)
-    names = [n for n, p in module.named_parameters() if p.requires_grad]
-    by_name = {"state": {names[i]: v for i, v in sd["state"].items()},
-               "param_groups": [{**g, "params": [names[i] for i in g["params"]]} for g in sd["param_groups"]]}
+    mine = {id(p) for g in opt.param_groups for p in g["params"]}
+    held = {n for n, p in module.named_parameters() if id(p) in mine}
+    by_name = {"state": {names[i]: v for i, v in sd["state"].items() if names[i] in held},
+               "param_groups": [{**g, "params": [names[i] for i in g["params"] if names[i] in held]}
+                                for g in sd["param_groups"]]}
     set_optimizer_state_dict(module, opt, by_name, options=full)
 
 

@@ -54,6 +54,16 @@ class Layout:
         return self.dp > 1 and self.pp == 1
 
     @property
+    def sharded_stages(self) -> bool:
+        """Pipeline stages whose parameters FSDP2 shards over their data ranks (``codraft.parallel.sharded_stages``)."""
+        return self.dp > 1 and self.pp > 1 and self.dp_shard == "fsdp"
+
+    @property
+    def gathers(self) -> bool:
+        """The rollout engine decodes a whole copy gathered from the trainer's shards after every update."""
+        return self.sharded or self.sharded_stages
+
+    @property
     def pipelined(self) -> bool:
         """The step runs the 1F1B schedule: stages, or micro-batches without FSDP (which accumulates them)."""
         return self.pp > 1 or (self.microbatches > 1 and not self.sharded)

@@ -7,9 +7,10 @@
    batch from outside the model (``codraft.parallel.context.ShardedRow`` as the forward's attention).
 3. **Data parallelism** (``parallel.dp``): without pipeline stages, the policy (each decoder layer,
    then the root) and the co-trained draft wrapped by FSDP2 ``fully_shard`` or ``replicate``
-   (``data_parallel``), the rollout engine's whole copies made first and refreshed from the shards
-   after every update; with pipeline stages, each DP replica is a whole pipeline whose stage gradients
-   are summed over the replicas (``parallel.dp_shard=ddp``).
+   (``data_parallel``); with pipeline stages and ``fsdp``, each stage's own parameters sharded over the
+   stage's data ranks and the other stages' freed (``sharded_stages``). Either way the rollout engine's
+   whole copies are made first and refreshed from the shards after every update. With pipeline stages
+   and ``ddp``, each DP replica is a whole pipeline whose stage gradients are summed over the replicas.
 
 The trainer calls it once, after the models are built and before their optimisers, and holds the
 layout; the update's forward and backward for that layout are chosen once too
@@ -19,15 +20,20 @@ from __future__ import annotations
 
 from codraft.parallel.data_parallel import parallelize_draft, parallelize_policy
 from codraft.parallel.mesh import Layout, Mesh
+from codraft.parallel.sharded_stages import StageRefit, shard_stage
 
 
 def parallelize(policy, draft, layout: Layout, mesh: Mesh | None, rollout_weights, *, trains_draft: bool) -> None:
     """Apply ``layout`` to ``policy`` and ``draft`` in place (steps 1 and 2 take effect in the step itself)."""
-    if not layout.sharded:
+    if not layout.gathers:
         return
     rollout_weights.draft_for(draft)  # the engine's whole copy of the draft, made before it is sharded
-    parallelize_policy(policy, mesh, layout.dp_shard)
+    if layout.sharded_stages:
+        rollout_weights.refit = StageRefit(mesh, policy, draft, trains_draft=trains_draft)  # (names: before)
+        shard_stage(policy, mesh)
+    else:
+        parallelize_policy(policy, mesh, layout.dp_shard)
     if draft is not None:  # the target's parts, whole: the engine's refreshed copy
         draft.bind_target(*rollout_weights.target_parts())
-    if trains_draft:
+    if trains_draft and (layout.sharded or mesh.last):  # (under stages: the last one trains the draft)
         parallelize_draft(draft, mesh, layout.dp_shard)

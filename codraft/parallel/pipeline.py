@@ -47,6 +47,19 @@ def stage_layers(num_layers: int, stages: int) -> list[range]:
     return out
 
 
+def stage_parameters(policy, stage: int, stages: int, *, tied_once: bool = False) -> list[torch.nn.Parameter]:
+    """The policy parameters stage ``stage`` trains: its layers, the embedding on the first, the final
+    norm and the head on the last (a tied head is the embedding: on both, or ``tied_once`` only on the first)."""
+    out = [policy.embed_tokens.weight] if stage == 0 else []
+    for i in stage_layers(policy.config.num_hidden_layers, stages)[stage]:
+        out += list(policy.layers[i].parameters())
+    if stage == stages - 1:
+        out += list(policy.norm.parameters())
+        if policy.lm_head is not None or not tied_once:
+            out.append(policy.head_weight)
+    return list({id(p): p for p in out}.values())
+
+
 def one_f_one_b(stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
     """The 1F1B order of stage ``stage``: [("F", m) | ("B", m), ...] over M micro-batches."""
     warm = min(stages - 1 - stage, microbatches)
@@ -161,8 +174,8 @@ def _what(tag: int) -> str:
 
 
 def run_schedule(link: StageLink, microbatches: int, *, forward: Callable, loss: Callable, shape: Callable,
-                 dtype: torch.dtype, device, extra: int = 0, after_forward: Callable | None = None
-                 ) -> list[torch.Tensor]:
+                 dtype: torch.dtype, device, extra: int = 0, after_forward: Callable | None = None,
+                 before_backward: Callable | None = None) -> list[torch.Tensor]:
     """Run this stage's 1F1B schedule; returns the last stage's per-micro-batch losses (detached).
 
     forward(m, x, carried) -> (out, carried_out): this stage's layers on micro-batch m; x is None on
@@ -171,6 +184,7 @@ def run_schedule(link: StageLink, microbatches: int, *, forward: Callable, loss:
     loss(m, out, carried) -> 0-dim loss of micro-batch m (last stage only); backward runs from it.
     shape(m) -> the (…, H) shape of micro-batch m's activations; ``extra`` columns are appended.
     after_forward(m): runs once micro-batch m's activations are sent (e.g. its taps go out then).
+    before_backward(final): runs before each backward; ``final``: it is this stage's last of the step.
     """
     s, last = link.stage, link.stage == link.stages - 1
     ops = one_f_one_b(s, link.stages, microbatches)
@@ -204,6 +218,8 @@ def run_schedule(link: StageLink, microbatches: int, *, forward: Callable, loss:
                 after_forward(m)
         else:
             x, out = saved.pop(m)
+            if before_backward is not None:
+                before_backward(nxt is None)
             if last:
                 out.backward()
                 losses.append(out.detach())

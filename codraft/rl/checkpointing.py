@@ -1,20 +1,22 @@
 """The trainer's checkpoints (``codraft.train.checkpoint`` writes and reads them): ``save`` writes the last
 completed step, ``resume_from`` continues from one.
 
-Only rank 0 writes, one consolidated checkpoint (under pp every rank holds every weight; the stages'
-optimiser states are gathered); under dp every rank also writes its shards of the policy and its
-optimiser (``sharded/``, torch.distributed.checkpoint), which a resume at any layout reshards; a Ctrl-C
-during the write waits for it. A checkpoint carries the draft, optimisers and schedulers, the prompt
-counter and, with draft_length=auto, the running acceptance estimates, so a resumed run repeats an
-uninterrupted one's rollouts and updates.
+One process writes one consolidated checkpoint. A run of several ranks (any layout) also writes every
+rank's part with torch.distributed.checkpoint (``sharded/``): its shards (FSDP) or its stage's tensors
+(PP) of the policy, the co-trained draft where it trains it, and their optimiser states; a resume at any
+layout reads its own part of them (DCP reshards). Rank 0 writes the rest: the whole policy as an HF folder
+and the whole draft (gathered where they are sharded), the schedulers, counters and RNG; a Ctrl-C during
+the write waits for it. A checkpoint carries the draft, optimisers and schedulers, the prompt counter and,
+with draft_length=auto, the running acceptance estimates, so a resumed run repeats an uninterrupted one's
+rollouts and updates.
 """
 from __future__ import annotations
 
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from codraft.parallel.data_parallel import full_policy, full_state, load_full_state, load_shards, save_shards
-from codraft.rl.pipelined import ConsolidatedState, keep_state
+from codraft.parallel.data_parallel import full_policy, full_state, load_full_state, load_shards, plain_policy, \
+    save_shards
 from codraft.rl.update_phase import hold_ctrl_c
 from codraft.train import checkpoint as ckpt
 
@@ -23,20 +25,14 @@ if TYPE_CHECKING:
 
 
 def save(tr: Trainer) -> Path | None:
-    """Checkpoint the last completed step (`steps_done`); only rank 0 writes, one consolidated
-    checkpoint (under pp every rank holds every weight; the stages' optimiser states are gathered)."""
-    optimizers, policy = tr._optimizers(), tr.policy
-    if tr.mesh is not None and tr.mesh.pp > 1:
-        own, drafts = tr._owned()
-        optimizers.update(policy=ConsolidatedState(tr.opt, own, tr.world),
-                          draft=tr.draft_opt and ConsolidatedState(tr.draft_opt, drafts, tr.world))
-    shards, draft = None, tr.draft
-    if tr.layout.sharded:  # every rank writes its shards (DCP); rank 0 also gathers the whole policy and draft
+    """Checkpoint the last completed step (`steps_done`): every rank's part (several ranks), then rank 0
+    writes the consolidated rest."""
+    optimizers, policy, draft, shards = tr._optimizers(), tr.policy, tr.draft, None
+    if tr.world is not None:  # every rank writes its part (DCP); rank 0 also gets the whole policy and draft
         shards = ckpt.shards_folder(tr.run_dir, tr.steps_done)
-        save_shards(_sharded(tr), shards)
-        policy, optimizers["policy"] = full_policy(tr.policy), None
-        if tr.trains_draft:
-            draft, optimizers["draft"] = full_state(tr.draft), None
+        save_shards(_parts(tr), shards)
+        optimizers["policy"] = optimizers["draft"] = None
+        policy, draft = _whole(tr)
     if not tr.is_main:
         tr._saved = tr.steps_done
         return None
@@ -50,13 +46,34 @@ def save(tr: Trainer) -> Path | None:
     return path
 
 
-def _sharded(tr: Trainer) -> dict:
-    """What a data-parallel checkpoint holds as shards: the policy and the co-trained draft, with their
-    optimisers."""
-    parts = {"policy": (tr.policy, tr.opt)}
-    if tr.trains_draft:
-        parts["draft"] = (tr.draft, tr.draft_opt)
+def _draft_here(tr: Trainer) -> bool:
+    """This rank trains the draft (every rank does, except the stages before the last)."""
+    return tr.trains_draft and (tr.mesh is None or tr.mesh.last)
+
+
+def _parts(tr: Trainer) -> dict:
+    """This rank's part of a checkpoint: name -> (module, its optimiser, the tensor names it holds or None for
+    all): the policy (its stage's tensors under pp) and the draft where this rank trains it."""
+    parts = {"policy": (tr.policy, tr.opt, None)}
+    if tr.mesh is not None and tr.mesh.pp > 1:
+        names = {id(p): n for n, p in tr.policy.named_parameters()}
+        parts["policy"] = (tr.policy, tr.opt, {names[id(p)] for p in tr._owned()[0]})
+    if _draft_here(tr):
+        parts["draft"] = (tr.draft, tr.draft_opt, None)
     return parts
+
+
+def _whole(tr: Trainer) -> tuple:
+    """The policy and draft as one process holds them, on rank 0 (collective: sharded layouts gather)."""
+    if tr.layout.sharded:
+        return full_policy(tr.policy), full_state(tr.draft) if tr.trains_draft else tr.draft
+    if tr.layout.sharded_stages:
+        weights, trained = tr.rollout_weights.refit.whole(tr.policy)
+        if not tr.is_main:
+            return None, None
+        draft = tr.draft if tr.draft is None else {**tr.draft.state_dict(), **trained}
+        return plain_policy(tr.policy.config, weights), draft
+    return tr.policy, tr.draft  # every rank holds them whole (pp: after the weight sync)
 
 
 def _checkpoint_state(tr: Trainer) -> dict:
@@ -75,19 +92,20 @@ def _tokenizer_files(policy_dir: Path) -> dict[str, str]:
 def resume_from(tr: Trainer, found) -> None:
     """Continue from checkpoint ``found``: the draft, optimisers and schedulers, the step and prompt
     counters, the acceptance estimates (a "spec_pays" of checkpoints from before draft_length is
-    ignored)."""
+    ignored). (The policy's weights: loaded from ``found`` before the layout was applied.)"""
     optimizers, draft = tr._optimizers(), tr.draft
     sharded = found.path / ckpt.SHARDS
-    if sharded.is_dir():  # a data-parallel run's: resharded to this layout (any dp, or whole tensors)
-        load_shards(_sharded(tr), sharded)
-    elif tr.layout.sharded:  # a one-process checkpoint: every rank reads the whole state and keeps its shards
-        load_full_state(tr.policy, tr.opt, None, found.optim["policy"])  # (the weights: loaded before sharding)
-        if tr.trains_draft:
-            load_full_state(tr.draft, tr.draft_opt, found.draft, found.optim["draft"])
-    if sharded.is_dir() or tr.layout.sharded:  # done above
-        optimizers["policy"] = None
-        if tr.trains_draft:
-            optimizers["draft"], draft = None, None
+    if sharded.is_dir():  # a run of several ranks: this rank's part, resharded to this layout
+        load_shards(_parts(tr), sharded)
+    elif tr.world is not None:  # a one-process checkpoint: every rank reads the whole state and keeps its part
+        load_full_state(tr.policy, tr.opt, None, found.optim["policy"], [n for n, _ in tr.policy.named_parameters()])
+        if _draft_here(tr):
+            load_full_state(tr.draft, tr.draft_opt, found.draft, found.optim["draft"],
+                            _trained_names(tr.draft))
+    if sharded.is_dir() or tr.world is not None:  # done above
+        optimizers["policy"] = optimizers["draft"] = None
+        if _draft_here(tr):
+            draft = None  # (the other stages' whole draft, for their engines: from draft.pt)
     state = ckpt.restore(found, draft=draft, optimizers=optimizers)
     tr.rollout_weights.refresh()  # the engines' draft copies were made from the draft before this
     tr.start_step, tr.prompts_used = state["step"], state["prompts_used"]
@@ -96,10 +114,12 @@ def resume_from(tr: Trainer, found) -> None:
         if name in estimates:
             estimates[name].load_state_dict(saved)
     _follow_schedule(tr.sched)  # `steps` may have changed on resume: the lr is the cosine's
-    if tr.mesh is not None and tr.mesh.pp > 1:  # a stage keeps the optimiser state of what it trains only
-        own, drafts = tr._owned()
-        keep_state(tr.opt, own)
-        keep_state(tr.draft_opt, drafts)
+
+
+def _trained_names(draft) -> list[str]:
+    """The draft's trained parameters' names, in the order of a one-process optimiser's indices."""
+    names = {id(p): n for n, p in draft.named_parameters()}
+    return [names[id(p)] for p in draft.trainable_parameters()]
 
 
 def _follow_schedule(sched):

@@ -196,11 +196,12 @@ def estimate(cfg, m: ModelConfig, prompt_len: int, val_prompt_len: int = 0) -> E
     trains = draft is not None and cfg.draft.mode == "cotrain" and draft.params > 0
 
     n = _params(m)
-    # the weights, their gradients and Adam moments: a stage's, or (FSDP) a 1/(dp·cp) shard plus the
-    # gathered layer; under dp the rollout engine decodes from a full copy (the refit)
-    gathered = par.dp > 1 and par.pp == 1  # the trainer's models wrapped by FSDP2, the engine's a whole copy
-    if gathered and par.dp_shard == "fsdp":
-        weights = (n * e + 3 * n * F32) // (par.dp * par.cp) + _layer_params(m) * e
+    # the weights, their gradients and Adam moments: a stage's, or (FSDP) a 1/(dp·cp) shard of them (of the
+    # stage's under pp) plus the gathered layer; then the rollout engine decodes from a whole copy (the refit)
+    fsdp = par.dp > 1 and par.dp_shard == "fsdp"
+    gathered = par.dp > 1 and (par.pp == 1 or fsdp)  # the trainer's models wrapped by FSDP2
+    if fsdp:
+        weights = (n * e + 3 * n * F32) // (par.pp * par.dp * par.cp) + _layer_params(m) * e
     else:
         weights = n * e + 3 * n * F32 // par.pp
     weights += n * e if g.kl_coef > 0 else 0

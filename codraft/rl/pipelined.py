@@ -28,7 +28,8 @@ from codraft.models.bf16 import products
 from codraft.models.moe import Routing
 from codraft.parallel.context import sync_gradients
 from codraft.parallel.mesh import Mesh
-from codraft.parallel.pipeline import PipelineError, StageLink, run_schedule, stage_layers
+from codraft.parallel.sharded_stages import local
+from codraft.parallel.pipeline import PipelineError, StageLink, run_schedule, stage_layers, stage_parameters
 from codraft.parallel.tap_staging import open_staging_channel
 from codraft.parallel.tapchannel import TapSpec, open_tap_channel
 from codraft.rl.cotrain import draft_taps, loss_from_hidden, packed_row
@@ -57,6 +58,11 @@ class Pipeline:
     @property
     def last(self) -> bool:
         return self.stage == self.stages - 1
+
+    @property
+    def sharded(self) -> bool:
+        """Each stage's parameters sharded over its data ranks by FSDP2 (``codraft.parallel.sharded_stages``)."""
+        return self.mesh is not None and self.mesh.layout.sharded_stages
 
 
 def build_pipeline(policy, draft, mesh: Mesh | None, *, transport: str = "shm", max_tokens: int = 0,
@@ -152,11 +158,17 @@ def pipeline_cotrain(pipe: Pipeline, policy, draft, mbs: list[MicroBatch], *, st
                                          policy_dtype=policy_dtype, **loss_kw)
         return out
 
+    def before_backward(final):  # sharded stages: FSDP sums the stage's gradients after its last backward only
+        for module in (policy, draft if last and train_draft and draft is not None else None):
+            if module is not None:
+                module.set_requires_gradient_sync(final)
+
     w = policy.embed_tokens.weight
     losses = run_schedule(pipe.link, len(mbs), forward=forward, loss=loss,
                           shape=lambda m: (1, inputs[m][0].shape[1], hidden_size), dtype=w.dtype, device=w.device,
                           extra=hidden_size * len(before) if relay else 0,
-                          after_forward=None if last else after_forward)
+                          after_forward=None if last else after_forward,
+                          before_backward=before_backward if pipe.sharded else None)
     result = (torch.stack(losses).sum(), merge_metrics(parts, mbs) if merged else parts) if last else None
     if pipe.stages > 1:  # the last stage's loss and metrics, to every rank
         shared = mesh.world.all_gather_object(result, "the step's loss and metrics")
@@ -167,22 +179,10 @@ def pipeline_cotrain(pipe: Pipeline, policy, draft, mbs: list[MicroBatch], *, st
 # ---------------------------------------------------------------- gradients and weights under PP
 
 
-def stage_parameters(policy, stage: int, stages: int, *, tied_once: bool = False) -> list[torch.nn.Parameter]:
-    """The policy parameters stage ``stage`` trains: its layers, the embedding on the first, the final
-    norm and the head on the last (a tied head is the embedding: on both, or ``tied_once`` only on the first)."""
-    out = [policy.embed_tokens.weight] if stage == 0 else []
-    for i in stage_layers(policy.config.num_hidden_layers, stages)[stage]:
-        out += list(policy.layers[i].parameters())
-    if stage == stages - 1:
-        out += list(policy.norm.parameters())
-        if policy.lm_head is not None or not tied_once:
-            out.append(policy.head_weight)
-    return list({id(p): p for p in out}.values())
-
-
 def reduce_gradients(pipe: Pipeline, policy, draft_params: list) -> tuple[list, list]:
-    """Sum the DP and CP ranks' shares and the tied weight's two stage shares; returns (policy params, draft
-    params) this rank owns, every one with a gradient (zeros where its micro-batches gave none)."""
+    """Sum the DP and CP ranks' shares (FSDP has, where it shards the stages) and the tied weight's two stage
+    shares (shard by shard); returns (policy params, draft params) this rank owns, every one with a gradient
+    (zeros where its micro-batches gave none)."""
     mesh = pipe.mesh
     own = stage_parameters(policy, pipe.stage, pipe.stages)
     drafts = draft_params if pipe.last else []
@@ -190,12 +190,12 @@ def reduce_gradients(pipe: Pipeline, policy, draft_params: list) -> tuple[list, 
         if p.grad is None:
             p.grad = torch.zeros_like(p)
     shares = None if mesh is None else mesh.data_group or mesh.cp_group  # the ranks of a stage: dp (× cp), or cp
-    if shares is not None:
+    if shares is not None and not pipe.sharded:
         sync_gradients(own, shares, "policy")
         sync_gradients(drafts, shares, "draft")
     tied = policy.lm_head is None
     if pipe.stages > 1 and tied and (pipe.stage == 0 or pipe.last):
-        g = policy.embed_tokens.weight.grad
+        g = local(policy.embed_tokens.weight.grad)
         try:
             dist.all_reduce(g, group=mesh.embedding)
         except RuntimeError as e:
@@ -209,12 +209,14 @@ def clip_gradients(pipe: Pipeline, policy, own: list, drafts: list, max_policy: 
     """Clip by the global norms (over all stages; the tied weight counted once) -> the two norms."""
     tied_twice = pipe.stages > 1 and pipe.last and policy.lm_head is None
     # on the gradients' device: an NCCL group reduces device tensors only
-    sq = torch.zeros(2, dtype=torch.float64, device=own[0].grad.device)
+    sq = torch.zeros(2, dtype=torch.float64, device=local(own[0].grad).device)
     for p in own:
         if not (tied_twice and p is policy.embed_tokens.weight):
-            sq[0] += p.grad.detach().double().pow(2).sum()
+            sq[0] += local(p.grad).detach().double().pow(2).sum()
     for p in drafts:
-        sq[1] += p.grad.detach().double().pow(2).sum()
+        sq[1] += local(p.grad).detach().double().pow(2).sum()
+    if pipe.sharded:  # the shards' squares: summed over the stage's data ranks
+        pipe.mesh.data_group.all_reduce(sq, "the gradient norms' shards")
     if pipe.stages > 1:
         try:
             dist.all_reduce(sq, group=pipe.mesh.pp_group)
@@ -226,13 +228,16 @@ def clip_gradients(pipe: Pipeline, policy, own: list, drafts: list, max_policy: 
         if limit is not None:
             coef = (limit / (norm + 1e-6)).clamp(max=1.0)
             for p in params:
-                p.grad.mul_(coef.to(p.grad.dtype))
+                local(p.grad).mul_(coef.to(p.grad.dtype))
     return norms[0], None if max_draft is None else norms[1]
 
 
 def sync_weights(pipe: Pipeline, policy, draft_params: list) -> None:
-    """After the update: every stage's parameters (and the draft, from the last stage) to every rank."""
+    """After the update: every stage's parameters (and the draft, from the last stage) to every rank (sharded
+    stages: the refit does, into the engine's copy)."""
     mesh = pipe.mesh
+    if pipe.sharded:
+        return
     for s in range(pipe.stages if pipe.stages > 1 else 0):  # (replicas agree after the DP sum: replica 0's)
         _broadcast(stage_parameters(policy, s, pipe.stages, tied_once=True), mesh.rank_of(s, dp_rank=0), mesh,
                    f"stage {s}'s weights")

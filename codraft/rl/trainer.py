@@ -62,7 +62,7 @@ from codraft.parallel.parallelize import parallelize
 from codraft.policy import load_policy
 from codraft.rl import checkpointing, memory, observation, rollout_phase, runs, scoring, update_phase
 from codraft.rl.logger import MetricsLogger
-from codraft.rl.pipelined import stage_parameters
+from codraft.parallel.pipeline import stage_parameters
 from codraft.rl.plots import plot_run
 from codraft.rl.rollout_phase import Probes, Rollout
 from codraft.rl.scoring import Scored
@@ -114,7 +114,7 @@ class Trainer:
         # what the engines decode with: the policy, or (rollout.dtype) a cast copy refreshed after every update
         r = cfg.rollout
         self.rollout_weights = RolloutWeights(self.policy, getattr(torch, cfg.policy.dtype if r.dtype == "policy"
-                                                                   else r.dtype), gather=self.layout.sharded)
+                                                                   else r.dtype), gather=self.layout.gathers)
 
         d = cfg.draft
         self.draft = None if d.mode == "none" else starting_draft(
@@ -188,7 +188,7 @@ class Trainer:
         """AdamW and its schedule for the policy (warm-up, then cosine to 10 %) and the co-trained draft
         (warm-up): over the parallelized parameters (FSDP's shards where the layout shards)."""
         g, d = cfg.grpo, cfg.draft
-        self.opt = adamw(self.policy.parameters(), lr=g.lr, weight_decay=g.weight_decay, betas=(0.9, 0.99))
+        self.opt = adamw(self._owned()[0], lr=g.lr, weight_decay=g.weight_decay, betas=(0.9, 0.99))
         self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, warmup_cosine(g.warmup_steps, cfg.steps, floor=0.1))
         self.draft_opt = self.draft_sched = None
         if self.trains_draft:

@@ -259,7 +259,7 @@ def commit(tr: Trainer, step: int, finite: bool, timer: PhaseTimer):
     with hold_ctrl_c():
         if finite:
             with timer("optimizer"):
-                tr.opt.step()  # (under pp: the parameters with a gradient, i.e. this stage's)
+                tr.opt.step()  # (under pp: this stage's parameters)
                 if tr.draft_opt is not None:
                     tr.draft_opt.step()
             if tr.pipe is not None:  # every rank's rollout engine decodes with every stage's update
@@ -267,7 +267,7 @@ def commit(tr: Trainer, step: int, finite: bool, timer: PhaseTimer):
                     sync_weights(tr.pipe, tr.policy,
                                  list(tr.draft.trainable_parameters()) if tr.trains_draft else [])
             if tr.rollout_weights.copies:  # the refit: the engine's copy gathered / cast from the trainer's
-                gauge = PeakMemory(tr.cfg.device) if tr.layout.sharded else contextlib.nullcontext()
+                gauge = PeakMemory(tr.cfg.device) if tr.layout.gathers else contextlib.nullcontext()
                 with timer("refit"), gauge as peak:
                     tr.rollout_weights.refresh()
                 if peak is not None:

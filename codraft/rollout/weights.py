@@ -71,6 +71,9 @@ class RolloutWeights:
         self.parts = None  # gather, narrower copy: the fp32 embedding and head the trainer's draft reads
         self.policy = policy
         self.drafts: dict[int, tuple] = {}  # id(draft) -> (draft, its rollout copy): see draft_for
+        # sharded pipeline stages: what fills the copies (each stage's shards, gathered and broadcast) and
+        # says which tensors this rank's trainer holds (codraft.parallel.sharded_stages.StageRefit)
+        self.refit = None
         if self.copies:
             if policy.embed_tokens.weight.dtype != torch.float32:
                 raise ValueError(f"a {dtype} rollout copy is made from fp32 trainer weights, "
@@ -118,15 +121,19 @@ class RolloutWeights:
         return t.detach()
 
     def _pairs(self):
-        """(draft or None, name, trainer tensor, rollout tensor) over the policy and every draft copy."""
+        """(draft or None, name, trainer tensor, rollout tensor) over the policy and every draft copy (under
+        sharded stages: those this rank's trainer holds)."""
         for src, dst, draft in [(self.source, self.policy, None), *((d, c, d) for d, c in self.drafts.values())]:
             for (name, a), b in zip(src.state_dict().items(), dst.state_dict().values()):
-                yield draft, name, full(a), b
+                if self.refit is None or self.refit.held(draft, name):
+                    yield draft, name, full(a), b
 
     @torch.no_grad()
     def refresh(self) -> None:
         """Copy the trainer's current weights (cast) into the rollout copies: after every optimiser step."""
-        if self.copies:
+        if self.refit is not None:
+            self.refit(self)
+        elif self.copies:
             for _, _, src, dst in self._pairs():
                 dst.copy_(src)
             if self.parts is not None:

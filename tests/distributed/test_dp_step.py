@@ -45,11 +45,18 @@ def _step(policy_dir, run_dir, kind, extra):
         m = tr.step(0)
     finally:
         update_phase.commit = commit
-    weights = {f"policy.{n}": full(p).detach().clone() for n, p in tr.policy.named_parameters()}
-    weights.update({f"draft.{n}": full(p).detach().clone() for n, p in tr.draft.named_parameters()})
+    weights = {f"policy.{n}": full(p).detach().clone() for n, p in tr.policy.named_parameters()
+               if _held(tr, n)}  # (sharded stages: this stage's)
+    weights.update({f"draft.{n}": full(p).detach().clone() for n, p in tr.draft.named_parameters()
+                    if _held(tr, n, tr.draft)})
     tr.rollout_weights.check("after the update")  # the refit copy is the trainer's weights
     refit = {f"policy.{n}": p.detach().clone() for n, p in tr.rollout_weights.policy.named_parameters()}
     return m, seen["grads"], weights, refit, seen["bytes"]
+
+
+def _held(tr, name, draft=None):
+    refit = tr.rollout_weights.refit
+    return refit is None or refit.held(draft, name)
 
 
 def _rank(rank, world, policy_dir, run_dir, kind, extra):
@@ -61,11 +68,12 @@ def _rel(a, b):
     return float((a - b).norm() / b.norm().clamp_min(1e-12))
 
 
-def _same_step(got, want, tol=1e-4, grads=None):
-    """``grads``: the step's gradients where no one rank holds them all (the stages' together)."""
-    m, own, weights, refit, _ = got
+def _same_step(got, want, tol=1e-4, grads=None, weights=None):
+    """``grads``, ``weights``: the step's where no one rank holds them all (the stages' together)."""
+    m, own, held, refit, _ = got
     m0, grads0, weights0, _, _ = want
     grads = own if grads is None else grads
+    weights = held if weights is None else weights
     for k in ("policy/loss", "policy/grad_norm", "draft/loss", "draft/grad_norm", "policy/num_tokens",
               "reward_mean", "acceptance_length"):
         assert float(m[k]) == pytest.approx(float(m0[k]), rel=tol, abs=1e-7), k
@@ -75,7 +83,8 @@ def _same_step(got, want, tol=1e-4, grads=None):
     assert float(m0["policy/grad_norm"]) > 1e-2 and float(m0["draft/grad_norm"]) > 1e-2  # both really train
     bad = {k: _rel(weights[k], weights0[k]) for k in weights0 if _rel(weights[k], weights0[k]) > tol}
     assert not bad, f"updated weights differ: {bad}"
-    assert all(torch.equal(refit[k], weights[k]) for k in refit)
+    assert all(torch.equal(refit[k], weights[k]) for k in refit if k in held)  # (this rank's, and whole)
+    assert {k for k in refit if _rel(refit[k], weights0[k]) > tol} == set()
 
 
 @pytest.mark.parametrize("mode", ["fsdp", "ddp"])
@@ -114,17 +123,27 @@ def test_dp2_cp2_step_equals_single_process(tmp_path, tiny_policy_dir, varied_re
         _same_step(got, single)
 
 
-@pytest.mark.parametrize("microbatches", [1, 2])
-def test_dp2_pp2_step_equals_single_process(tmp_path, tiny_policy_dir, varied_reward, microbatches):
-    """Two pipeline replicas of two stages (4 ranks): each stage's gradients summed over the replicas."""
+@pytest.mark.parametrize("mode,microbatches", [("ddp", 1), ("ddp", 2), ("fsdp", 2)])
+def test_dp2_pp2_step_equals_single_process(tmp_path, tiny_policy_dir, varied_reward, mode, microbatches):
+    """Two stages over two data ranks each (4 ranks): each stage's gradients summed over its data ranks
+    (``ddp``: whole pipelines as replicas; ``fsdp``: each stage sharded over its two data ranks, which hold
+    half of the stage's parameters, gradients and AdamW state and nothing of the other stage's)."""
     single = _step(tiny_policy_dir, tmp_path / "one", "dflash", FOUR)
     ranks = run_ranks(_rank, 4, tiny_policy_dir, tmp_path / "dppp", "dflash",
-                      ["parallel.dp=2", "parallel.pp=2", "parallel.dp_shard=ddp",
+                      ["parallel.dp=2", "parallel.pp=2", f"parallel.dp_shard={mode}",
                        f"parallel.microbatches={microbatches}", *FOUR], timeout=300)
-    for rank, got in enumerate(ranks):  # global rank = stage · 2 + replica: a replica's stages are r, r + 2
+    for rank, got in enumerate(ranks):  # global rank = stage · 2 + dp rank: the other stage's are r ± 2
         stages = ranks[rank % 2::2]
         assert {k for r in stages for k in r[1]} == set(single[1])
-        _same_step(got, single, grads={k: v for r in stages for k, v in r[1].items()})
+        _same_step(got, single, grads={k: v for r in stages for k, v in r[1].items()},
+                   weights={k: v for r in stages for k, v in r[2].items()})
+    if mode == "fsdp":
+        for rank, got in enumerate(ranks):
+            stage = {k for k in got[2] if k.startswith("policy.")}  # this stage's whole tensors
+            total = local_bytes(single[2][k] for k in stage)
+            params, grads, moments, _ = got[4]
+            assert 0.4 * total < params < 0.6 * total and 0.4 * total < grads < 0.6 * total, (rank, params, total)
+            assert 0.4 * 2 * total < moments < 0.6 * 2 * total, (rank, moments, total)
 
 
 @pytest.mark.parametrize("mode", ["fsdp", "ddp"])

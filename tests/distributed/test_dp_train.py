@@ -39,10 +39,21 @@ def _same(got, want):
         assert got[key] == pytest.approx(want[key], rel=1e-4, abs=1e-6), (want["step"], key)
 
 
-def test_torchrun_dp2_equals_single_process_and_resumes_at_other_layouts(tmp_path):
-    ref = tmp_path / "one"  # (2 steps then 3: the lr cosine follows `steps`, so the same history as the others')
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    """The one-process run of 3 steps (2, then resumed for 1: the lr cosine follows `steps`, so the same
+    history as the others'), and a copy of its folder at step 2."""
+    ref = tmp_path_factory.mktemp("one") / "run"
     _codraft(1, "steps=2", f"run_dir={ref}", *ARGS)
+    at_two = ref.parent / "at-step-2"
+    shutil.copytree(ref, at_two)
     _codraft(1, "--resume", str(ref), "steps=3")
+    return ref, at_two
+
+
+def test_torchrun_dp2_equals_single_process_and_resumes_at_other_layouts(tmp_path, one_process):
+    ref = tmp_path / "one"
+    shutil.copytree(one_process[0], ref)
     want = _rows(ref)
     assert want[1]["policy/grad_norm"] > 1e-3  # the policy really trains
 
@@ -64,7 +75,7 @@ def test_torchrun_dp2_equals_single_process_and_resumes_at_other_layouts(tmp_pat
     shutil.copytree(run, other)
     _codraft(1, "--resume", str(run), "steps=3", "parallel.dp=1")
     _codraft(2, "--resume", str(other), "steps=3", "parallel.dp=1", "parallel.cp=2")
-    staged = tmp_path / "pp2-then-dp2"  # a pipeline run's (consolidated) checkpoint, resumed at dp=2
+    staged = tmp_path / "pp2-then-dp2"  # a pipeline run's checkpoint, resumed at dp=2
     _codraft(2, "steps=2", f"run_dir={staged}", "parallel.pp=2", *ARGS)
     _codraft(2, "--resume", str(staged), "steps=3", "parallel.pp=1", "parallel.dp=2")
     for folder, changed in ((run, {"parallel.dp"}), (other, {"parallel.dp", "parallel.cp"}),
@@ -79,3 +90,24 @@ def test_torchrun_dp2_equals_single_process_and_resumes_at_other_layouts(tmp_pat
     _codraft(1, "--resume", str(ref), "steps=4")
     _codraft(2, "--resume", str(spread), "steps=4", "parallel.dp=2")
     _same(_rows(spread)[4], _rows(ref)[4])
+
+
+def test_torchrun_fsdp_under_pipeline_stages_equals_single_process_and_resumes(tmp_path, one_process):
+    """dp=2 × pp=2 with each stage sharded over its two data ranks (4 ranks): the one-process metrics; its
+    checkpoint (every rank's part) resumes in one process, and a one-process checkpoint resumes at it."""
+    ref, at_two = one_process
+    want = _rows(ref)
+    run = tmp_path / "dp2pp2"
+    _codraft(4, "steps=2", f"run_dir={run}", "parallel.dp=2", "parallel.pp=2", "parallel.dp_shard=fsdp", *ARGS)
+    got = _rows(run)
+    for step in (1, 2):
+        _same(got[step], want[step])
+    assert got[1]["time_refit"] > 0
+    step = run / "step_2"
+    assert len(list((step / "sharded").glob("*.distcp"))) == 4 and (step / "policy" / "config.json").is_file()
+    _codraft(1, "--resume", str(run), "steps=3", "parallel.dp=1", "parallel.pp=1")
+    spread = tmp_path / "one-then-dp2pp2"
+    shutil.copytree(at_two, spread)
+    _codraft(4, "--resume", str(spread), "steps=3", "parallel.dp=2", "parallel.pp=2", "parallel.dp_shard=fsdp")
+    for folder in (run, spread):
+        _same(_rows(folder)[3], want[3])

@@ -1,6 +1,6 @@
 """`codraft train parallel.pp=2` launched with torchrun equals the single-process run over the same
-micro-batches (metrics per step and the saved weights), writes one consolidated checkpoint that
-loads in one process and in `transformers`, and resumes across PP = 2 ↔ PP = 1 in both directions
+micro-batches (metrics per step and the saved weights), writes a checkpoint whose consolidated policy
+loads in one process and in `transformers` and whose DCP part holds every stage's optimiser state, and resumes across PP = 2 ↔ PP = 1 in both directions
 with the same next step. (A random policy earns no reward, so its GRPO gradient is zero here; the
 draft's is not. tests/distributed/test_pp_step.py checks every gradient with non-zero advantages.)"""
 from __future__ import annotations
@@ -14,6 +14,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from codraft.models import load_pretrained
 from test_cp_train import _policy_dir
 
 KEYS = ("reward_mean", "completion_len", "policy/loss", "policy/grad_norm", "draft/loss", "draft/grad_norm",
@@ -45,6 +46,14 @@ def _run(tmp_path, name, pp, policy, transport="shm"):
     return run_dir
 
 
+def _dcp_state(folder, out):
+    """A DCP checkpoint's tensors by flattened key, read in this process."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+    dcp_to_torch_save(folder, out)
+    return flatten_state_dict(torch.load(out, weights_only=False))[0]
+
+
 def _same_rows(a, b, steps):
     for step in steps:
         for key in KEYS:
@@ -64,14 +73,18 @@ def test_torchrun_pp2_equals_single_process_and_resumes_both_ways(tmp_path):
         assert a.keys() == b.keys()
         for k in a:
             torch.testing.assert_close(a[k], b[k], rtol=1e-5, atol=1e-7, msg=f"{part} {k}")
-    opt_a = torch.load(got / "step_2" / "optim.pt", weights_only=False)
+    # every stage's Adam moments, in the ranks' DCP part (sharded/): the one-process run's, by parameter name
+    shards = _dcp_state(got / "step_2" / "sharded", tmp_path / "dcp.pt")
     opt_b = torch.load(ref / "step_2" / "optim.pt", weights_only=False)
-    for name in ("policy", "draft"):
-        sa, sb = opt_a[name]["state"], opt_b[name]["state"]
-        assert sa.keys() == sb.keys(), name  # every stage's Adam moments, gathered
-        for i in sa:
-            for k in sa[i]:
-                torch.testing.assert_close(sa[i][k], sb[i][k], rtol=1e-4, atol=1e-7)
+    policy_names = [n for n, _ in load_pretrained(ref / "step_2" / "policy").named_parameters()]
+    draft_names = [k for k in torch.load(ref / "step_2" / "draft.pt", weights_only=True)
+                   if f"draft_optim.state.{k}.exp_avg" in shards]
+    for name, names in (("policy", policy_names), ("draft", draft_names)):
+        state = opt_b[name]["state"]
+        assert len(state) == len(names) > 0, name
+        for i, moments in state.items():
+            for k, v in moments.items():
+                torch.testing.assert_close(shards[f"{name}_optim.state.{names[i]}.{k}"], v, rtol=1e-4, atol=1e-7)
     # the consolidated policy folder loads in transformers
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(got / "step_2" / "policy")

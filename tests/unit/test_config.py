@@ -116,8 +116,8 @@ def test_rules_between_keys():
 
 
 def test_data_parallel_rules():
-    """parallel.dp: whole groups per DP rank and micro-batch, every rank a rollout shard, FSDP not under pipeline
-    stages."""
+    """parallel.dp: whole groups per DP rank and micro-batch, every rank a rollout shard; fsdp or ddp at any
+    layout."""
     assert load_config(None, ["parallel.dp=2", "rollout.prompts_per_step=4"]).parallel.dp == 2
     assert _refused(["parallel.dp=2", "rollout.prompts_per_step=3", "rollout.shards=0"]) == \
         "config key 'rollout.prompts_per_step' must be a multiple of parallel.dp=2 (each data-parallel rank trains " \
@@ -125,10 +125,8 @@ def test_data_parallel_rules():
     assert _refused(["parallel.dp=2", "rollout.prompts_per_step=4", "rollout.shards=3"]) == \
         "config key 'rollout.shards' must be 0 or a multiple of the ranks, parallel.dp × parallel.pp × parallel.cp " \
         "= 2 (each rank decodes as many shards), got 3"
-    assert _refused(["parallel.dp=2", "parallel.pp=2", "rollout.prompts_per_step=4"]) == \
-        "config key 'parallel.dp_shard' must be ddp with parallel.pp > 1 (FSDP under pipeline stages is not built " \
-        "yet: each stage's weights are replicated over dp and their gradients summed), got fsdp"
-    load_config(None, ["parallel.dp=2", "parallel.pp=2", "parallel.dp_shard=ddp", "rollout.prompts_per_step=4"])
+    for mode in ("fsdp", "ddp"):  # either, under pipeline stages too
+        load_config(None, ["parallel.dp=2", "parallel.pp=2", f"parallel.dp_shard={mode}", "rollout.prompts_per_step=4"])
     assert _refused(["parallel.dp=2", "parallel.microbatches=3", "rollout.prompts_per_step=4"]) == \
         "config key 'parallel.microbatches' must be <= rollout.prompts_per_step / parallel.dp = 2 (each DP rank's " \
         "micro-batches hold whole groups), got 3"
