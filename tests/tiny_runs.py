@@ -22,10 +22,13 @@ def tiny_policy(seed=0, layers=4, hidden=64):
     return Transformer(cfg), tok
 
 
-def save_tiny_policy(path, layers=2, hidden=32, moe=False):
+def save_tiny_policy(path, layers=2, hidden=32, moe=False, tied=True):
     """A random tiny policy saved as the trainer's policy.init reads it (HF folder + its char tokenizer);
-    ``moe``: as a Qwen3-MoE decoder (4 experts, top-2, the first layer dense)."""
+    ``moe``: as a Qwen3-MoE decoder (4 experts, top-2, the first layer dense); ``tied=False``: its own LM head."""
     policy, tok = tiny_policy(layers=layers, hidden=hidden)
+    if not tied:
+        torch.manual_seed(0)
+        policy = Transformer(dataclasses.replace(policy.config, tie_word_embeddings=False))
     if moe:
         torch.manual_seed(0)
         policy = Transformer(dataclasses.replace(policy.config, architectures=["Qwen3MoeForCausalLM"], num_experts=4,

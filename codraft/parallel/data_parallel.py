@@ -40,6 +40,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
 from torch.distributed.tensor import DTensor
 
+from codraft.errors import CodraftError
 from codraft.models import Transformer
 from codraft.parallel.comm import CPError
 from codraft.parallel.mesh import Mesh
@@ -108,11 +109,12 @@ def plain_policy(config, weights: dict) -> nn.Module:
 @contextlib.contextmanager
 def named_collectives(mesh: Mesh, what: str):
     """FSDP's all-gathers and reduce-scatters are plain torch.distributed calls: a peer that died or hung
-    surfaces as the backend's error after parallel.timeout; say whose and what (other errors pass)."""
+    surfaces as the backend's error after parallel.timeout; say whose and what (other errors, and ours,
+    which name their peer already, pass)."""
     try:
         yield
     except RuntimeError as e:
-        if not (isinstance(e, dist.DistBackendError) or "gloo" in str(e)):
+        if isinstance(e, CodraftError) or not (isinstance(e, dist.DistBackendError) or "gloo" in str(e)):
             raise
         raise CPError(f"{mesh.where()}: {what} failed: a data-parallel peer died or did not answer within "
                       f"parallel.timeout: {str(e).splitlines()[0]}") from e

@@ -15,7 +15,7 @@ size (``Layout.check``). ``build_mesh`` builds one ``torch.distributed.device_me
   weight and sum its two gradient shares (Megatron's embedding group): not a mesh dimension, so
   made with ``dist.new_group``, by every rank in one order.
 
-Global rank = (stage · D + d) · C + c, the mesh's row-major order. Groups inherit the world's timeout
+Global rank = (stage · D + d) · C + c, the mesh's row-major order. Every group gets the world's timeout
 (``parallel.timeout``), so a collective that waits on a dead or silent peer fails instead of hanging.
 """
 from __future__ import annotations
@@ -26,6 +26,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.distributed_c10d import _set_pg_timeout  # (private; public in no release yet)
 
 from codraft.errors import CodraftError
 from codraft.parallel.comm import CPGroup
@@ -147,9 +148,13 @@ def build_mesh(layout: Layout, device: str = "cpu", timeout: float = 300.0) -> M
     if layout.dp > 1:
         data_mesh = dm["dp"] if layout.cp == 1 else dm["dp", "cp"]._flatten("dp_cp")
         data_group = CPGroup(data_mesh.get_group(), data_mesh.get_local_rank(), data_mesh.size(), timeout)
+    td = datetime.timedelta(seconds=timeout)
+    # the mesh's own groups are made with the backend's default timeout (30 min for gloo), not the world's;
+    # FSDP and the pipeline use them directly, so a dead peer must surface after parallel.timeout there too
+    for g in [dm.get_group(n) for n in ("pp", "dp", "cp")] + ([data_mesh.get_group()] if data_mesh else []):
+        _set_pg_timeout(td, g)
     embedding = None
     if layout.pp > 1:  # every rank makes every pair, in one order (new_group is collective over the world)
-        td = datetime.timedelta(seconds=timeout)
         for column in range(layout.dp * layout.cp):
             first, last = column, (layout.pp - 1) * layout.dp * layout.cp + column
             g = dist.new_group([first, last], timeout=td, group_desc=f"embedding-column{column}")

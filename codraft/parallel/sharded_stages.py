@@ -93,15 +93,15 @@ class StageRefit:
     def _broadcast(self, names: list[str], own: dict | None, src: int, what: str, prefix: str = ""):
         shapes = [self.shapes[prefix + n] for n in names]
         with torch.no_grad():
-            if own is not None:  # this stage's ranks: their shards gathered (collective over the stage's data mesh)
-                flat = torch.cat([_whole(own[n]).reshape(-1).float() for n in names])
-            else:
-                flat = torch.empty(sum(s.numel() for s in shapes), dtype=torch.float32, device=self.device)
             try:
+                if own is not None:  # this stage's ranks: their shards gathered (over the stage's data mesh)
+                    flat = torch.cat([_whole(own[n]).reshape(-1).float() for n in names])
+                else:
+                    flat = torch.empty(sum(s.numel() for s in shapes), dtype=torch.float32, device=self.device)
                 dist.broadcast(flat, src)
-            except RuntimeError as e:
-                raise PipelineError(f"{self.mesh.where()}: the refit of {what}'s weights from rank {src} "
-                                    f"failed: {e}") from e
+            except RuntimeError as e:  # a peer of the stage (the gather) or rank src died or did not answer
+                raise PipelineError(f"{self.mesh.where()}: the refit of {what}'s weights (gathered on its ranks, "
+                                    f"sent from rank {src}) failed: {str(e).splitlines()[0]}") from e
         o = 0
         for n, shape in zip(names, shapes):
             yield n, flat[o:o + shape.numel()].view(shape)

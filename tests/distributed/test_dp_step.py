@@ -14,7 +14,7 @@ import torch
 from codraft.parallel.data_parallel import local_bytes
 from codraft.rl import update_phase
 from codraft.rl.trainer import Trainer
-from codraft.rollout.weights import full
+from codraft.rollout.weights import cast_for_rollout, full
 from dist_harness import run_ranks
 from codraft.tasks import ArithTask
 from tiny_runs import alternating_reward, run_config
@@ -51,6 +51,8 @@ def _step(policy_dir, run_dir, kind, extra):
                     if _held(tr, n, tr.draft)})
     tr.rollout_weights.check("after the update")  # the refit copy is the trainer's weights
     refit = {f"policy.{n}": p.detach().clone() for n, p in tr.rollout_weights.policy.named_parameters()}
+    # what the trainer's draft reads of the target (fp32), current for the next step's draft loss
+    refit.update(zip(("target.embed", "target.head"), (t.detach().clone() for t in tr.rollout_weights.target_parts())))
     return m, seen["grads"], weights, refit, seen["bytes"]
 
 
@@ -83,8 +85,12 @@ def _same_step(got, want, tol=1e-4, grads=None, weights=None):
     assert float(m0["policy/grad_norm"]) > 1e-2 and float(m0["draft/grad_norm"]) > 1e-2  # both really train
     bad = {k: _rel(weights[k], weights0[k]) for k in weights0 if _rel(weights[k], weights0[k]) > tol}
     assert not bad, f"updated weights differ: {bad}"
-    assert all(torch.equal(refit[k], weights[k]) for k in refit if k in held)  # (this rank's, and whole)
-    assert {k for k in refit if _rel(refit[k], weights0[k]) > tol} == set()
+    # the engine's copy (rollout.dtype): the cast of this rank's weights, and of the whole step's
+    assert all(torch.equal(refit[k], cast_for_rollout(weights[k], refit[k].dtype)) for k in refit if k in held)
+    head = "policy.lm_head.weight" if "policy.lm_head.weight" in weights0 else "policy.embed_tokens.weight"
+    whole = {**weights0, "target.embed": weights0["policy.embed_tokens.weight"], "target.head": weights0[head]}
+    assert {k for k in refit if _rel(refit[k].float(), whole[k]) > (tol if refit[k].dtype == torch.float32
+                                                                     else 1e-2)} == set()
 
 
 @pytest.mark.parametrize("mode", ["fsdp", "ddp"])
@@ -144,6 +150,40 @@ def test_dp2_pp2_step_equals_single_process(tmp_path, tiny_policy_dir, varied_re
             params, grads, moments, _ = got[4]
             assert 0.4 * total < params < 0.6 * total and 0.4 * total < grads < 0.6 * total, (rank, params, total)
             assert 0.4 * 2 * total < moments < 0.6 * 2 * total, (rank, moments, total)
+
+
+def _policy(tmp_path, tiny_policy_dir, which):
+    from tiny_runs import save_tiny_policy
+    if which == "untied":
+        return save_tiny_policy(tmp_path / "untied", tied=False)
+    return save_tiny_policy(tmp_path / "moe", layers=3, moe=True) if which == "moe" else tiny_policy_dir
+
+
+@pytest.mark.parametrize("kind,which,extra", [
+    ("eagle3", "tied", []),
+    ("dspark", "untied", ["rollout.dtype=bfloat16"]),  # the draft's target parts from two stages, fp32
+    ("dflash", "moe", ["grpo.routing_replay=true"])])
+def test_dp2_pp2_fsdp_equals_single_process_for_drafts_and_policies(tmp_path, tiny_policy_dir, varied_reward, kind,
+                                                                      which, extra):
+    """Sharded stages with the other drafts, an untied LM head (the first stage holds the embedding, the last
+    the head) and a bf16 engine copy, and a MoE policy replaying its rollout's routes."""
+    policy = _policy(tmp_path, tiny_policy_dir, which)
+    single = _step(policy, tmp_path / "one", kind, [*FOUR, *extra])
+    ranks = run_ranks(_rank, 4, policy, tmp_path / "dppp", kind,
+                      ["parallel.dp=2", "parallel.pp=2", "parallel.microbatches=2", *FOUR, *extra], timeout=300)
+    for rank, got in enumerate(ranks):
+        stages = ranks[rank % 2::2]
+        _same_step(got, single, grads={k: v for r in stages for k, v in r[1].items()},
+                   weights={k: v for r in stages for k, v in r[2].items()})
+
+
+def test_dp2_fsdp_with_a_bf16_engine_copy_equals_single_process(tmp_path, tiny_policy_dir, varied_reward):
+    """The refit casts the gathered weights; the draft trains against the fp32 target parts."""
+    policy = _policy(tmp_path, tiny_policy_dir, "untied")
+    extra = [*FOUR, "rollout.dtype=bfloat16"]
+    single = _step(policy, tmp_path / "one", "dspark", extra)
+    for got in run_ranks(_rank, 2, policy, tmp_path / "dp", "dspark", ["parallel.dp=2", *extra]):
+        _same_step(got, single)
 
 
 @pytest.mark.parametrize("mode", ["fsdp", "ddp"])
