@@ -162,10 +162,12 @@ def _bench_dp_parser(bench):
     b.add_argument("--threads", type=int, default=2)
     b.add_argument("--json", metavar="FILE")
 
-    b = bench.add_parser("dp", help="data parallelism at dp=1 vs dp=2 (gloo, 1 thread per rank): per-rank bytes of "
-                                     "parameters, gradients and AdamW state (fsdp, ddp), the refit, a trainer step")
+    b = bench.add_parser("dp", help="data parallelism at dp=1 vs dp=2 and dp=2 × pp=2 (gloo, 1 thread per rank): "
+                                     "per-rank bytes of parameters, gradients and AdamW state (fsdp, ddp), the "
+                                     "refit, a trainer step")
     b.add_argument("--model", default="smollm2", help="memory and refit parts: tiny, smollm2 or an HF-format folder")
-    b.add_argument("--parts", default="memory,refit,step", help="comma list of memory, refit, step")
+    b.add_argument("--parts", default="memory,refit,step,stages",
+                   help="comma list of memory, refit, step, stages (dp=2 × pp=2: bytes and weight sync, 4 processes)")
     b.add_argument("--repeats", type=int, default=5, help="refit: timed calls (median reported)")
     b.add_argument("--steps", type=int, default=3, help="step: timed trainer steps after one warm-up (median)")
     b.add_argument("--prompts", type=int, default=8,

@@ -29,6 +29,14 @@ dp = 2 (two). Parts (``--parts``):
   dp = 1 (2P of them), and a rollout lasts as long as its longest row: ``completion_len`` says how much was
   decoded. On 2 cores this mostly shows the overheads (gathering the rollouts, FSDP's collectives, the
   refit), not a speedup. Extra ``key=value`` overrides apply to both sides (``parallel.dp_shard=ddp``, ...).
+* ``stages``: dp = 2 × pp = 2 (four processes) with ``fsdp`` (``sharded_stages.shard_stage``: a stage's
+  parameters sharded over its two data ranks, the other stage's freed) and ``ddp`` (every rank holds the whole
+  policy, a stage trains its own parameters): one forward + backward of the rank's stage on the memory part's
+  batch (the first stage embeds, the last runs the head; a random input elsewhere), the gradient sums
+  (``pipelined.reduce_gradients``), one AdamW step over the stage's parameters, then the bytes held as in ``memory`` (ratios against dp = 1, when it ran); and the
+  weight sync after the update as in ``refit``: at ``fsdp`` the engine's whole copy filled stage by stage
+  (``StageRefit``: each stage gathers its shards, its first rank broadcasts them), at ``ddp`` each stage's
+  weights broadcast to every rank (``pipelined.sync_weights``).
 
 Every row carries the CPU's model name (``processor``) and the date (``machine_info``).
 """
@@ -50,13 +58,16 @@ from codraft.bench.spec import MODELS
 from codraft.config import load_config
 from codraft.parallel.data_parallel import local_bytes, parallelize_policy
 from codraft.parallel.mesh import Layout, build_mesh
+from codraft.parallel.pipeline import stage_layers, stage_parameters
+from codraft.parallel.sharded_stages import StageRefit, shard_stage
 from codraft.parallel.spawn import raise_errors, spawn_ranks
 from codraft.policy import load_policy
+from codraft.rl.pipelined import Pipeline, reduce_gradients, sync_weights
 from codraft.rl.trainer import Trainer
 from codraft.rl.update_phase import adamw
 from codraft.rollout.weights import RolloutWeights
 
-PARTS = ("memory", "refit", "step")
+PARTS = ("memory", "refit", "step", "stages")
 TOKENS = 64  # the memory part's batch: 1 row of this many random tokens
 
 
@@ -80,22 +91,59 @@ def _layout_run(rank: int, world: int, mode: str | None, cfg: dict) -> dict:
     ids = torch.randint(policy.config.vocab_size, (1, TOKENS), generator=torch.Generator().manual_seed(rank))
     policy(ids).float().mean().backward()
     opt.step()
-    out = {"param_bytes": local_bytes(policy.parameters()),
-           "grad_bytes": local_bytes(p.grad for p in policy.parameters()),
-           "optim_bytes": local_bytes(v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)),
-           "parameters": sum(p.numel() for p in policy.parameters())}
+    out = _held(policy, opt)
     if rw is not None:
-        rw.refresh()  # untimed: first calls
-        runs = []
-        for _ in range(cfg["repeats"]):
-            _barrier(world)
-            t = time.perf_counter()
-            rw.refresh()
-            runs.append(time.perf_counter() - t)
+        runs = _timed(world, rw.refresh, cfg["repeats"])
         rw.check("bench dp refit")
         out.update(refit_runs_s=runs, copy_bytes=sum(t.nbytes for t in rw.policy.state_dict().values()))
     del policy, opt, rw
     return out
+
+
+def _held(policy, opt) -> dict:
+    return {"param_bytes": local_bytes(policy.parameters()),
+            "grad_bytes": local_bytes(p.grad for p in policy.parameters()),
+            "optim_bytes": local_bytes(v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)),
+            "parameters": sum(p.numel() for p in policy.parameters())}
+
+
+def _timed(world: int, fn, repeats: int) -> list[float]:
+    fn()  # untimed: first calls
+    runs = []
+    for _ in range(repeats):
+        _barrier(world)
+        t = time.perf_counter()
+        fn()
+        runs.append(time.perf_counter() - t)
+    return runs
+
+
+def _stages_run(rank: int, world: int, mode: str, cfg: dict) -> dict:
+    """dp = 2 × pp = 2 on this rank: bytes held after one step of its stage, the weight sync's seconds."""
+    torch.manual_seed(0)
+    policy = load_policy(MODELS.get(cfg["model"], cfg["model"]), torch.float32)[0]
+    mesh = build_mesh(Layout(dp=2, pp=2, dp_shard=mode), "cpu", cfg["timeout"])
+    rw = RolloutWeights(policy, torch.float32, gather=True) if mode == "fsdp" else None
+    if rw is not None:
+        rw.refit = StageRefit(mesh, policy, None, trains_draft=False)
+        shard_stage(policy, mesh)
+    opt = adamw(stage_parameters(policy, mesh.stage, mesh.pp), lr=1e-5)
+    layers = stage_layers(policy.config.num_hidden_layers, mesh.pp)[mesh.stage]
+    ids = torch.randint(policy.config.vocab_size, (1, TOKENS), generator=torch.Generator().manual_seed(rank))
+    x = policy.embed(ids) if mesh.first else torch.randn(1, TOKENS, policy.config.hidden_size)
+    out, _ = policy.run_layers(x, policy.layer_inputs(1, TOKENS, "cpu"), layers)
+    (policy.logits(out) if mesh.last else out).float().mean().backward()
+    pipe = Pipeline(mesh, layers, "shm", link=None)
+    reduce_gradients(pipe, policy, [])  # (ddp: the stage's data ranks' sum; both: the tied weight's two shares)
+    opt.step()
+    held = _held(policy, opt)
+    if rw is not None:
+        runs, copy = _timed(world, rw.refresh, cfg["repeats"]), rw.policy
+        rw.check("bench dp stages refit")
+    else:
+        runs, copy = _timed(world, lambda: sync_weights(pipe, policy, []), cfg["repeats"]), policy
+    held.update(refit_runs_s=runs, copy_bytes=sum(t.nbytes for t in copy.state_dict().values()))
+    return held
 
 
 def _step_run(rank: int, world: int, cfg: dict) -> dict | None:
@@ -123,6 +171,11 @@ def _rank_main(rank: int, world: int, cfg: dict) -> dict:
     # FSDP2 warns that the logits are a view (an in-place op on them would skip its hook): none is made
     warnings.filterwarnings("ignore", message=".*returned a view tensor", category=UserWarning)
     out = {"layouts": {}, "step": None}
+    if world == 4:  # the stages part only
+        for mode in ("fsdp", "ddp"):
+            out["layouts"][mode] = _stages_run(rank, world, mode, cfg)
+            _barrier(world)
+        return out
     if {"memory", "refit"} & set(cfg["parts"]):
         modes = [None] if world == 1 else (["fsdp", "ddp"] if "memory" in cfg["parts"] else ["fsdp"])
         for mode in modes:
@@ -137,7 +190,7 @@ def _rank_main(rank: int, world: int, cfg: dict) -> dict:
 
 
 def _label(world: int, shard: str | None) -> str:
-    return "dp=1" if world == 1 else f"dp={world} {shard}"
+    return "dp=1" if world == 1 else f"dp=2 pp=2 {shard}" if world == 4 else f"dp={world} {shard}"
 
 
 def _rows(per_world: dict[int, list[dict]], parts, model: str) -> list[dict]:
@@ -146,8 +199,9 @@ def _rows(per_world: dict[int, list[dict]], parts, model: str) -> list[dict]:
     for world, ranks in per_world.items():
         for mode, first in ranks[0]["layouts"].items():
             recs = [r["layouts"][mode] for r in ranks]
-            common = {"layout": _label(world, mode), "dp": world, "shard": mode, "model": model}
-            if "memory" in parts:
+            pp = 2 if world == 4 else 1
+            common = {"layout": _label(world, mode), "dp": world // pp, "pp": pp, "shard": mode, "model": model}
+            if "memory" in parts or pp > 1:
                 row = {"part": "memory", **common, "parameters": first["parameters"]}
                 for k in ("param", "grad", "optim"):
                     row[f"{k}_bytes"] = max(r[f"{k}_bytes"] for r in recs)
@@ -158,7 +212,7 @@ def _rows(per_world: dict[int, list[dict]], parts, model: str) -> list[dict]:
                                                    base["param_bytes"] + base["grad_bytes"] + base["optim_bytes"])
                     row[f"{k}_ratio"] = row[f"{k}_bytes"] / b if b else None
                 rows.append(row)
-            if "refit" in parts:
+            if "refit" in parts or pp > 1:
                 runs = [max(r["refit_runs_s"][i] for r in recs) for i in range(len(first["refit_runs_s"]))]
                 med = statistics.median(runs)
                 rows.append({"part": "refit", **common, "refit_s": med, "refit_runs_s": runs,
@@ -219,9 +273,11 @@ def run(model_name: str = "smollm2", parts=PARTS, repeats: int = 5, steps: int =
            "threads": threads, "overrides": list(overrides), "timeout": timeout, "tmp": tmp, "verbose": verbose}
     t0, per_world = time.perf_counter(), {}
     try:
-        for world in (1, 2):
+        worlds = [w for w, part in ((1, {"memory", "refit", "step"}), (2, {"memory", "refit", "step"}),
+                                    (4, {"stages"})) if part & set(parts)]
+        for world in worlds:
             results, errors = spawn_ranks(_rank_main, world, cfg, timeout=timeout * 6, pg_timeout=timeout)
-            raise_errors(errors, f"bench dp (dp={world})")
+            raise_errors(errors, f"bench dp ({_label(world, 'fsdp and ddp') if world > 1 else 'dp=1'})")
             per_world[world] = [results[r] for r in range(world)]
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

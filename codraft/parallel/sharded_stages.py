@@ -64,9 +64,9 @@ class StageRefit:
         self.shapes = {n: p.shape for n, p in policy.named_parameters()}
         self.device = policy.embed_tokens.weight.device
         self.draft = draft if trains_draft else None
-        if self.draft is not None:
+        if self.draft is not None:  # its tensors named "draft.<name>" here
             trained = {id(p) for p in draft.trainable_parameters()}
-            self.draft_names = [n for n, p in draft.named_parameters() if id(p) in trained]
+            self.draft_names = [f"draft.{n}" for n, p in draft.named_parameters() if id(p) in trained]
             self.shapes.update({f"draft.{n}": p.shape for n, p in draft.named_parameters()})
         self.embed = "embed_tokens.weight"
         self.head = "embed_tokens.weight" if policy.lm_head is None else "lm_head.weight"
@@ -85,13 +85,11 @@ class StageRefit:
         for s, names in enumerate(self.stages):
             yield from self._broadcast(names, own if m.stage == s else None, m.rank_of(s, dp_rank=0), f"stage {s}")
         if self.draft is not None:
-            own = dict(self.draft.named_parameters()) if m.last else None
-            for n, t in self._broadcast(self.draft_names, own, m.rank_of(m.pp - 1, dp_rank=0), "the draft",
-                                        prefix="draft."):
-                yield f"draft.{n}", t
+            own = {f"draft.{n}": p for n, p in self.draft.named_parameters()} if m.last else None
+            yield from self._broadcast(self.draft_names, own, m.rank_of(m.pp - 1, dp_rank=0), "the draft")
 
-    def _broadcast(self, names: list[str], own: dict | None, src: int, what: str, prefix: str = ""):
-        shapes = [self.shapes[prefix + n] for n in names]
+    def _broadcast(self, names: list[str], own: dict | None, src: int, what: str):
+        shapes = [self.shapes[n] for n in names]
         with torch.no_grad():
             try:
                 if own is not None:  # this stage's ranks: their shards gathered (over the stage's data mesh)
@@ -114,13 +112,12 @@ class StageRefit:
         rolling = rw.drafts[id(self.draft)][1].state_dict() if self.draft is not None else {}
         for name, t in self._rounds(rw.source):
             if name.startswith("draft."):
-                rolling[name[len("draft."):]].copy_(t)
+                rolling[name.removeprefix("draft.")].copy_(t)
                 continue
             dst[name].copy_(t)
-            if rw.parts is not None and name in (self.embed, self.head):
-                for part, which in zip(rw.parts, (self.embed, self.head)):
-                    if name == which:
-                        part.copy_(t)
+            for part, which in zip(rw.parts or (), (self.embed, self.head)):
+                if name == which:
+                    part.copy_(t)
 
     def whole(self, policy: nn.Module) -> tuple[dict, dict]:
         """The policy's and the draft's trained tensors, whole fp32, on rank 0 (empty elsewhere): collective."""

@@ -1,10 +1,11 @@
 """The co-training step over micro-batches and pipeline stages (``parallel.pp``, ``parallel.microbatches``).
 
-Every rank holds the whole policy and draft (the rollout engine decodes with them), but in the
-update a stage runs only its own decoder layers (``stage_layers``; the first also embeds, the last
-also runs the head and both losses), keeps gradients and optimiser state only for the parameters
-it owns, and after the optimiser step broadcasts them to every rank: the weight sync from trainer
-to rollout engine that RL systems do after each update. With ``pp = 1`` the same code is plain
+Every rank's engine decodes with the whole policy and draft, but in the update a stage runs only its
+own decoder layers (``stage_layers``; the first also embeds, the last also runs the head and both
+losses), keeps gradients and optimiser state only for the parameters it owns, and after the optimiser
+step broadcasts them to every rank: the weight sync from trainer to rollout engine that RL systems do
+after each update. (With ``parallel.dp_shard=fsdp`` and dp > 1 a stage's parameters are sharded over its
+data ranks and the engine holds a separate copy: ``codraft.parallel.sharded_stages``.) With ``pp = 1`` the same code is plain
 gradient accumulation over micro-batches.
 
 The taps: a stage puts the taps among its layers on the TapChannel after it has sent its
@@ -259,33 +260,3 @@ def _broadcast(params: list, src: int, mesh: Mesh, what: str) -> None:
             for p in params:
                 p.copy_(flat[o:o + p.numel()].view_as(p))
                 o += p.numel()
-
-
-# ---------------------------------------------------------------- optimiser state under PP
-
-
-def keep_state(opt, params: list) -> None:
-    """Drop the optimiser state of parameters this stage does not train (e.g. after loading a
-    consolidated checkpoint)."""
-    if opt is None:
-        return
-    keep = {id(p) for p in params}
-    for p in [p for p in opt.state if id(p) not in keep]:
-        del opt.state[p]
-
-
-class ConsolidatedState:
-    """The optimiser's state dict with every stage's entries, for a single-process checkpoint:
-    collective over ``world`` (every rank builds it; rank 0 saves it)."""
-
-    def __init__(self, opt, params: list, world):
-        sd = opt.state_dict()
-        index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
-        mine = {index[id(p)]: sd["state"][index[id(p)]] for p in params if index[id(p)] in sd["state"]}
-        self.sd = {"state": {}, "param_groups": sd["param_groups"]}
-        for share in world.all_gather_object(mine, "the stages' optimiser states"):
-            self.sd["state"].update(share)
-        self.sd["state"] = dict(sorted(self.sd["state"].items()))
-
-    def state_dict(self) -> dict:
-        return self.sd

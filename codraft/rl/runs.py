@@ -37,7 +37,7 @@ RESUMABLE = (
     "steps",                     # the run's length, >= the steps completed; the lr cosine follows it
     "device",                    # where it runs (exact repetition holds on one device only)
     "memory_check",              # a check before the run, not the run
-    "parallel.dp", "parallel.dp_shard",  # checkpoints hold whole tensors: any layout resumes (the same math)
+    "parallel.dp", "parallel.dp_shard",  # DCP reshards a checkpoint to any layout (the same math)
     "parallel.cp", "parallel.pp", "parallel.taps", "parallel.tap_tokens", "parallel.timeout",  # how it is split:
     #                            the same math, other float rounding
     "parallel.microbatches",     # the RL loss is exact over micro-batches; the draft's anchors are drawn per one

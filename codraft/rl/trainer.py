@@ -30,9 +30,9 @@ say where the run stopped).
 
 Parallelism (``parallel.dp``, ``parallel.cp``, ``parallel.pp`` > 1: one process per rank under torchrun,
 placed by one ``Layout`` and its DeviceMesh, ``codraft.parallel.mesh``): every rank runs the step (its share
-of the rollouts; its prompt groups, rows and stage of the update: see the phases); under dp the policy is
-wrapped by FSDP2 from outside (``codraft.parallel.data_parallel``) and the engine decodes a gathered copy;
-rank 0 alone writes the run folder and shows progress.
+of the rollouts; its prompt groups, rows and stage of the update: see the phases); under dp the policy (under
+pp, each stage) is wrapped by FSDP2 from outside (``codraft.parallel.parallelize``) and the engine decodes a
+gathered copy; rank 0 alone writes the run folder and shows progress.
 
 Run folder (``runs``, ``codraft.train.run_dir``, ``codraft.train.checkpoint``): rank 0 locks it for
 the run's life before anything loads (a folder that cannot be written, or that another run holds, is

@@ -3,10 +3,10 @@
 Contents: the policy in HF format (`policy/`, loadable by transformers), the draft's state
 (`draft.pt`), both optimisers and schedulers (`optim.pt`), RNG states (`rng.pt`), the config
 (`config.yaml`) and `state.json`, the completion marker: the data-loader position and the
-size and sha256 of every other file of the checkpoint. A data-parallel run also writes `sharded/`:
-every rank's shards of the policy, the co-trained draft and their optimisers
-(torch.distributed.checkpoint), which its `optim.pt` then leaves out; `policy/` and `draft.pt` still
-hold the whole weights (gathered by rank 0).
+size and sha256 of every other file of the checkpoint. A run of several ranks also writes `sharded/`:
+every rank's part (its shards, its stage's tensors) of the policy, the co-trained draft and their
+optimisers (torch.distributed.checkpoint), which its `optim.pt` then leaves out; `policy/` and `draft.pt`
+still hold the whole weights (gathered by rank 0).
 
 Crash safety, end to end (``kill -9`` at any moment leaves a run that resumes):
 - writing: the checkpoint is built in a temporary sibling, the marker written last, and
@@ -44,7 +44,7 @@ from codraft.models import load_pretrained, save_pretrained
 from codraft.models.tensor_files import load_pickle
 
 MARKER = "state.json"
-SHARDS = "sharded"  # a data-parallel run's shards of policy, draft and optimisers (torch.distributed.checkpoint)
+SHARDS = "sharded"  # a run of several ranks: their parts of policy, draft and optimisers (torch.distributed.checkpoint)
 REQUIRED = ("policy/config.json", "optim.pt", "rng.pt", "config.yaml")  # in every checkpoint
 _STEP = re.compile(r"^step_(\d+)$")
 _STALE = re.compile(r"^\..+\.(tmp|old|trash)-")
