@@ -160,13 +160,12 @@ def _policy(tmp_path, tiny_policy_dir, which):
 
 
 @pytest.mark.parametrize("kind,which,extra", [
-    ("eagle3", "tied", []),
     ("dspark", "untied", ["rollout.dtype=bfloat16"]),  # the draft's target parts from two stages, fp32
     ("dflash", "moe", ["grpo.routing_replay=true"])])
 def test_dp2_pp2_fsdp_equals_single_process_for_drafts_and_policies(tmp_path, tiny_policy_dir, varied_reward, kind,
                                                                       which, extra):
-    """Sharded stages with the other drafts, an untied LM head (the first stage holds the embedding, the last
-    the head) and a bf16 engine copy, and a MoE policy replaying its rollout's routes."""
+    """Sharded stages with an untied LM head (the first stage holds the embedding, the last the head), a bf16
+    engine copy and DSpark, and a MoE policy replaying its rollout's routes."""
     policy = _policy(tmp_path, tiny_policy_dir, which)
     single = _step(policy, tmp_path / "one", kind, [*FOUR, *extra])
     ranks = run_ranks(_rank, 4, policy, tmp_path / "dppp", kind,
