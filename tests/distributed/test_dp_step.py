@@ -229,3 +229,16 @@ def _experts_rank(rank, world):
 def test_fsdp_with_experts_some_rank_never_uses():
     for errs in run_ranks(_experts_rank, 2):
         assert max(errs.values()) < 1e-6, errs
+
+
+def test_dp2_pp2_cp2_fsdp_step_equals_single_process(tmp_path, tiny_policy_dir, varied_reward):
+    """The three dimensions at once (8 ranks): each stage sharded over its dp × cp ranks (4 per stage), each
+    packed row split over a CP pair. Global rank = (stage · 2 + d) · 2 + c: a column's stages are r, r + 4."""
+    extra = ["rollout.prompts_per_step=8", "rollout.shards=8"]  # 2 groups per DP rank, the same rollouts
+    single = _step(tiny_policy_dir, tmp_path / "one", "dflash", extra)
+    ranks = run_ranks(_rank, 8, tiny_policy_dir, tmp_path / "3d", "dflash",
+                      ["parallel.dp=2", "parallel.pp=2", "parallel.cp=2", *extra], timeout=600)
+    for rank, got in enumerate(ranks):
+        column = ranks[rank % 4::4]
+        _same_step(got, single, grads={k: v for r in column for k, v in r[1].items()},
+                   weights={k: v for r in column for k, v in r[2].items()})
