@@ -134,19 +134,22 @@ def save_shards(parts: dict[str, tuple], folder: Path) -> None:
 def load_shards(parts: dict[str, tuple], folder: Path) -> None:
     """Each rank's part of each module and its optimiser state from a ``save_shards`` folder, resharded to
     this run's layout. Collective where a process group exists."""
-    state = _state(parts)
+    saved = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    # optimiser states by group index, as codraft wrote them before 2026-12-06 (every rank held every parameter)
+    options = {name: StateDictOptions() if f"{name}_optim.param_groups.0.lr" in saved else FLAT for name in parts}
+    state = _state(parts, options)
     dcp.load(state, checkpoint_id=folder)
     for name, (module, opt, held) in parts.items():
         set_model_state_dict(module, state[name], options=StateDictOptions(strict=held is None))
-        set_optimizer_state_dict(module, opt, state[f"{name}_optim"], options=FLAT)
+        set_optimizer_state_dict(module, opt, state[f"{name}_optim"], options=options[name])
 
 
-def _state(parts: dict) -> dict:
+def _state(parts: dict, options: dict | None = None) -> dict:
     state = {}
     for name, (module, opt, held) in parts.items():
         sd = get_model_state_dict(module)
         state[name] = sd if held is None else {k: v for k, v in sd.items() if k in held}
-        state[f"{name}_optim"] = get_optimizer_state_dict(module, opt, options=FLAT)
+        state[f"{name}_optim"] = get_optimizer_state_dict(module, opt, options=(options or {}).get(name, FLAT))
     return state
 
 
