@@ -19,7 +19,7 @@ def _faulty_step(tr, step, rank, fault):
     """Step ``step``, where rank 1 rolls out with the others, then never joins the update: (this rank's
     error, seconds until it) or None."""
     if rank == 1:
-        tr.update = (lambda *a: time.sleep(3 * TIMEOUT)) if fault == "hang" else (lambda *a: os._exit(1))
+        tr.update = (lambda *a: time.sleep(2 * TIMEOUT)) if fault == "hang" else (lambda *a: os._exit(1))
     t0 = time.monotonic()
     try:
         tr.step(step)
