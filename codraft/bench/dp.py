@@ -33,10 +33,11 @@ dp = 2 (two). Parts (``--parts``):
   parameters sharded over its two data ranks, the other stage's freed) and ``ddp`` (every rank holds the whole
   policy, a stage trains its own parameters): one forward + backward of the rank's stage on the memory part's
   batch (the first stage embeds, the last runs the head; a random input elsewhere), the gradient sums
-  (``pipelined.reduce_gradients``), one AdamW step over the stage's parameters, then the bytes held as in ``memory`` (ratios against dp = 1, when it ran); and the
-  weight sync after the update as in ``refit``: at ``fsdp`` the engine's whole copy filled stage by stage
-  (``StageRefit``: each stage gathers its shards, its first rank broadcasts them), at ``ddp`` each stage's
-  weights broadcast to every rank (``pipelined.sync_weights``).
+  (``pipelined.reduce_gradients``), one AdamW step over the stage's parameters, then the bytes held as in
+  ``memory`` (ratios against dp = 1, when it ran); and the weight sync after the update as in ``refit``: at
+  ``fsdp`` the engine's whole copy filled stage by stage (``StageRefit``: each stage gathers its shards, its
+  first rank broadcasts them), at ``ddp`` each stage's weights broadcast to every rank
+  (``pipelined.sync_weights``).
 
 Every row carries the CPU's model name (``processor``) and the date (``machine_info``).
 """

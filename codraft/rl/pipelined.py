@@ -5,8 +5,8 @@ own decoder layers (``stage_layers``; the first also embeds, the last also runs 
 losses), keeps gradients and optimiser state only for the parameters it owns, and after the optimiser
 step broadcasts them to every rank: the weight sync from trainer to rollout engine that RL systems do
 after each update. (With ``parallel.dp_shard=fsdp`` and dp > 1 a stage's parameters are sharded over its
-data ranks and the engine holds a separate copy: ``codraft.parallel.sharded_stages``.) With ``pp = 1`` the same code is plain
-gradient accumulation over micro-batches.
+data ranks and the engine holds a separate copy: ``codraft.parallel.sharded_stages``.) With ``pp = 1`` the
+same code is plain gradient accumulation over micro-batches.
 
 The taps: a stage puts the taps among its layers on the TapChannel after it has sent its
 activations; the last stage gets them before the draft loss of that micro-batch (``shm`` / ``p2p``,
@@ -29,8 +29,8 @@ from codraft.models.bf16 import products
 from codraft.models.moe import Routing
 from codraft.parallel.context import sync_gradients
 from codraft.parallel.mesh import Mesh
-from codraft.parallel.sharded_stages import local
 from codraft.parallel.pipeline import PipelineError, StageLink, run_schedule, stage_layers, stage_parameters
+from codraft.parallel.sharded_stages import local
 from codraft.parallel.tap_staging import open_staging_channel
 from codraft.parallel.tapchannel import TapSpec, open_tap_channel
 from codraft.rl.cotrain import draft_taps, loss_from_hidden, packed_row
