@@ -59,8 +59,8 @@ from codraft.bench.spec import MODELS
 from codraft.config import load_config
 from codraft.parallel.data_parallel import local_bytes, parallelize_policy
 from codraft.parallel.mesh import Layout, build_mesh
+from codraft.parallel.parallelize import parallelize
 from codraft.parallel.pipeline import stage_layers, stage_parameters
-from codraft.parallel.sharded_stages import StageRefit, shard_stage
 from codraft.parallel.spawn import raise_errors, spawn_ranks
 from codraft.policy import load_policy
 from codraft.rl.pipelined import Pipeline, reduce_gradients, sync_weights
@@ -123,11 +123,10 @@ def _stages_run(rank: int, world: int, mode: str, cfg: dict) -> dict:
     """dp = 2 × pp = 2 on this rank: bytes held after one step of its stage, the weight sync's seconds."""
     torch.manual_seed(0)
     policy = load_policy(MODELS.get(cfg["model"], cfg["model"]), torch.float32)[0]
-    mesh = build_mesh(Layout(dp=2, pp=2, dp_shard=mode), "cpu", cfg["timeout"])
-    rw = RolloutWeights(policy, torch.float32, gather=True) if mode == "fsdp" else None
-    if rw is not None:
-        rw.refit = StageRefit(mesh, policy, None, trains_draft=False)
-        shard_stage(policy, mesh)
+    layout = Layout(dp=2, pp=2, dp_shard=mode)
+    mesh = build_mesh(layout, "cpu", cfg["timeout"])
+    rw = RolloutWeights(policy, torch.float32, gather=True) if layout.gathers else None
+    parallelize(policy, None, layout, mesh, rw, trains_draft=False)  # as the trainer does (ddp: nothing)
     opt = adamw(stage_parameters(policy, mesh.stage, mesh.pp), lr=1e-5)
     layers = stage_layers(policy.config.num_hidden_layers, mesh.pp)[mesh.stage]
     ids = torch.randint(policy.config.vocab_size, (1, TOKENS), generator=torch.Generator().manual_seed(rank))

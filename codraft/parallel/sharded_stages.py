@@ -25,16 +25,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import register_fsdp_forward_method
-from torch.distributed.tensor import DTensor
 
-from codraft.parallel.data_parallel import wrap
+from codraft.parallel.data_parallel import whole, wrap
 from codraft.parallel.mesh import Mesh
 from codraft.parallel.pipeline import PipelineError, stage_layers, stage_parameters
-
-
-def local(t: torch.Tensor) -> torch.Tensor:
-    """This rank's part of ``t``: a DTensor's local shard, or ``t``."""
-    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def shard_stage(policy: nn.Module, mesh: Mesh) -> None:
@@ -61,6 +55,7 @@ class StageRefit:
         names = {id(p): n for n, p in policy.named_parameters()}
         self.stages = [[names[id(p)] for p in stage_parameters(policy, s, mesh.pp, tied_once=True)]
                        for s in range(mesh.pp)]
+        self.mine = {names[id(p)] for p in stage_parameters(policy, mesh.stage, mesh.pp)}  # (a tied head too)
         self.shapes = {n: p.shape for n, p in policy.named_parameters()}
         self.device = policy.embed_tokens.weight.device
         self.draft = draft if trains_draft else None
@@ -73,10 +68,7 @@ class StageRefit:
 
     def held(self, draft, name: str) -> bool:
         """Whether this rank's trainer holds tensor ``name`` (of ``draft``; None: the policy) current."""
-        if draft is not None:
-            return self.mesh.last
-        return name in self.stages[self.mesh.stage] or (name == self.embed and self.mesh.last and
-                                                        self.head == self.embed)
+        return self.mesh.last if draft is not None else name in self.mine
 
     def _rounds(self, policy: nn.Module):
         """(name, whole fp32 tensor) of every trained tensor, the stages' in turn: every rank receives all."""
@@ -93,7 +85,7 @@ class StageRefit:
         with torch.no_grad():
             try:
                 if own is not None:  # this stage's ranks: their shards gathered (over the stage's data mesh)
-                    flat = torch.cat([_whole(own[n]).reshape(-1).float() for n in names])
+                    flat = torch.cat([whole(own[n]).reshape(-1).float() for n in names])
                 else:
                     flat = torch.empty(sum(s.numel() for s in shapes), dtype=torch.float32, device=self.device)
                 dist.broadcast(flat, src)
@@ -127,7 +119,3 @@ class StageRefit:
             if keep:
                 (draft if name.startswith("draft.") else weights)[name.removeprefix("draft.")] = t.clone()
         return weights, draft
-
-
-def _whole(t: torch.Tensor) -> torch.Tensor:
-    return t.full_tensor() if isinstance(t, DTensor) else t

@@ -54,10 +54,11 @@ def _draft_here(tr: Trainer) -> bool:
 def _parts(tr: Trainer) -> dict:
     """This rank's part of a checkpoint: name -> (module, its optimiser, the tensor names it holds or None for
     all): the policy (its stage's tensors under pp) and the draft where this rank trains it."""
-    parts = {"policy": (tr.policy, tr.opt, None)}
+    held = None
     if tr.mesh is not None and tr.mesh.pp > 1:
         names = {id(p): n for n, p in tr.policy.named_parameters()}
-        parts["policy"] = (tr.policy, tr.opt, {names[id(p)] for p in tr._owned()[0]})
+        held = {names[id(p)] for p in tr._owned()[0]}
+    parts = {"policy": (tr.policy, tr.opt, held)}
     if _draft_here(tr):
         parts["draft"] = (tr.draft, tr.draft_opt, None)
     return parts

@@ -39,6 +39,7 @@ import torch
 
 from codraft.errors import CodraftError
 from codraft.models import ModelConfig
+from codraft.parallel.mesh import Layout
 from codraft.policy.resolve import policy_config
 from codraft.tasks import make_task
 
@@ -198,9 +199,8 @@ def estimate(cfg, m: ModelConfig, prompt_len: int, val_prompt_len: int = 0) -> E
     n = _params(m)
     # the weights, their gradients and Adam moments: a stage's, or (FSDP) a 1/(dp·cp) shard of them (of the
     # stage's under pp) plus the gathered layer; then the rollout engine decodes from a whole copy (the refit)
-    fsdp = par.dp > 1 and par.dp_shard == "fsdp"
-    gathered = par.dp > 1 and (par.pp == 1 or fsdp)  # the trainer's models wrapped by FSDP2
-    if fsdp:
+    gathered = Layout.of(par).gathers  # the trainer's models wrapped by FSDP2, the engine's a whole copy
+    if gathered and par.dp_shard == "fsdp":
         weights = (n * e + 3 * n * F32) // (par.pp * par.dp * par.cp) + _layer_params(m) * e
     else:
         weights = n * e + 3 * n * F32 // par.pp

@@ -28,9 +28,9 @@ import torch.distributed as dist
 from codraft.models.bf16 import products
 from codraft.models.moe import Routing
 from codraft.parallel.context import sync_gradients
+from codraft.parallel.data_parallel import local
 from codraft.parallel.mesh import Mesh
 from codraft.parallel.pipeline import PipelineError, StageLink, run_schedule, stage_layers, stage_parameters
-from codraft.parallel.sharded_stages import local
 from codraft.parallel.tap_staging import open_staging_channel
 from codraft.parallel.tapchannel import TapSpec, open_tap_channel
 from codraft.rl.cotrain import draft_taps, loss_from_hidden, packed_row
@@ -159,10 +159,11 @@ def pipeline_cotrain(pipe: Pipeline, policy, draft, mbs: list[MicroBatch], *, st
                                          policy_dtype=policy_dtype, **loss_kw)
         return out
 
+    sharded = [policy] + ([draft] if last and train_draft and draft is not None else [])
+
     def before_backward(final):  # sharded stages: FSDP sums the stage's gradients after its last backward only
-        for module in (policy, draft if last and train_draft and draft is not None else None):
-            if module is not None:
-                module.set_requires_gradient_sync(final)
+        for module in sharded:
+            module.set_requires_gradient_sync(final)
 
     w = policy.embed_tokens.weight
     losses = run_schedule(pipe.link, len(mbs), forward=forward, loss=loss,

@@ -59,10 +59,10 @@ from codraft.errors import CodraftError, NonFiniteError
 from codraft.parallel.comm import init_cp
 from codraft.parallel.mesh import Layout, build_mesh
 from codraft.parallel.parallelize import parallelize
+from codraft.parallel.pipeline import stage_parameters
 from codraft.policy import load_policy
 from codraft.rl import checkpointing, memory, observation, rollout_phase, runs, scoring, update_phase
 from codraft.rl.logger import MetricsLogger
-from codraft.parallel.pipeline import stage_parameters
 from codraft.rl.plots import plot_run
 from codraft.rl.rollout_phase import Probes, Rollout
 from codraft.rl.scoring import Scored

@@ -173,8 +173,9 @@ def _pipelined_backward(tr: Trainer, step: int, rollout: Rollout, scored: Scored
         tr.pipe = build_pipeline(tr.policy, tr.draft if tr.trains_draft else None, tr.mesh,
                                  transport=par.taps, max_tokens=par.tap_tokens or _tap_tokens(mine, cfg),
                                  timeout=par.timeout)
-    with timer("forward_backward"), named_collectives(tr.mesh, "the stage's forward and backward (FSDP's "
-                                                               "all-gathers and gradient sums)"):
+    fsdp = named_collectives(tr.mesh, "the stage's forward and backward (FSDP's all-gathers and gradient sums)") \
+        if tr.pipe.sharded else contextlib.nullcontext()  # (the schedule's own sends name their peers)
+    with timer("forward_backward"), fsdp:
         loss, parts = pipeline_cotrain(tr.pipe, tr.policy, tr.draft, mine, step=step, merged=False, **loss_kw)
     loss, parts = _over_replicas(tr, loss, parts)
     with timer("backward"):  # here: the gradient sums and the clipping
