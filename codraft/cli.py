@@ -315,6 +315,20 @@ def main(argv: list[str] | None = None):
         sys.exit(f"codraft {args.cmd}{_which_rank()}: error: {e}")
 
 
+def run() -> None:
+    """The command's entry point (``codraft``, ``python -m codraft``): ``main``, whose error line is written in
+    one piece. (The interpreter writes an exit message and its newline separately; under torchrun stderr is
+    unbuffered, so two ranks' lines interleaved into one.)"""
+    try:
+        main()
+    except SystemExit as e:
+        if not isinstance(e.code, str):
+            raise
+        sys.stderr.write(e.code + "\n")
+        sys.stderr.flush()
+        raise SystemExit(1) from None
+
+
 def _which_rank() -> str:
     """Under torchrun every rank prints its own error: say whose it is."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -322,4 +336,4 @@ def _which_rank() -> str:
 
 
 if __name__ == "__main__":
-    main()
+    run()
