@@ -165,4 +165,7 @@ def build_mesh(layout: Layout, device: str = "cpu", timeout: float = 300.0) -> M
     for g in (world, mesh.dp_group, mesh.data_group, mesh.cp_group):  # their errors name this rank's place in the mesh
         if g is not None:
             g.where = mesh.where()
+    # making the groups talks through rank 0's store; once every rank is past it, a rank that fails and exits
+    # (rank 0 refusing the run folder) reaches its peers as an error of the next collective, which names it
+    world.all_gather_object(None, "the device mesh (every rank's groups made)")
     return mesh
