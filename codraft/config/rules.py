@@ -12,6 +12,7 @@ import torch
 from codraft.config.taps import Taps, _taps_fit
 from codraft.drafts import available_drafts
 from codraft.envs import ENVS
+from codraft.envs.workers import MAX_OBSERVATION_CHARS, MAX_TIMEOUT_S, MAX_WORKERS
 from codraft.tasks import TASKS
 
 if TYPE_CHECKING:
@@ -121,10 +122,12 @@ RULES: dict[str, Range | OneOf | Text | Device | Flag | Taps] = {
     "task.format_reward": Range(0, 1, hi_open=True, note="below a correct answer's 1"),
     "env.name": OneOf(_EnvNames()),
     "env.max_turns": COUNT,
-    "env.timeout": POSITIVE,
+    "env.timeout": Range(0, MAX_TIMEOUT_S, lo_open=True, note="seconds, at most an hour"),
     "env.latency_ms": NON_NEGATIVE,
     "env.overlap": Flag(),
-    "env.workers": COUNT,
+    "env.workers": Range(1, MAX_WORKERS, note="threads or worker processes"),
+    "env.isolation": OneOf(("auto", "thread", "process")),
+    "env.max_observation_chars": Range(1, MAX_OBSERVATION_CHARS, note="longer answers are cut before tokenising"),
     "rollout.prompts_per_step": COUNT,
     "rollout.group_size": COUNT,
     "rollout.max_new_tokens": COUNT,

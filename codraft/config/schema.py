@@ -34,7 +34,10 @@ class EnvConfig:
     latency_ms: float = 0.0         # every tool call first sleeps this long (a slow tool)
     overlap: bool = True            # rows rejoin as soon as their answer is in; false: each round first waits for
     #                                 every pending answer (seeded runs repeat exactly)
-    workers: int = 8                # tool calls that run at once
+    workers: int = 8                # tool calls that run at once (threads or worker processes)
+    isolation: str = "auto"         # where tool calls run: process (killed and replaced when hung or dead), thread,
+    #                                 or auto: thread for the built-in calculator and lookup, process for yours
+    max_observation_chars: int = 8192  # a tool's answer is cut to this many characters before it is tokenised
 
 
 @dataclass

@@ -6,7 +6,7 @@
 Your own: subclass ``Environment`` with a ``task`` (problems and the final reward) and ``tools`` (name
 -> a function of the argument text returning text), and register it in ``ENVS``. ``play`` runs a batch
 of episodes against one (``EpisodeBatch`` answers, ``codraft.rollout.turns.run_episodes`` drives the
-engine).
+engine); its tool calls run on threads or in worker processes (``codraft.envs.workers``: env.isolation).
 """
 from __future__ import annotations
 

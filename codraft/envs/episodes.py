@@ -1,26 +1,27 @@
 """A batch of episodes against an environment: ``EpisodeBatch`` is the rollout engine's ``Answers``
 (``codraft.rollout.turns``) and scores the finished episodes.
 
-Tool calls run on worker threads while the engine decodes the other rows. Each call has ``timeout``
-seconds; one that raises, hangs past it, or returns something other than text ends that episode
+Tool calls run on the environment's workers (``codraft.envs.workers``: threads or processes,
+``isolation``) while the engine decodes the other rows. Each call has ``timeout`` seconds; one that
+raises, hangs past it, returns something other than text, or kills its worker process ends that episode
 with reward 0 and counts as an environment error; a tool the environment does not know, or an
-observation longer than the room left, ends the episode with its reason. None of them stops the run:
+observation longer than the room left, ends the episode with its reason. An answer longer than
+``max_observation_chars`` is cut to it before it is tokenised, and counted. None of them stops the run:
 the trainer warns once per step with the first reason. ``latency_ms`` delays every call (a slow
 tool), to measure how environment time bounds the end-to-end gain of faster decoding.
 """
 from __future__ import annotations
 
 import itertools
-import queue
-import threading
-import time
 from dataclasses import dataclass, fields
 
-from codraft.envs.base import Environment, EpisodeEnd, ToolFormat
+from codraft.envs.base import Environment, ToolFormat
+from codraft.envs.workers import MAX_TIMEOUT_S, Job, tools_for
 from codraft.rollout.engine import Engine, GenerationResult
 from codraft.rollout.turns import run_episodes
 from codraft.tasks import Problem
 
+_KEYS = itertools.count()  # tool calls, numbered across batches (a pool outlives its batch)
 _ENDINGS = {"context": "its observation is longer than the room left in rollout.max_new_tokens",
             "turns": "it reached env.max_turns"}
 
@@ -32,114 +33,77 @@ class Episode(GenerationResult):
     reason: str | None = None              # why it ended early (the step's warning), None: it did not
     fault: bool = False                    # an environment fault ended it (raised, hung, not text)
     tool_calls: int = 0
+    observations_cut: int = 0              # tool answers cut to env.max_observation_chars
     env_s: float = 0.0                     # seconds inside its tool calls
     reward_error: Exception | None = None  # the reward function failed (scored 0)
 
 
 class EpisodeBatch:
     def __init__(self, env: Environment, problems: list[Problem], tok, fmt: ToolFormat, *, timeout: float,
-                 latency_ms: float = 0.0, workers: int = 8):
-        if timeout <= 0:
-            raise ValueError(f"env.timeout must be > 0 seconds, got {timeout}")
+                 latency_ms: float = 0.0, workers: int = 8, isolation: str = "auto",
+                 max_observation_chars: int = 8192):
+        if not 0 < timeout <= MAX_TIMEOUT_S:
+            raise ValueError(f"env.timeout must be in (0, {MAX_TIMEOUT_S:g}] seconds, got {timeout}")
+        if max_observation_chars < 1:
+            raise ValueError(f"env.max_observation_chars must be >= 1, got {max_observation_chars}")
         self.env, self.problems, self.tok, self.fmt = env, problems, tok, fmt
-        self.timeout, self.latency = timeout, latency_ms / 1000
+        self.timeout, self.latency, self.max_chars = timeout, latency_ms / 1000, max_observation_chars
         self.pending = 0
         self.reasons: dict[int, str] = {}
         self.faults: set[int] = set()
         self.calls = [0] * len(problems)
-        self.seconds = [0.0] * len(problems)  # (a row has one call at a time: no two threads add to one)
-        self._state: dict[int, object] = {}
-        self._jobs: dict[int, tuple[int, float]] = {}  # row -> (job id, deadline)
-        self._ids = itertools.count()
-        self._todo: queue.Queue = queue.Queue()
-        self._done: queue.Queue = queue.Queue()
-        self._threads = [self._spawn() for _ in range(max(1, workers))]
-
-    def _spawn(self) -> threading.Thread:
-        t = threading.Thread(target=self._work, daemon=True, name="codraft-env")  # a hung tool never blocks exit
-        t.start()
-        return t
+        self.cut = [0] * len(problems)        # observations cut to env.max_observation_chars
+        self.seconds = [0.0] * len(problems)
+        self._state: dict[int, object] = {}   # row -> its episode's state (after its first call)
+        self._jobs: dict[int, int] = {}       # job key -> row
+        self._now: list[tuple[int, list[int] | None]] = []  # answers known without a call (final turns)
+        self.pool = tools_for(env, isolation, workers)
 
     # ---- the engine's side
 
     def submit(self, row: int, turn: list[int]) -> None:
-        job = next(self._ids)
-        self._jobs[row] = (job, time.monotonic() + self.timeout)
         self.pending += 1
-        self._todo.put((job, row, turn))
-
-    def ready(self, wait: str) -> list[tuple[int, list[int] | None]]:
-        out = []
-        while True:
-            try:
-                while True:
-                    self._collect(out, *self._done.get_nowait())
-            except queue.Empty:
-                pass
-            now = time.monotonic()
-            for row, (_, deadline) in list(self._jobs.items()):
-                if now >= deadline:  # hung: its thread is lost, a fresh one takes its place
-                    self._end(out, row, f"the environment did not answer within env.timeout={self.timeout:g} s",
-                              fault=True)
-                    self._threads.append(self._spawn())
-            if wait == "none" or not self._jobs or (wait == "any" and out):
-                return sorted(out, key=lambda a: a[0])  # (in row order: a run without overlap repeats exactly)
-            next_deadline = min(d for _, d in self._jobs.values())
-            try:
-                self._collect(out, *self._done.get(timeout=max(0.0, next_deadline - time.monotonic())))
-            except queue.Empty:
-                pass
-
-    def _collect(self, out: list, job: int, row: int, obs, reason: str | None, fault: bool):
-        if self._jobs.get(row, (None,))[0] != job:
-            return  # the late answer of a call that already timed out
-        if reason is not None:
-            self._end(out, row, reason, fault)
-            return
-        del self._jobs[row]
-        self.pending -= 1
-        out.append((row, obs))
-
-    def _end(self, out: list, row: int, reason: str, fault: bool):
-        del self._jobs[row]
-        self.pending -= 1
-        self.reasons[row] = reason
-        if fault:
-            self.faults.add(row)
-        out.append((row, None))
-
-    def close(self):
-        for _ in self._threads:
-            self._todo.put(None)
-
-    # ---- the workers
-
-    def _work(self):
-        while (item := self._todo.get()) is not None:
-            job, row, turn = item
-            t0 = time.perf_counter()
-            try:
-                self._done.put((job, row, self._answer(row, turn), None, False))
-            except EpisodeEnd as e:
-                self._done.put((job, row, None, str(e), False))
-            except Exception as e:  # noqa: BLE001 - any fault of (user) environment code ends that episode only
-                self._done.put((job, row, None, f"the environment raised {e!r}", True))
-            self.seconds[row] += time.perf_counter() - t0
-
-    def _answer(self, row: int, turn: list[int]) -> list[int] | None:
         call = self.fmt.parse(self.tok.decode(turn))
         if call is None:
-            return None  # the policy's final turn
-        problem = self.problems[row]
-        if row not in self._state:
-            self._state[row] = self.env.start(problem)
-        if self.latency:
-            time.sleep(self.latency)
+            self._now.append((row, None))  # the policy's final turn
+            return
         self.calls[row] += 1
-        result = self.env.call(problem, self._state[row], call)
-        if not isinstance(result, str):
-            raise TypeError(f"tool {call.name!r} returned {type(result).__name__}, not text")
-        return self.tok.encode(self.fmt.render(result))
+        key = next(_KEYS)
+        self._jobs[key] = row
+        self.pool.submit(Job(key, self.problems[row], self._state.get(row), row not in self._state, call,
+                             self.latency, self.max_chars), self.timeout)
+
+    def ready(self, wait: str) -> list[tuple[int, list[int] | None]]:
+        out, self._now = self._now, []
+        self.pending -= len(out)
+        while True:
+            done = wait == "none" or not self._jobs or (wait == "any" and out)
+            got = self.pool.poll(0.0 if done else MAX_TIMEOUT_S)  # (a poll returns by the next deadline)
+            if not got and not done and not self.pool.holds(self._jobs):
+                raise RuntimeError(f"tool calls of rows {sorted(self._jobs.values())} are lost: their environment's "
+                                   "workers were used by another batch of episodes at the same time")
+            for o in got:
+                row = self._jobs.pop(o.key, None)
+                if row is None:
+                    continue  # a call of a batch closed before it answered
+                self.pending -= 1
+                self.seconds[row] += o.seconds
+                if o.kind == "ok":
+                    self._state[row] = o.state
+                    self.cut[row] += o.cut_from > 0
+                    out.append((row, self.tok.encode(self.fmt.render(o.text))))  # (cut before it is tokenised)
+                else:
+                    self.reasons[row] = o.text
+                    if o.kind == "fault":
+                        self.faults.add(row)
+                    out.append((row, None))
+            if wait == "none" or not self._jobs or (wait == "any" and out):
+                return sorted(out, key=lambda a: a[0])  # (in row order: a run without overlap repeats exactly)
+
+    def close(self):
+        """Calls not yet answered are forgotten (the pool outlives the batch: it is the environment's)."""
+        self.pool.drop(self._jobs)
+        self._jobs.clear()
 
     # ---- the scores
 
@@ -153,17 +117,18 @@ class EpisodeBatch:
             r, e = (0.0, None) if row in self.faults else _reward(self.env, problem, self.tok.decode(own))
             out.append(Episode(**{f.name: getattr(res, f.name) for f in fields(GenerationResult)}, reward=r,
                                reason=reason, fault=row in self.faults, tool_calls=self.calls[row],
-                               env_s=self.seconds[row], reward_error=e))
+                               observations_cut=self.cut[row], env_s=self.seconds[row], reward_error=e))
         return out
 
 
 def play(engine: Engine, env: Environment, problems: list[Problem], tok, *, prompts: list[list[int]] | None = None,
          max_tokens: int, max_turns: int = 4, timeout: float = 30.0, latency_ms: float = 0.0, workers: int = 8,
-         overlap: bool = True, **sampling) -> list[Episode]:
+         overlap: bool = True, isolation: str = "auto", max_observation_chars: int = 8192, **sampling) -> list[Episode]:
     """One scored episode per problem (``prompts``: their token ids, default the tokenizer's prompt_ids);
     ``sampling``: ``run_episodes``'s temperature, top_p, seed, progress."""
     fmt = ToolFormat.for_tokenizer(tok)
-    answers = EpisodeBatch(env, problems, tok, fmt, timeout=timeout, latency_ms=latency_ms, workers=workers)
+    answers = EpisodeBatch(env, problems, tok, fmt, timeout=timeout, latency_ms=latency_ms, workers=workers,
+                           isolation=isolation, max_observation_chars=max_observation_chars)
     try:
         results = run_episodes(engine, prompts or [tok.prompt_ids(p.prompt) for p in problems], answers,
                                max_tokens=max_tokens, max_turns=max_turns, stop=fmt.stop_ids(tok),

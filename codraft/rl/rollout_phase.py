@@ -105,7 +105,7 @@ def episodes(tr: Trainer, engine: Engine, prompts, problems, **kw) -> list[Episo
     e = tr.cfg.env
     return play(engine, tr.env, problems, tr.tok, prompts=prompts, max_tokens=tr.cfg.rollout.max_new_tokens,
                 max_turns=e.max_turns, timeout=e.timeout, latency_ms=e.latency_ms, workers=e.workers,
-                overlap=e.overlap, **kw)
+                overlap=e.overlap, isolation=e.isolation, max_observation_chars=e.max_observation_chars, **kw)
 
 
 def _round(bar, done: int, rows: int):
@@ -149,11 +149,13 @@ def rollout(tr: Trainer, step: int) -> Rollout:
 
 
 def _episode_metrics(out: list[Episode], stats, speculative: bool) -> dict:
-    """Turns and tool calls per episode, environment errors, the time spent in the environment (inside
-    the tool calls, over every thread; and waiting with no row to decode), τ per turn."""
+    """Turns and tool calls per episode, environment errors, tool answers cut to env.max_observation_chars,
+    the time spent in the environment (inside the tool calls, over every worker; and waiting with no row
+    to decode), τ per turn."""
     n = len(out)
     m = dict(turns_mean=sum(o.turns for o in out) / n, tool_calls_mean=sum(o.tool_calls for o in out) / n,
              env_errors=sum(o.fault for o in out), episodes_ended_early=sum(o.reason is not None for o in out),
+             observations_cut=sum(o.observations_cut for o in out),
              time_env=sum(o.env_s for o in out), time_env_wait=stats.env_wait_s)
     if speculative:
         m["acceptance_length_per_turn"] = stats.acceptance_length_per_turn

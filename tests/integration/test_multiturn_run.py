@@ -4,11 +4,13 @@ tool ends only its episodes, and `codraft bench multiturn` reports its rows."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
 from codraft.bench.multiturn import run as bench_multiturn
 from codraft.config import load_config
+from codraft.envs import Lookup
 from codraft.policy.warmstart import SFTConfig, warm_start
 from codraft.rl.trainer import Trainer, train
 
@@ -55,6 +57,32 @@ def test_a_tool_that_hangs_ends_only_its_episodes(tools_policy, tmp_path):
         tr._unlock()
     assert m["env_errors"] >= 1 and m["episodes_ended_early"] >= m["env_errors"]
     assert float(m["reward_mean"]) <= 1 - m["env_errors"] / 16
+
+
+class ExitingLookup(Lookup):
+    """`dept` ends its process (os._exit) for the employees before "m": your code, so a worker process's."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        dept = self.tools["dept"]
+        self.tools["dept"] = lambda who: os._exit(3) if who < "m" else dept(who)
+
+
+def test_a_tool_that_exits_its_process_ends_only_its_episodes(tools_policy, tmp_path):
+    """A tool that calls os._exit(3) used to end the run silently: now each such call is an env error of
+    its episode, warned about, and the run takes its next step."""
+    cfg = _cfg(tools_policy, tmp_path / "run", steps=2)
+    tr = Trainer(cfg, progress=False)
+    try:
+        tr.env = ExitingLookup(tr.env.task)
+        for step in range(2):
+            with pytest.warns(UserWarning, match="episodes ended early"):
+                m = tr.step(step)
+            died = [o for o in tr.last_rollout if o.fault and "died (exit code 3) during tool 'dept'" in o.reason]
+            assert m["env_errors"] >= len(died) >= 1 and m["episodes_ended_early"] >= m["env_errors"]
+            assert m["observations_cut"] == 0
+    finally:
+        tr._unlock()
 
 
 def test_bench_multiturn_rows(tools_policy, tmp_path):

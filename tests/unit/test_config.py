@@ -142,8 +142,23 @@ def test_environment_keys_are_checked():
         "config key 'task.name' must be lookup exactly when env.name=lookup (the environment's tools read the " \
         "task's table), got task.name='arith' with env.name='lookup'"
     assert _refused(["task.name=lookup"]).startswith("config key 'task.name' must be lookup exactly when")
-    assert _refused(["env.name=calculator", "env.timeout=0"]) == "config key 'env.timeout' must be > 0, got 0.0"
+    assert _refused(["env.name=calculator", "env.timeout=0"]) == \
+        "config key 'env.timeout' must be in (0, 3600] (seconds, at most an hour), got 0.0"
     assert "env.max_turns" in _refused(["env.max_turns=0"])
+
+
+def test_environment_bounds_are_refused_in_one_line():
+    """Values that used to pass the config and fail at the first tool call (an overflowing wait, a thread
+    per worker past what the machine starts) are refused naming the key."""
+    assert _refused(["env.timeout=1e10"]) == \
+        "config key 'env.timeout' must be in (0, 3600] (seconds, at most an hour), got 10000000000.0"
+    assert load_config(None, ["env.timeout=3600"]).env.timeout == 3600
+    assert _refused(["env.workers=100000"]) == \
+        "config key 'env.workers' must be in [1, 256] (threads or worker processes), got 100000"
+    assert load_config(None, ["env.workers=256"]).env.workers == 256
+    assert _refused(["env.isolation=fork"]) == \
+        "config key 'env.isolation' must be one of auto, thread, process, got 'fork'"
+    assert _refused(["env.max_observation_chars=0"]).startswith("config key 'env.max_observation_chars' must be in")
 
 
 def test_the_aux_loss_needs_the_one_batch_step():
