@@ -415,7 +415,8 @@ def load(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
     """Read a public-layout EAGLE-3 folder. dtype None: the config's ``torch_dtype`` (else float32).
 
     ``layers`` is needed only when config.json has no ``eagle_config.eagle_aux_hidden_state_layer_ids``.
-    ``embed_tokens.weight``, if present, is ignored (the target's embedding is bound instead).
+    ``embed_tokens.weight``, if present, is ignored (the target's embedding is bound instead). A
+    full-vocabulary folder may lack ``d2t`` / ``t2d`` (vLLM refuses them there): the identity map.
     """
     path = Path(path)
     cfg_file, weights = path / "config.json", path / WEIGHTS
@@ -443,6 +444,8 @@ def load(path: str | os.PathLike, *, dtype: torch.dtype | None = None,
     expected = draft.state_dict()
     tensors = load_safetensors(weights)
     tensors.pop("embed_tokens.weight", None)
+    if vd == v and "d2t" not in tensors and "t2d" not in tensors:
+        tensors.update(d2t=torch.zeros(v, dtype=torch.long), t2d=torch.ones(v, dtype=torch.bool))
     missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
     if missing or unexpected:
         raise ValueError(f"{weights}: missing tensors {missing}, unexpected tensors {unexpected}")

