@@ -6,7 +6,8 @@ checkpoints, its cache): a file that is not what it should be is one ``TensorFil
 * ``load_pickle``: ``torch.load(weights_only=True)``, tensors and plain containers only. A pickle
   that names code to call when loaded (a GLOBAL outside torch's allowlist) is refused saying so;
   torch's message about it advises re-running with ``weights_only=False``, the one thing not to do
-  with such a file, so only the reason is kept.
+  with such a file, so only the reason is kept. ``refused`` words that error for other loaders
+  (``shard_files``: the ranks' DCP checkpoint part).
 """
 from __future__ import annotations
 
@@ -43,11 +44,17 @@ def load_pickle(path: str | os.PathLike):
     try:
         return torch.load(path, weights_only=True, map_location="cpu")
     except Exception as e:
-        found = _GLOBAL.search(str(e)) if isinstance(e, pickle.UnpicklingError) else None
-        if found:
-            raise TensorFileError(f"{path}: refused: it would run code when loaded (pickled GLOBAL "
-                                  f"'{found.group(1)}'); codraft loads only tensors and plain data") from e
-        raise TensorFileError(f"{path} cannot be loaded ({type(e).__name__}: {_reason(e)})") from e
+        raise refused(path, e) from e
+
+
+def refused(where, e: Exception) -> TensorFileError:
+    """The one-line error for a pickle ``where`` (a file, or an item in one) that failed to load with ``e``:
+    a GLOBAL the loader would not import (code it would call) is named as such."""
+    found = _GLOBAL.search(str(e)) if isinstance(e, pickle.UnpicklingError) else None
+    if found:
+        return TensorFileError(f"{where}: refused: it would run code when loaded (pickled GLOBAL "
+                               f"'{found.group(1)}'); codraft loads only tensors and plain data")
+    return TensorFileError(f"{where} cannot be loaded ({type(e).__name__}: {_reason(e)})")
 
 
 def _reason(e: Exception) -> str:

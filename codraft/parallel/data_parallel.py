@@ -20,7 +20,8 @@ After fully_shard the policy's parameters are DTensors: the rollout engine decod
 that ``codraft.rollout.weights.RolloutWeights`` gathers after every update (the refit).
 
 Checkpoints: ``save_shards`` / ``load_shards`` write and read every rank's shards with
-torch.distributed.checkpoint (resharded to the layout that loads them); ``full_policy`` / ``full_state``
+torch.distributed.checkpoint (resharded to the layout that loads them; read through ``codraft.models.shard_files``,
+which runs no code pickled in the folder); ``full_policy`` / ``full_state``
 gather whole weights to rank 0 for the HF folder and ``draft.pt``; ``load_full_state`` shards a
 one-process checkpoint's state on load. ``named_collectives`` names a peer that died or hung inside
 FSDP's own collectives.
@@ -32,6 +33,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
@@ -42,6 +44,7 @@ from torch.distributed.tensor import DTensor
 
 from codraft.errors import CodraftError
 from codraft.models import Transformer
+from codraft.models.shard_files import ShardPlanner, ShardReader
 from codraft.parallel.comm import CPError
 from codraft.parallel.mesh import Mesh
 
@@ -145,11 +148,15 @@ def save_shards(parts: dict[str, tuple], folder: Path) -> None:
 def load_shards(parts: dict[str, tuple], folder: Path) -> None:
     """Each rank's part of each module and its optimiser state from a ``save_shards`` folder, resharded to
     this run's layout. Collective where a process group exists."""
-    saved = dcp.FileSystemReader(folder).read_metadata().state_dict_metadata
+    reader = ShardReader(folder)  # DCP's reader and planner, but never unpickling code from the folder
+    saved = reader.read_metadata().state_dict_metadata
     # optimiser states by group index, as codraft wrote them before 2026-12-06 (every rank held every parameter)
     options = {name: StateDictOptions() if f"{name}_optim.param_groups.0.lr" in saved else FLAT for name in parts}
     state = _state(parts, options)
-    dcp.load(state, checkpoint_id=folder)
+    try:
+        dcp.load(state, storage_reader=reader, planner=ShardPlanner(folder))
+    except CheckpointException as e:  # DCP gathers every rank's failure: ours is one line naming the file
+        raise next((exc for exc, _ in e.failures.values() if isinstance(exc, CodraftError)), e) from None
     for name, (module, opt, held) in parts.items():
         set_model_state_dict(module, state[name], options=StateDictOptions(strict=held is None))
         set_optimizer_state_dict(module, opt, state[f"{name}_optim"], options=options[name])

@@ -19,8 +19,9 @@ Crash safety, end to end (``kill -9`` at any moment leaves a run that resumes):
   there with its recorded size; ``load_latest`` also checks the sha256 of the newest, reads it
   whole into memory and, if anything is wrong, warns with the reason and falls back to the
   newest older checkpoint that verifies (none: ``CheckpointError``).
-Everything is read back with ``torch.load(weights_only=True)``: a run folder cannot run code
-on resume (a pickle that is more than tensors and plain containers fails to load, and the
+Everything is read back with ``torch.load(weights_only=True)``, and `sharded/` with
+``codraft.models.shard_files`` (DCP's metadata and items, nothing else admitted): a run folder cannot
+run code on resume (a pickle that is more than tensors and plain containers fails to load, and the
 checkpoint is skipped like a corrupt one).
 """
 from __future__ import annotations
@@ -41,6 +42,7 @@ import yaml
 from codraft.atomic import atomic_dir
 from codraft.errors import CodraftError
 from codraft.models import load_pretrained, save_pretrained
+from codraft.models.shard_files import check_shards
 from codraft.models.tensor_files import load_pickle
 
 MARKER = "state.json"
@@ -209,6 +211,15 @@ def load_file(path: Path):
         raise CheckpointError(str(e)) from e
 
 
+def check_sharded(folder: Path) -> None:
+    """The ranks' part (torch.distributed.checkpoint): its metadata and non-tensor items read with nothing
+    but plain data admitted, so a planted pickle there skips the checkpoint like a corrupt file."""
+    try:
+        check_shards(folder)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from e
+
+
 def read(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
     """Read a checkpoint whole into memory (``CheckpointError`` naming the file that fails)."""
     path = Path(path)
@@ -222,6 +233,8 @@ def read(path: str | Path, dtype: torch.dtype = torch.float32) -> Checkpoint:
         raise CheckpointError(f"policy/ or config.yaml cannot be loaded ({type(e).__name__}: {e})") from e
     draft = load_file(path / "draft.pt") if (path / "draft.pt").is_file() else None
     optim, rng = load_file(path / "optim.pt"), load_file(path / "rng.pt")
+    if (path / SHARDS).is_dir():
+        check_sharded(path / SHARDS)
     if not isinstance(config, dict) or not isinstance(optim, dict) or not isinstance(rng, dict) \
             or not isinstance(rng.get("torch"), torch.Tensor) or not isinstance(rng.get("python"), tuple):
         raise CheckpointError("config.yaml, optim.pt or rng.pt does not hold what a checkpoint writes")

@@ -213,9 +213,9 @@ class _SideEffect:
         return exec, (f"open({str(self.flag)!r}, 'w').write('ran')",)
 
 
-@pytest.mark.parametrize("name", ["optim.pt", "rng.pt"])
+@pytest.mark.parametrize("name", ["optim.pt", "rng.pt", "draft.pt"])
 def test_pickle_with_side_effect_is_never_run(full_run, tiny_policy_dir, tmp_path, name):
-    """A planted optim.pt/rng.pt, its checksum updated to match (a crafted folder): torch.load with
+    """A planted optim.pt/rng.pt/draft.pt, its checksum updated to match (a crafted folder): torch.load with
     weights_only refuses it, the checkpoint is skipped like a corrupt one, the code never runs."""
     full, copy = full_run
     run, flag = copy("cut"), tmp_path / "side-effect-ran"
