@@ -51,7 +51,7 @@ class CpuMeter:
     a value near 1 means half the machine was taken while we measured. ``stolen_cores`` = mean
     number of cores' worth of time the hypervisor ran other guests while this VM's vCPUs wanted to
     run (/proc/stat's steal): no process here shows it, yet it slows every parallel call (40 % steal
-    made a 2-thread 8192x72 product 50x slower than on one thread, session 25).
+    made a 2-thread 8192x72 product 50x slower than on one thread on a 2-core Xeon).
     """
 
     def __init__(self):

@@ -116,7 +116,7 @@ class BlockDraftBase(BlockDecoding, DraftVocabulary, nn.Module, Draft):
     # commit's context K/V into the cache (else: here). codraft.kernels.enable sets a C one
     fused_commit = None
     # a bf16 rollout copy streams the taps' fc and the layers' projections in bf16 (the block decode and
-    # the commit in C: ~0.7 ms a round less at batch 1 for SmolLM2's one-layer DSpark, session 27); the
+    # the commit in C: ~0.7 ms a round less at batch 1 for SmolLM2's one-layer DSpark on a 2-core Xeon); the
     # Markov head's fused loop reads fp32
     rollout_narrowed = ("fc.", "layers.")
 

@@ -4,8 +4,8 @@ transparent huge pages.
 A decode step streams every weight once (SmolLM2: ~0.5 GB in fp32, 0.27 GB in bf16). In 4 KB pages
 that is a TLB miss every 4 KB, and the hardware prefetchers stop at every page boundary; in 2 MB
 pages they run on. On a 2-core EPYC (Zen 3) a SmolLM2 bf16 decode step at batch 1 ran ~10 %
-faster with its weights here, and an fp32 one (the trainer's own weights) ~10 % faster (session 19;
-session 16 had measured no gain, before the kernels streamed faster). The GEMV kernel's tuning is
+faster with its weights here, and an fp32 one (the trainer's own weights) ~10 % faster (no gain was
+measured before the kernels streamed faster; docs/history.md). The GEMV kernel's tuning is
 timed on weights placed as the engine's are (``gemv.time_tuning``).
 
 Linux only (``madvise``; transparent huge pages set to ``always`` or ``madvise``); elsewhere, or

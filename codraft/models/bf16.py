@@ -6,7 +6,7 @@ as it was: norms, attention, softmax, losses, the fp32 master weights, their gra
 Not ``torch.autocast``: autocast also runs attention (SDPA) and other matmuls in bf16 and passes bf16
 activations on. On a 2-core Sapphire-Rapids-class Xeon, SmolLM2's GRPO loss forward and backward took
 6.3 s with bf16 products, 7.7 s under autocast and 8.6 s in fp32; an offline DSpark step 0.60 / 0.63 /
-0.74 s (docs/real-preset.md, session 30). Attention keeps fp32's precision, so context parallelism's
+0.74 s (docs/real-preset.md). Attention keeps fp32's precision, so context parallelism's
 LSE merges see what they see in fp32.
 
 Which precision a run trains in, measured per machine: ``codraft.train.precision``.

@@ -66,7 +66,7 @@ class KVCache:
         are compacted in place: each kept row's first ``span`` positions move down within the same
         memory, which becomes a contiguous (L, kept, Hkv, M, D) tensor. A gather into new tensors of
         the whole M positions cost ~34 ms a drop at 16 rows of SmolLM2 (~14 % of a GRPO rollout on a
-        2-core Xeon, session 27): fresh pages and every position copied. Positions past ``span`` then
+        2-core Xeon): fresh pages and every position copied. Positions past ``span`` then
         hold other rows' earlier values, finite as every value this cache ever held; attention masks
         them as it masks every position past a row's length. Other selections gather."""
         n, b = rows.numel(), self.k.shape[1]

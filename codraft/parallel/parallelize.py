@@ -1,20 +1,21 @@
-"""``parallelize``: a run's layout applied to the plain policy and draft, from outside, in one order.
+"""``parallelize``: the data-parallel part of a run's layout, applied to the plain policy and draft from outside.
 
-1. **Pipeline split** (``parallel.pp``): a stage runs its own decoder layers (``pipeline.stage_layers``);
-   the 1F1B schedule, its stage links and TapChannels are built on the first update
-   (``codraft.rl.pipelined.build_pipeline``: the channels are sized from a batch).
-2. **Context parallelism** (``parallel.cp``): attention over the zigzag ring, installed per packed
-   batch from outside the model (``codraft.parallel.context.ShardedRow`` as the forward's attention).
-3. **Data parallelism** (``parallel.dp``): without pipeline stages, the policy (each decoder layer,
-   then the root) and the co-trained draft wrapped by FSDP2 ``fully_shard`` or ``replicate``
-   (``data_parallel``); with pipeline stages and ``fsdp``, each stage's own parameters sharded over the
-   stage's data ranks and the other stages' freed (``sharded_stages``). Either way the rollout engine's
-   whole copies are made first and refreshed from the shards after every update. With pipeline stages
-   and ``ddp``, each DP replica is a whole pipeline whose stage gradients are summed over the replicas.
+What it applies, once, after the models are built and before their optimisers: **data parallelism**
+(``parallel.dp``): without pipeline stages, the policy (each decoder layer, then the root) and the
+co-trained draft wrapped by FSDP2 ``fully_shard`` or ``replicate`` (``data_parallel``); with pipeline
+stages and ``fsdp``, each stage's own parameters sharded over the stage's data ranks and the other
+stages' freed (``sharded_stages``). Either way the rollout engine's whole copies are made first and
+refreshed from the shards after every update. Nothing to do when the layout does not gather (one
+process, cp or pp alone, pp × dp with ``ddp``).
 
-The trainer calls it once, after the models are built and before their optimisers, and holds the
-layout; the update's forward and backward for that layout are chosen once too
-(``codraft.rl.update_phase.step_body``).
+What it does not apply (today elsewhere, each where its data is known):
+- the **pipeline split** (``parallel.pp``): the stage's layers, the 1F1B schedule, its links and
+  TapChannels are built on the first update (``codraft.rl.pipelined.build_pipeline``: the channels are
+  sized from a batch); with ``ddp`` each DP replica is a whole pipeline whose stage gradients are summed
+  over the replicas there;
+- **context parallelism** (``parallel.cp``): attention over the zigzag ring, installed per packed batch
+  (``codraft.rl.cotrain.packed_row`` → ``codraft.parallel.context.ShardedRow``).
+The update's forward and backward for the layout are chosen once (``codraft.rl.update_phase.step_body``).
 """
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ from codraft.parallel.sharded_stages import StageRefit, shard_stage
 
 
 def parallelize(policy, draft, layout: Layout, mesh: Mesh | None, rollout_weights, *, trains_draft: bool) -> None:
-    """Apply ``layout`` to ``policy`` and ``draft`` in place (steps 1 and 2 take effect in the step itself)."""
+    """Apply ``layout``'s data parallelism to ``policy`` and ``draft`` in place (see the module doc)."""
     if not layout.gathers:
         return
     rollout_weights.draft_for(draft)  # the engine's whole copy of the draft, made before it is sharded

@@ -42,6 +42,7 @@ RESUMABLE = (
     #                            the same math, other float rounding
     "parallel.microbatches",     # the RL loss is exact over micro-batches; the draft's anchors are drawn per one
     "grpo.max_nonfinite_steps",  # fault tolerance, not the update
+    "env.timeout", "env.workers", "env.isolation",  # where and how long tool calls run, not what they answer
     "log.val_every", "log.speedup_every", "log.frozen_probe_every",  # measurement cadences
     "log.checkpoint_every", "log.keep_last",                         # checkpoint cadence and rotation
 )

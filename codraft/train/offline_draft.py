@@ -150,7 +150,7 @@ def recipe_for(tok, kind: str) -> Recipe:
     cached completion token of its task), which makes a block draft's step ~4x cheaper, spent on more
     steps at a higher rate (held-out acceptance still rises at 800 steps), and EAGLE-3's ~5x (its 7
     test-time steps each run its head: 15.7 s a step over the whole vocabulary on a 2-core EPYC,
-    26 minutes for its 100 steps; docs/real-preset.md, session 22)."""
+    26 minutes for its 100 steps; docs/real-preset.md)."""
     if isinstance(tok, CharTokenizer):
         return Recipe(steps=200, batch_sequences=16, lr=1e-3, n_prompts=512, max_new_tokens=64)
     if kind in BLOCK_KINDS and tok.vocab_size > 8192:

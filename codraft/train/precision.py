@@ -4,8 +4,7 @@ everything else fp32), chosen by measurement on the machine at hand. It applies 
 
 bf16 products pay where the processor multiplies bf16 natively: on a 2-core Sapphire-Rapids-class Xeon
 (AMX), torch's bf16 products of a draft's training shapes run 2-4x faster than fp32, whole offline DSpark
-and DFlash steps 1.2-1.3x, and SmolLM2's GRPO loss forward and backward ~1.3x (docs/real-preset.md,
-sessions 29-30). Where the processor only converts (AVX2), bf16 products should be slower (not yet
+and DFlash steps 1.2-1.3x, and SmolLM2's GRPO loss forward and backward ~1.3x (docs/real-preset.md). Where the processor only converts (AVX2), bf16 products should be slower (not yet
 measured). So "auto" times the model's own products both ways, forward and backward, once per machine,
 and caches the choice as JSON under ``cache_root()/precision/``, keyed by the products' shapes and
 ``cache.machine_key``; a file recorded elsewhere is never read (its name differs).
@@ -14,7 +13,7 @@ What changes under bf16: the products round their operands to bf16 (about 3 sign
 accumulate in fp32. A draft's loss moves by ~1e-3 relative and its gradients by ~0.5 %, and held-out
 acceptance after 300 offline steps is the same within 0.005 of tau_est; the policy's GRPO gradient moves
 by ~3 % of its norm, and its logprobs drift from the rollout's by a KL the run logs (``rollout_kl``)
-(tests/unit/test_precision.py; the session notes).
+(tests/unit/test_precision.py).
 """
 from __future__ import annotations
 

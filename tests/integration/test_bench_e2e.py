@@ -65,7 +65,7 @@ def test_e2e_draft_kinds_are_the_registry_s():
 
 
 def test_each_draft_side_against_none_with_its_amdahl_bound():
-    """Made-up medians (the session-30 Xeon run's, rounded): none 11 s a step with a 4 s rollout; the
+    """Made-up medians (a 2-core Xeon run's, rounded): none 11 s a step with a 4 s rollout; the
     DSpark side 12 s with a 4 s rollout. Its step ratio is 11/12; a free rollout leaves 8 s, so at most
     11/8; the 1.3x target needs the step in 11/1.3 = 8.46 s, i.e. a 0.46 s rollout, 4/0.46 = 8.67x
     faster than none's; a side whose rest alone exceeds 8.46 s cannot reach it."""

@@ -60,8 +60,8 @@ def test_hf_side_decodes_every_token_as_codraft_does(tiny_policy_dir):
 
 def test_rollout_calls_take_turns_across_sides(tiny_policy_dir, tmp_path, monkeypatch):
     """Each T = 1 call of a repetition runs on every side before the next call starts, so a change in the
-    host's speed during the measure reaches every side alike (session 27's `auto` ran its whole share in
-    a slow spell)."""
+    host's speed during the measure reaches every side alike (an earlier `auto` ran its whole share in a
+    slow spell)."""
     from codraft.bench import spec
 
     order, make = [], spec._codraft_side

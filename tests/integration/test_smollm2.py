@@ -28,7 +28,7 @@ def folder(tmp_path_factory) -> Path:
     """The prepared folder: the user's cache if already complete there, else a temp cache.
 
     Under pytest-xdist the temp cache is shared by the workers (prepare's lock makes one of
-    them convert, ~20 s); conversion is the slow part, so it happens once per session.
+    them convert, ~20 s); conversion is the slow part, so it happens once per test run.
     """
     if smollm2.is_complete(smollm2.cache_root() / smollm2.FOLDER_NAME):
         return smollm2.prepare_smollm2()

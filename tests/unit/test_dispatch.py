@@ -381,7 +381,7 @@ def test_a_layer_with_qk_norms_has_a_table_of_its_own(made_up_times):
 def test_measurements_time_the_paths_not_the_packing(monkeypatch):
     """The panels paths run on copies of a bf16 weight (or layer) packed on first use. A measurement
     cycles through up to 256 copies and packing one costs ~10 products at 1 row, so every sample
-    timed the packing and the panels lost where they were fastest (SmolLM2 on the Xeon, session 23).
+    timed the packing and the panels lost where they were fastest (SmolLM2 on the Xeon).
     The copies are packed when a candidate is built, before its first timed call: also those the
     per-op layer's products pack where their own table picks panels (here: always)."""
     packs = []

@@ -4,7 +4,8 @@ model is built.
 * docs/configuration.md's key tables list exactly the keys of ``codraft.config.RULES``;
 * every relative link resolves to a file, and a ``#anchor`` to a heading of the target page (GitHub's
   slugs);
-* "session" appears only in docs/history.md (the other pages are user docs);
+* "session" appears only in docs/history.md (the other pages are user docs), and not in the source;
+* the keys a resume may change are listed as ``RESUMABLE`` has them;
 * every ``codraft <subcommand>`` / ``codraft bench <name>`` in README.md's code is a real subcommand of
   ``codraft.cli.parser()``, its ``--options`` are that subcommand's and its ``key=value`` overrides are
   config keys;
@@ -141,6 +142,25 @@ def mentions_session(text: str) -> list[str]:
 def test_session_only_in_history(page):
     found = mentions_session(page.read_text(encoding="utf-8"))
     assert not found, f"{_rel(page)} says 'session' (only docs/history.md may):\n" + "\n".join(found)
+
+
+def test_no_session_in_the_source():
+    """Code and tests cite docs and measurements, not the work's history (subprocess's
+    ``start_new_session`` is an API name; this file names the word it checks)."""
+    files = [f for f in sorted([*(ROOT / "codraft").rglob("*.py"), *(ROOT / "tests").rglob("*.py")])
+             if f != Path(__file__).resolve()]
+    found = [f"{_rel(f)} {hit}" for f in files
+             for hit in mentions_session(f.read_text(encoding="utf-8").replace("start_new_session", ""))]
+    assert not found, "source says 'session':\n" + "\n".join(found)
+
+
+# ---------------------------------------------------------------- (c') the resumable keys, as documented
+
+def test_the_resumable_keys_are_the_documented_ones():
+    from codraft.rl.runs import RESUMABLE
+    section = (ROOT / "docs" / "configuration.md").read_text(encoding="utf-8").split("## Keys a resume may change")[1]
+    listed = re.findall(r"`([a-z_]+(?:\.[a-z_]+)?)`", section.split("\n## ")[0])
+    assert set(listed) == set(RESUMABLE), f"docs/configuration.md lists {sorted(set(listed) ^ set(RESUMABLE))} wrongly"
 
 
 # ---------------------------------------------------------------- (d) README's commands against the CLI
