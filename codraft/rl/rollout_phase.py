@@ -172,7 +172,7 @@ def probe(tr: Trainer, step: int, rollout: Rollout) -> Probes:
     """The measurement extras on the rollout's prompts and seed: a plain rollout for the speedup
     and the frozen initial draft's τ."""
     m, seconds = {}, 0.0
-    if _measures(tr, step):
+    if _measures(tr, step) and tr.draft is not None:  # (without a draft the rollout is the plain one)
         _, t_plain, _ = tr._generate(tr.plain_engine, rollout.prompts, rollout.seed,
                                      group=tr.cfg.rollout.group_size, problems=rollout.group)
         m.update(time_rollout_plain=t_plain, rollout_speedup=t_plain / rollout.seconds)

@@ -129,8 +129,10 @@ def _first_last(label: str, rows: list, key: str, n: int) -> str:
         return f"{label}: -"
 
     def mean(part):
-        return f"{sum(v for _, v in part) / len(part):.3f} (steps {part[0][0]}-{part[-1][0]})"
-    return f"{label}: {mean(pts[:n])} -> {mean(pts[-n:])}"
+        steps = f"step {part[0][0]}" if len(part) == 1 else f"steps {part[0][0]}-{part[-1][0]}"
+        return f"{sum(v for _, v in part) / len(part):.3f} ({steps})"
+    k = min(n, len(pts) // 2)  # windows of up to n steps that never overlap (a short run: its halves)
+    return f"{label}: {mean(pts)}" if k == 0 else f"{label}: {mean(pts[:k])} -> {mean(pts[-k:])}"
 
 
 def report(run_dir: str | Path, plots=(), n: int = 10) -> str:
