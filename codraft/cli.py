@@ -31,6 +31,7 @@ def _cmd_prepare(args):
 
 def _cmd_train(args):
     from codraft.config import load_config, refuse_repeated_keys
+    from codraft.rl.interrupt import exit_code, ignore_signals
     from codraft.rl.runs import resume_config
     from codraft.rl.trainer import Trainer
     refuse_repeated_keys(args.overrides)  # steps=3 steps=0: which one was meant?
@@ -42,10 +43,11 @@ def _cmd_train(args):
     trainer = Trainer(cfg, resume=args.resume)
     try:
         trainer.fit()
-    except KeyboardInterrupt:  # fit checkpointed the last completed step and said where
+    except KeyboardInterrupt as e:  # fit checkpointed the last completed step and said where
+        ignore_signals()  # exiting: the status stays 128 + the signal whatever arrives now
         if trainer.is_main:
             print(trainer.report())
-        sys.exit(130)
+        sys.exit(exit_code(e))  # 130 after SIGINT, 143 after SIGTERM
     if trainer.is_main:
         print(trainer.report())
 

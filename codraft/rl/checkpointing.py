@@ -9,16 +9,24 @@ and the whole draft (gathered where they are sharded), the schedulers, counters 
 the write waits for it. A checkpoint carries the draft, optimisers and schedulers, the prompt counter and,
 with draft_length=auto, the running acceptance estimates, so a resumed run repeats an uninterrupted one's
 rollouts and updates.
+
+A write that fails stops every rank alike: the ranks' DCP write fails on all of them, and rank 0 tells the
+others how its own write went. A full disk is one line on each (``DiskFullError``: the folder, about how
+many bytes the checkpoint needs and how many are free); the temporary folders are removed, and the
+previous checkpoint stays.
 """
 from __future__ import annotations
 
+import errno
+import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from codraft.parallel.data_parallel import full_policy, full_state, load_full_state, load_shards, plain_policy, \
     save_shards
-from codraft.rl.update_phase import hold_ctrl_c
+from codraft.rl.interrupt import hold_signals
 from codraft.train import checkpoint as ckpt
+from codraft.train.disk_full import checkpoint_full, is_disk_full
 
 if TYPE_CHECKING:
     from codraft.rl.trainer import Trainer
@@ -26,24 +34,64 @@ if TYPE_CHECKING:
 
 def save(tr: Trainer) -> Path | None:
     """Checkpoint the last completed step (`steps_done`): every rank's part (several ranks), then rank 0
-    writes the consolidated rest."""
-    optimizers, policy, draft, shards = tr._optimizers(), tr.policy, tr.draft, None
-    if tr.world is not None:  # every rank writes its part (DCP); rank 0 also gets the whole policy and draft
-        shards = ckpt.shards_folder(tr.run_dir, tr.steps_done)
-        save_shards(_parts(tr), shards)
+    writes the consolidated rest. A full disk: ``DiskFullError`` on every rank, nothing of this step left."""
+    shards = ckpt.shards_folder(tr.run_dir, tr.steps_done) if tr.world is not None else None
+    try:
+        path = _write(tr, shards)
+    except BaseException as e:  # (DCP's CheckpointException is a BaseException)
+        if shards is not None:  # (once moved into the checkpoint's temporary folder, removed with it)
+            shutil.rmtree(shards, ignore_errors=True)
+        if isinstance(e, KeyboardInterrupt) or not is_disk_full(e):
+            raise
+        raise checkpoint_full(tr.run_dir, tr.steps_done, checkpoint_bytes(tr), ckpt.latest_checkpoint(tr.run_dir),
+                              tr.run_dir) from e
+    return path
+
+
+def _write(tr: Trainer, shards: Path | None) -> Path | None:
+    """The write itself: the ranks' parts into ``shards`` (several ranks), then rank 0's checkpoint, whose outcome
+    every rank learns (collective where there are several)."""
+    optimizers, policy, draft = tr._optimizers(), tr.policy, tr.draft
+    if shards is not None:  # every rank writes its part (DCP); rank 0 also gets the whole policy and draft
+        save_shards(_parts(tr), shards)  # (a rank whose write fails fails it on every rank)
         optimizers["policy"] = optimizers["draft"] = None
         policy, draft = _whole(tr)
-    if not tr.is_main:
-        tr._saved = tr.steps_done
-        return None
-    with hold_ctrl_c():  # a Ctrl-C waits for the write: the step being saved is kept, then it stops
-        path = ckpt.save_checkpoint(tr.run_dir, tr.steps_done, policy=policy, draft=draft,
-                                    optimizers=optimizers,
-                                    state=_checkpoint_state(tr),
-                                    config=tr.cfg.to_dict(), keep_last=tr.cfg.log.keep_last,
-                                    extra_files=_tokenizer_files(tr.policy_dir), shards=shards)
-        tr._saved = tr.steps_done
+    path = failed = None
+    if tr.is_main:
+        try:
+            with hold_signals():  # a Ctrl-C waits for the write: the step being saved is kept, then it stops
+                path = ckpt.save_checkpoint(tr.run_dir, tr.steps_done, policy=policy, draft=draft,
+                                            optimizers=optimizers,
+                                            state=_checkpoint_state(tr),
+                                            config=tr.cfg.to_dict(), keep_last=tr.cfg.log.keep_last,
+                                            extra_files=_tokenizer_files(tr.policy_dir), shards=shards)
+                tr._saved = tr.steps_done  # (before a held signal is delivered: no second write on the way out)
+        except Exception as e:
+            failed = e
+    if tr.world is not None:  # how rank 0's write went, on every rank: none trains on, or waits, alone
+        outcome = None if failed is None else (is_disk_full(failed), (str(failed).splitlines() or [repr(failed)])[0])
+        outcome = tr.world.all_gather_object(outcome, f"rank 0's write of the checkpoint of step {tr.steps_done}")[0]
+        if outcome is not None and failed is None:
+            full, text = outcome
+            if full:
+                raise OSError(errno.ENOSPC, f"rank 0: {text}")
+            raise ckpt.CheckpointError(f"rank 0 could not write the checkpoint of step {tr.steps_done}: {text}")
+    if failed is not None:
+        raise failed
+    tr._saved = tr.steps_done
     return path
+
+
+def checkpoint_bytes(tr: Trainer) -> int:
+    """About how many bytes a checkpoint of this run takes: the whole weights (``policy/``, ``draft.pt``) and two
+    AdamW moments per trained weight; a run of several ranks writes its trained weights and their moments in
+    ``sharded/`` instead of ``optim.pt``. (The same figure on every rank: from the whole modules.)"""
+    def size(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+    weights = size(tr.policy.state_dict().values()) + (size(tr.draft.state_dict().values()) if tr.draft is not None
+                                                       else 0)
+    trained = size(tr.policy.parameters()) + (size(tr.draft.trainable_parameters()) if tr.trains_draft else 0)
+    return weights + 2 * trained + (trained if tr.world is not None else 0)
 
 
 def _draft_here(tr: Trainer) -> bool:

@@ -24,9 +24,11 @@ machine, so the same holds on the same machine).
 
 Faults: a failing reward function scores 0 (``scoring``) and a non-finite update is skipped
 (``update_phase``); `grpo.max_nonfinite_steps` of those in a row stop the run with a NonFiniteError, no
-checkpoint being written while such a streak lasts; Ctrl-C checkpoints the last completed step before
-re-raising, so `--resume` continues from it (more Ctrl-Cs wait for a checkpoint write to finish, then
-say where the run stopped).
+checkpoint being written while such a streak lasts; Ctrl-C or SIGTERM checkpoints the last completed step
+before re-raising (``interrupt.Interrupted``: exit 130 / 143), so `--resume` continues from it (more signals
+wait for the checkpoint write to finish, then say where the run stopped); several ranks stop together at the
+step boundary after the signal (``interrupt``). A full disk is one line (``DiskFullError``), the previous
+checkpoint kept.
 
 Parallelism (``parallel.dp``, ``parallel.cp``, ``parallel.pp`` > 1: one process per rank under torchrun,
 placed by one ``Layout`` and its DeviceMesh, ``codraft.parallel.mesh``): every rank runs the step (its share
@@ -66,12 +68,14 @@ from codraft.rl.logger import MetricsLogger
 from codraft.rl.plots import plot_run
 from codraft.rl.rollout_phase import Probes, Rollout
 from codraft.rl.scoring import Scored
-from codraft.rl.update_phase import Update, adamw, hold_ctrl_c
+from codraft.rl.interrupt import Interrupted, Signals
+from codraft.rl.update_phase import Update, adamw
 from codraft.rollout import Engine, load_or_calibrate
 from codraft.rollout.weights import RolloutWeights
 from codraft.envs import make_env
 from codraft.tasks import make_task
 from codraft.train import checkpoint as ckpt
+from codraft.train.disk_full import DiskFullError, is_disk_full, run_full
 from codraft.drafts.eagle3_layer import parse_taps
 from codraft.train.offline_draft import starting_draft
 from codraft.train.run_dir import FreshFolder
@@ -210,7 +214,7 @@ class Trainer:
         if self.is_main and policy_dtype == torch.bfloat16 and self.rollout_weights.dtype == torch.float32:
             warnings.warn("grpo.precision: the policy trains in bf16 products while rollouts decode from its fp32 "
                           "weights, whose updates the trainer's products round away: the mismatch KL was ~10x "
-                          "larger on the real preset (docs/real-preset.md, session 30); rollout.dtype=bfloat16 "
+                          "larger on the real preset (docs/real-preset.md); rollout.dtype=bfloat16 "
                           "rounds the weights as the trainer does", stacklevel=3)
         return policy_dtype, draft_dtype
 
@@ -296,10 +300,13 @@ class Trainer:
 
     def fit(self):
         """Run the steps (``_fit``). An allocation that fails is one line naming the keys to lower; when no step
-        had completed, the folder this run created is removed, so it does not block a rerun."""
+        had completed, the folder this run created is removed, so it does not block a rerun. A full disk is one
+        line too."""
         try:
             return self._fit()
         except Exception as e:
+            if is_disk_full(e) and not isinstance(e, DiskFullError):
+                raise run_full(self.run_dir, e, ckpt.latest_checkpoint(self.run_dir)) from e
             if not memory.is_out_of_memory(e):
                 raise
             removed = self.run_dir if self.steps_done == 0 and self._fresh is not None and self._fresh.discard() \
@@ -310,43 +317,67 @@ class Trainer:
         cfg = self.cfg
         bar = tqdm(range(self.start_step, cfg.steps), desc="train", disable=not self.progress, dynamic_ncols=True,
                    initial=self.start_step, total=cfg.steps)
-        try:
-            if self.start_step == 0 and cfg.log.val_every:
-                self.logger.log(0, {"val_accuracy": self.validate()})
-            for step in bar:
-                m = self.step(step)
-                self.logger.log(step + 1, m)
-                if self.nonfinite_streak >= cfg.grpo.max_nonfinite_steps:
-                    raise NonFiniteError(f"step {step}: {self.nonfinite_streak} non-finite (NaN/inf) steps in a row "
-                                         f"(grpo.max_nonfinite_steps={cfg.grpo.max_nonfinite_steps}); stopping. "
-                                         f"Last good checkpoint: {ckpt.latest_checkpoint(self.run_dir) or 'none'}")
-                post = {"reward": f"{float(m['reward_mean']):.2f}", "step_s": f"{m['time_step']:.1f}"}
-                if "acceptance_length" in m:
-                    post["tau"] = f"{m['acceptance_length']:.2f}"
-                bar.set_postfix(post)
-                # no checkpoint mid NaN streak: it could rotate the last good one out (keep_last)
-                if cfg.log.checkpoint_every and ((step + 1) % cfg.log.checkpoint_every == 0 or step + 1 == cfg.steps) \
-                        and not self.nonfinite_streak:
-                    self.save()
-        except KeyboardInterrupt:
-            # Only completed steps count. Before a step's commit point (update_phase.commit) θ, φ and the
-            # optimisers still hold step `steps_done`'s state and `_done_prompts` rewinds the data
-            # position; after it the step is complete (its metrics row may be missing). RNG needs
-            # no rewind: every step reseeds from (seed, step).
-            with hold_ctrl_c():  # more Ctrl-Cs wait for the checkpoint and the line saying where it is
+        # SIGINT / SIGTERM: one process stops at once; several ranks at the next step boundary, all together
+        with Signals(immediate=self.world is None) as signals:
+            try:
+                if self.start_step == 0 and cfg.log.val_every:
+                    self.logger.log(0, {"val_accuracy": self.validate()})
+                for step in bar:
+                    m = self.step(step)
+                    self.logger.log(step + 1, m)
+                    if self.nonfinite_streak >= cfg.grpo.max_nonfinite_steps:
+                        raise NonFiniteError(
+                            f"step {step}: {self.nonfinite_streak} non-finite (NaN/inf) steps in a row "
+                            f"(grpo.max_nonfinite_steps={cfg.grpo.max_nonfinite_steps}); stopping. "
+                            f"Last good checkpoint: {ckpt.latest_checkpoint(self.run_dir) or 'none'}")
+                    post = {"reward": f"{float(m['reward_mean']):.2f}", "step_s": f"{m['time_step']:.1f}"}
+                    if "acceptance_length" in m:
+                        post["tau"] = f"{m['acceptance_length']:.2f}"
+                    bar.set_postfix(post)
+                    # no checkpoint mid NaN streak: it could rotate the last good one out (keep_last)
+                    every = cfg.log.checkpoint_every
+                    if every and ((step + 1) % every == 0 or step + 1 == cfg.steps) and not self.nonfinite_streak:
+                        self.save()
+                    stop = signals.agreed(self.world, step + 1)  # (a signal during the save above: it is kept)
+                    if stop:
+                        raise Interrupted(stop)
+            except KeyboardInterrupt as e:
+                # Only completed steps count. Before a step's commit point (update_phase.commit) θ, φ and the
+                # optimisers still hold step `steps_done`'s state and `_done_prompts` rewinds the data
+                # position; after it the step is complete (its metrics row may be missing). RNG needs
+                # no rewind: every step reseeds from (seed, step). Several ranks are all here, after the same step.
+                signals.stopping()  # more signals wait for the checkpoint and the line saying where it is
                 bar.close()
                 if self.steps_done > self._saved and not self.nonfinite_streak:
                     self.save()
-                last = ckpt.latest_checkpoint(self.run_dir)
-                print(f"interrupted after step {self.steps_done}; latest checkpoint: {last or 'none'}"
-                      + (f" (continue with --resume {self.run_dir})" if last else ""), file=sys.stderr)
-            raise
-        finally:  # never checkpoints: after an error the in-memory state may be bad
+                sys.stderr.write(self._interrupted(e) + "\n")  # one write: the ranks' lines do not interleave
+                sys.stderr.flush()
+                raise
+            finally:  # never checkpoints: after an error the in-memory state may be bad
+                self._close_run()
+        return self.run_dir
+
+    def _interrupted(self, e: KeyboardInterrupt) -> str:
+        """The line each rank prints when a signal stopped the run: after which step, and where it is saved."""
+        last = ckpt.latest_checkpoint(self.run_dir)
+        who = "" if self.world is None else f"rank {self.world.rank} of {self.world.size}: "
+        how = f" by {e.args[0]}" if isinstance(e, Interrupted) else ""
+        return (f"{who}interrupted after step {self.steps_done}{how}; latest checkpoint: {last or 'none'}"
+                + (f" (continue with --resume {self.run_dir})" if last else ""))
+
+    def _close_run(self):
+        """Close the metrics and plot the run; a full disk leaves a warning instead of plots (the run's own
+        error, if any, is the one raised)."""
+        try:
             self.logger.close()
             if self.is_main:
                 self.plots = plot_run(self.run_dir)
+        except Exception as e:
+            if not is_disk_full(e):
+                raise
+            warnings.warn(f"no space left on device for the metrics or plots of {self.run_dir}", stacklevel=2)
+        finally:
             self._unlock()  # the run is over: the folder is free for a resume
-        return self.run_dir
 
     def report(self) -> str:
         """Where the run is and how it went (what `codraft train` prints at the end and on Ctrl-C)."""

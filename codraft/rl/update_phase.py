@@ -14,15 +14,13 @@ engine's full copy is refreshed from the shards (``time_refit``, ``refit_peak_by
 
 Faults: a step whose loss or grad norm is NaN/inf is skipped (no optimiser step, `skipped_update`; the
 trainer stops the run after `grpo.max_nonfinite_steps` of those in a row). The commit point
-(``commit``) holds Ctrl-C until every optimiser and scheduler has stepped, so a step's update is
+(``commit``) holds Ctrl-C and SIGTERM until every optimiser and scheduler has stepped, so a step's update is
 all-or-nothing; with ``rollout.dtype=bfloat16`` it also refreshes the rollout weights' bf16 copy.
 """
 from __future__ import annotations
 
 import contextlib
 import math
-import signal
-import threading
 import time
 import warnings
 from dataclasses import dataclass
@@ -35,6 +33,7 @@ from codraft.parallel.context import sync_gradients
 from codraft.parallel.data_parallel import named_collectives
 from codraft.rollout.weights import full
 from codraft.rl.cotrain import cotrain_loss, replay_routes
+from codraft.rl.interrupt import hold_signals
 from codraft.rl.memory import PeakMemory
 from codraft.rl.microbatch import merge_metrics, split_microbatches, with_draft_normaliser
 from codraft.rl.pipelined import build_pipeline, clip_gradients, pipeline_cotrain, reduce_gradients, sync_weights
@@ -52,22 +51,6 @@ def adamw(params, **kw) -> torch.optim.AdamW:
     (docs/bench-e2e.md has the figures)."""
     params = list(params)
     return torch.optim.AdamW(params, fused=all(p.device.type in ("cpu", "cuda") for p in params) or None, **kw)
-
-
-@contextlib.contextmanager
-def hold_ctrl_c():
-    """Defer SIGINT to the end of the block, so the block (the optimiser updates) is all-or-nothing."""
-    if threading.current_thread() is not threading.main_thread() or signal.getsignal(signal.SIGINT) is None:
-        yield  # signals reach only the main thread; None: a handler set outside Python, leave it be
-        return
-    got = []
-    old = signal.signal(signal.SIGINT, lambda *a: got.append(a))
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGINT, old)
-        if got and callable(old):
-            old(*got[0])  # the default handler raises KeyboardInterrupt here
 
 
 class PhaseTimer:
@@ -255,10 +238,10 @@ def _zero_grad(tr: Trainer):
 
 
 def commit(tr: Trainer, step: int, finite: bool, timer: PhaseTimer):
-    """Commit point: a Ctrl-C here waits until every optimiser and scheduler has stepped, so the
+    """Commit point: a Ctrl-C or SIGTERM here waits until every optimiser and scheduler has stepped, so the
     step's update is all-or-nothing; from here on the step counts as completed. (Schedulers
     step on skipped updates too: the LR stays a function of the step index.)"""
-    with hold_ctrl_c():
+    with hold_signals():
         if finite:
             with timer("optimizer"):
                 tr.opt.step()  # (under pp: this stage's parameters)

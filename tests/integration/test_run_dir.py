@@ -124,9 +124,14 @@ def test_a_run_that_fails_to_start_leaves_a_folder_a_rerun_takes(tmp_path, tiny_
     assert ckpt.latest_checkpoint(run) == run / "step_1" and failed.value.code != 0
 
 
-def _cp_ranks_into_a_held_folder(rank, world, policy_dir, run):
-    """Both CP ranks start a run into a folder another process holds: rank 0 is refused, rank 1 must not hang."""
+def _cp_ranks_into_a_held_folder(rank, world, policy_dir, run, late=False):
+    """Both CP ranks start a run into a folder another process holds: rank 0 is refused, rank 1 must not hang.
+    ``late``: rank 1 starts making the device mesh 3 s after rank 0 (as a loaded machine may schedule it)."""
     from codraft.rl.trainer import Trainer
+    if late and rank == 1:
+        from codraft.parallel import mesh
+        made = mesh.init_device_mesh
+        mesh.init_device_mesh = lambda *a, **k: (time.sleep(3), made(*a, **k))[1]
     t0 = time.monotonic()
     try:
         Trainer(run_config(policy_dir, run, 1, extra=["parallel.cp=2", "parallel.timeout=20"]), progress=False)
@@ -135,11 +140,12 @@ def _cp_ranks_into_a_held_folder(rank, world, policy_dir, run):
     return "no error", "", time.monotonic() - t0
 
 
-def test_cp_ranks_beside_a_refused_rank_0_fail_within_the_timeout(tmp_path, tiny_policy_dir):
+@pytest.mark.parametrize("late", [False, True], ids=["together", "rank-1-late"])
+def test_cp_ranks_beside_a_refused_rank_0_fail_within_the_timeout(tmp_path, tiny_policy_dir, late):
     run = tmp_path / "run"
     held = lock_run(run)  # this test process is the other run
     try:
-        out = run_ranks(_cp_ranks_into_a_held_folder, 2, str(tiny_policy_dir), str(run), timeout=120)
+        out = run_ranks(_cp_ranks_into_a_held_folder, 2, str(tiny_policy_dir), str(run), late, timeout=120)
     finally:
         held.release()
     (e0, msg0, _), (e1, msg1, seconds1) = out
@@ -203,7 +209,8 @@ def test_two_ctrl_c_during_a_checkpoint_write_keep_it_and_say_where(tmp_path, ti
         p.wait()
     last = ckpt.latest_checkpoint(run)
     assert p.returncode == 130 and last is not None and ckpt.verify(last) is None, err.read_text()[-3000:]
-    assert f"interrupted after step {last.name.removeprefix('step_')}; latest checkpoint: {last}" in err.read_text()
+    assert f"interrupted after step {last.name.removeprefix('step_')} by SIGINT; latest checkpoint: {last}" \
+        in err.read_text()
     assert saves.read_text() == "save\n"  # one write, completed
     if when == "scheduled":
         assert last.name == "step_1"  # the step being saved
