@@ -26,12 +26,16 @@ class PackedCausal:
     completions each see their shared prompt, packed once. RoPE positions of segment i then
     continue after its prefix (``positions()``). A prefix segment has no prefix itself.
 
+    ``window`` (optional): sliding-window attention, a query at RoPE position p sees keys at positions
+    p - window + 1 .. p only (a model's sliding layers; ``dataclasses.replace(layout, window=w)``).
+
     ``dense()`` is the equivalent (1,1,T,T) boolean mask.
     """
     cu_seqlens: torch.Tensor
     total: int
     bounds: tuple[int, ...]
     prefix: tuple[int, ...] = ()
+    window: int | None = None
 
     @classmethod
     def of(cls, cu_seqlens: torch.Tensor, total: int, prefix: tuple[int, ...] = ()) -> "PackedCausal":
@@ -57,15 +61,25 @@ class PackedCausal:
         seg = torch.searchsorted(self.cu_seqlens[1:], torch.arange(self.total, device=pos.device), right=True)
         return pos + torch.tensor(shift, device=pos.device)[seg]
 
+    def longest(self) -> int:
+        """The most keys a query may see: the longest segment with its prefix (a window shorter than this
+        changes the attention)."""
+        return max((e - s + (self.bounds[p + 1] - self.bounds[p] if p >= 0 else 0)
+                    for p, s, e in zip(self.prefix or [-1] * (len(self.bounds) - 1), self.bounds, self.bounds[1:])),
+                   default=0)
+
     def dense(self) -> torch.Tensor:
         mask = varlen_causal_mask(self.cu_seqlens, self.total)
-        if not any(p >= 0 for p in self.prefix):
-            return mask
-        idx = torch.arange(self.total, device=self.cu_seqlens.device)
-        seg = torch.searchsorted(self.cu_seqlens[1:], idx, right=True)  # (T,) segment id, padding -> S
-        pre = torch.tensor(list(self.prefix) + [-1], device=idx.device)[seg]  # (T,) prefix segment of each query
-        sees_prefix = (seg[None, :] == pre[:, None]) & (pre[:, None] >= 0)
-        return mask | sees_prefix[None, None]
+        if any(p >= 0 for p in self.prefix):
+            idx = torch.arange(self.total, device=self.cu_seqlens.device)
+            seg = torch.searchsorted(self.cu_seqlens[1:], idx, right=True)  # (T,) segment id, padding -> S
+            pre = torch.tensor(list(self.prefix) + [-1], device=idx.device)[seg]  # (T,) prefix segment of each query
+            sees_prefix = (seg[None, :] == pre[:, None]) & (pre[:, None] >= 0)
+            mask = mask | sees_prefix[None, None]
+        if self.window is not None:  # within what a query sees, only the last `window` positions
+            pos = self.positions()
+            mask = mask & (pos[:, None] - pos[None, :] < self.window)[None, None]
+        return mask
 
 
 def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -105,8 +119,19 @@ def varlen_causal_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
     return mask[None, None]
 
 
-def cache_causal_mask(lengths: torch.Tensor, t: int, span: int) -> torch.Tensor:
-    """(B,1,T,S) mask for T new tokens written at lengths[b] + i into a cache read up to ``span``."""
+def cache_causal_mask(lengths: torch.Tensor, t: int, span: int, window: int | None = None) -> torch.Tensor:
+    """(B,1,T,S) mask for T new tokens written at lengths[b] + i into a cache read up to ``span``;
+    ``window``: each sees only the last ``window`` positions, its own included (sliding-window layers)."""
     q_pos = lengths[:, None] + torch.arange(t, device=lengths.device)  # (B,T)
     k_pos = torch.arange(span, device=lengths.device)
-    return (k_pos[None, None, :] <= q_pos[:, :, None])[:, None]
+    mask = k_pos[None, None, :] <= q_pos[:, :, None]
+    if window is not None:
+        mask = mask & (k_pos[None, None, :] > q_pos[:, :, None] - window)
+    return mask[:, None]
+
+
+def sliding_causal_mask(t: int, window: int, device=None) -> torch.Tensor:
+    """(1,1,T,T) causal mask where token i sees tokens i - window + 1 .. i."""
+    idx = torch.arange(t, device=device)
+    d = idx[:, None] - idx[None, :]
+    return ((d >= 0) & (d < window))[None, None]

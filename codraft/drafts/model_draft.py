@@ -26,6 +26,7 @@ import torch.nn as nn
 from codraft.drafts.base import Draft, Features
 from codraft.drafts.batch import DraftBatch
 from codraft.models import KVCache, ModelConfig, Transformer, load_pretrained, save_pretrained
+from codraft.models.config import DENSE_ARCHITECTURES
 from codraft.models.tensor_files import load_pickle, load_safetensors
 from codraft.spec.sampling import Sampler
 
@@ -36,7 +37,7 @@ class ModelDraftState(NamedTuple):
 
 
 class ModelDraft(nn.Module, Draft):
-    architectures = ("LlamaForCausalLM", "Qwen3ForCausalLM")  # an HF-format model folder
+    architectures = DENSE_ARCHITECTURES  # an HF-format model folder of a dense family
 
     def __init__(self, net: Transformer, *, default_gamma: int = 4):
         super().__init__()

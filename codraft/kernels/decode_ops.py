@@ -26,6 +26,7 @@ import weakref
 import torch
 
 from codraft.kernels import cbuild, gemv
+from codraft.models.layers import GemmaRMSNorm
 from codraft.kernels import panels as panel_copies  # (`panels` is decoder_stack's flag)
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -81,8 +82,10 @@ def layer_applies(layer, x: torch.Tensor, cache_k: torch.Tensor) -> bool:
     on x, at any row count: x, the cache and the norm weights CPU fp32 without autograd (q/k norms, if
     any, with the layer's eps), the 7 projection weights contiguous and all fp32 or all bf16, kernels
     built; a dense layer (a mixture of experts runs its C attention and its experts' products, not this
-    call). Whether it is the fastest path is the caller's call."""
-    if not hasattr(layer.mlp, "gate_proj"):
+    call); a Llama-shaped one: no q/k/v biases (Qwen2), no Gemma scale, soft-cap, norms or GeGLU, and no
+    sliding window shorter than the cache (the C attention is causal over all of it). Whether it is the
+    fastest path is the caller's call."""
+    if not hasattr(layer.mlp, "gate_proj") or not _llama_shaped(layer, cache_k.shape[-2]):
         return False
     norms, projections = _layer_weights(layer)
     qk, a = _qk_norms(layer), layer.self_attn
@@ -91,6 +94,18 @@ def layer_applies(layer, x: torch.Tensor, cache_k: torch.Tensor) -> bool:
             return False
         norms = [*norms, *qk]
     return cbuild.fits(x, cache_k, *norms) and cbuild.weight_fits(*projections) and kernels() is not None
+
+
+def _llama_shaped(layer, cache_len: int) -> bool:
+    """What decode_stack computes: plain RMSNorms, SwiGLU, unbiased projections, head_dim ** -0.5 scores, no
+    window that masks one of ``cache_len`` positions (block drafts' layers have none of these attributes)."""
+    a = layer.self_attn
+    window = getattr(a, "window", None)
+    return (type(layer.input_layernorm) is type(layer.post_attention_layernorm) and not isinstance(
+                layer.input_layernorm, GemmaRMSNorm) and not hasattr(layer, "pre_feedforward_layernorm")
+            and not getattr(layer.mlp, "gelu", False) and a.q_proj.bias is None
+            and getattr(a, "scale", None) is None and getattr(a, "softcap", None) is None
+            and (window is None or window >= cache_len))
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -12,6 +12,12 @@ panels or on an AMX CPU on AMX tiles: one candidate each) where that is faster t
 C norms + C attention + products, as measured on this machine per layer shape, weight dtype and
 row count (``LAYER``, ``codraft.kernels.dispatch``); there the model runs its whole stack of such
 layers in one C call.
+What the C code does not model runs the reference code: the C attention only where the layer's scores
+are plain (no Gemma scale or soft-cap) and its sliding window, if any, reaches back over every cached
+position (q/k/v biases, Qwen2's, are added to the fast products in torch); the one-call layer only for
+Llama-shaped layers (no biases, plain norms, SwiGLU, no window shorter than the cache). Gemma's layers and
+norms are subclasses (``SandwichDecoderLayer``, ``GemmaRMSNorm``) and stay as they are; its
+soft-capped logits are capped here as in the reference.
 ``SWAPS`` maps each reference class to its subclass; the subclasses add no parameters, buffers or
 attributes, so only ``type(module)`` changes.
 Not here: the kernels and their build (``gemv``, ``amx``, ``decode_ops``, ``cbuild``), installing these
@@ -24,13 +30,12 @@ import itertools
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from codraft.attention import cache_causal_mask, varlen_attention
 from codraft.kernels import amx, decode_ops, dispatch, panels as panel_copies
 from codraft.kernels.products import linear
 from codraft.models.kv_cache import KVCache
-from codraft.models.layers import MLP, RMSNorm
+from codraft.models.layers import MLP, RMSNorm, activate
 from codraft.models.transformer import Attention, DecoderLayer, Transformer
 
 CONTEXT = 16  # cached tokens per row while timing a layer: both paths run the same C attention over them
@@ -45,18 +50,21 @@ class FastRMSNorm(RMSNorm):
 
 class FastMLP(MLP):
     def forward(self, x):  # the reference forward with the fast products
-        return linear(F.silu(linear(x, self.gate_proj.weight)) * linear(x, self.up_proj.weight),
+        return linear(activate(linear(x, self.gate_proj.weight), self.gelu) * linear(x, self.up_proj.weight),
                       self.down_proj.weight)
 
 
 class FastAttention(Attention):
     def forward(self, x, cos, sin, attn, mask, cache, layer: int, positions, span):
         b, t, _ = x.shape
-        q, k, v = self.heads(linear(x, self.q_proj.weight), linear(x, self.k_proj.weight),
-                             linear(x, self.v_proj.weight))
+        q, k, v = self.heads(*self.project(x, linear))
         # decode and verify steps; a prefill into an empty cache (mask None) is plain causal attention,
-        # which SDPA's flash kernel does in O(T) memory, where this loop over keys is O(T²) per row
-        if cache is not None and mask is not None and attn is varlen_attention and decode_ops.applies(q, k, v, cache.k):
+        # which SDPA's flash kernel does in O(T) memory, where this loop over keys is O(T²) per row.
+        # The C attention is causal over all of a row's cache with head_dim ** -0.5 scores: not for a window
+        # shorter than what is read (span), Gemma's scale or soft-cap
+        if cache is not None and mask is not None and attn is varlen_attention \
+                and self.scale is None and self.softcap is None and (self.window is None or span <= self.window) \
+                and decode_ops.applies(q, k, v, cache.k):
             o = decode_ops.cache_attention(q, k, v, cos, sin, cache.k[layer], cache.v[layer], cache.lengths)
         else:
             o = self.attend(q, k, v, cos, sin, attn, mask, cache, layer, positions, span)
@@ -78,7 +86,7 @@ class FastDecoderLayer(DecoderLayer):
 
 class FastTransformer(Transformer):
     def logits(self, h: torch.Tensor) -> torch.Tensor:
-        return linear(self.norm(h), self.head_weight)
+        return self.cap_logits(linear(self.norm(h), self.head_weight))
 
     @property
     def decode_path(self) -> str:
@@ -91,8 +99,10 @@ class FastTransformer(Transformer):
         if ctx.cache is not None and ctx.attn is varlen_attention and layers.step == 1 and len(layers):
             stack = list(self.layers._modules.values())[layers.start:layers.stop]
             first = stack[0]
+            reach = ctx.cache.k.shape[-2]  # (a window at least the cache's length never masks a key)
             if isinstance(first, FastDecoderLayer) and all(type(l) is type(first) for l in stack) \
                     and all(hasattr(l.mlp, "gate_proj") for l in stack) \
+                    and all(w is None or w >= reach for w in self.windows[layers.start:layers.stop]) \
                     and decode_ops.layer_applies(first, x, ctx.cache.k):  # (dense layers only)
                 path = layer_path(first, x)
                 if path in FUSED:

@@ -2,6 +2,9 @@
 
 Writes go to a temporary sibling folder that is renamed into place, so an interrupted
 save never leaves a folder that looks complete.
+
+Phi-3 checkpoints hold each layer's q/k/v projections as one ``qkv_proj`` and its gate/up projections as
+one ``gate_up_proj``: split into codraft's (Llama's) names on load, fused back on save.
 """
 from __future__ import annotations
 
@@ -14,7 +17,6 @@ from safetensors.torch import save_file
 
 from codraft.atomic import atomic_dir
 from codraft.models.config import ModelConfig
-from codraft.models.layers import rope_inv_freq
 from codraft.models.tensor_files import load_safetensors
 from codraft.models.transformer import Transformer
 
@@ -27,6 +29,39 @@ def _hf_name(name: str) -> str:
 
 def _our_name(name: str) -> str:
     return name[len("model."):] if name.startswith("model.") else name
+
+
+def _split_fused(name: str, t: torch.Tensor, config: ModelConfig) -> list[tuple[str, torch.Tensor]]:
+    """A Phi-3 fused tensor -> its parts under codraft's names (rows: q, k, v; gate, up); others as they are."""
+    if name.endswith("self_attn.qkv_proj.weight"):
+        q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+        if t.shape[0] != q + 2 * kv:
+            raise ValueError(f"tensor {name} has {t.shape[0]} rows, expected {q + 2 * kv} (q, k, v) from config.json")
+        base = name[:-len("qkv_proj.weight")]
+        return list(zip((base + "q_proj.weight", base + "k_proj.weight", base + "v_proj.weight"),
+                        t.split([q, kv, kv])))
+    if name.endswith("mlp.gate_up_proj.weight"):
+        if t.shape[0] != 2 * config.intermediate_size:
+            raise ValueError(f"tensor {name} has {t.shape[0]} rows, expected {2 * config.intermediate_size} "
+                             "(gate, up) from config.json")
+        base = name[:-len("gate_up_proj.weight")]
+        return list(zip((base + "gate_proj.weight", base + "up_proj.weight"), t.chunk(2)))
+    return [(name, t)]
+
+
+def _fused(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """codraft's names -> Phi-3's fused qkv_proj and gate_up_proj, in the order of the state dict."""
+    out = {}
+    for name, t in state.items():
+        if name.endswith("self_attn.q_proj.weight"):
+            base = name[:-len("q_proj.weight")]
+            out[base + "qkv_proj.weight"] = torch.cat([t, state[base + "k_proj.weight"], state[base + "v_proj.weight"]])
+        elif name.endswith("mlp.gate_proj.weight"):
+            base = name[:-len("gate_proj.weight")]
+            out[base + "gate_up_proj.weight"] = torch.cat([t, state[base + "up_proj.weight"]])
+        elif not name.endswith(("self_attn.k_proj.weight", "self_attn.v_proj.weight", "mlp.up_proj.weight")):
+            out[name] = t
+    return out
 
 
 def read_config(path: str | os.PathLike) -> ModelConfig:
@@ -66,27 +101,30 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype = torch.float32,
     state, unexpected = {}, []
     for f in _weight_files(path):
         tensors = load_safetensors(f)
-        for name in list(tensors):
-            t = tensors.pop(name)  # popped: each file's tensors freed as they are converted
-            if name not in expected:
-                if config.tie_word_embeddings and name == "lm_head.weight":
-                    continue  # some exporters write the tied head anyway
-                unexpected.append(name)
-                continue
-            if tuple(t.shape) != tuple(expected[name].shape):
-                if name.endswith("mlp.gate.weight"):  # a router: one row per expert
-                    raise ValueError(f"checkpoint {path} has {t.shape[0]} experts ({name}), config.json says "
-                                     f"num_experts={config.num_experts}")
-                raise ValueError(f"tensor {name} in {f.name} has shape {tuple(t.shape)}, "
-                                 f"expected {tuple(expected[name].shape)} from config.json")
-            state[_our_name(name)] = t.to(dtype)
+        for fused in list(tensors):
+            # popped: each file's tensors freed as they are converted (Phi-3's fused ones split first)
+            parts = _split_fused(fused, tensors.pop(fused), config) if config.fused_projections \
+                else [(fused, tensors.pop(fused))]
+            for name, t in parts:
+                if name not in expected:
+                    if config.tie_word_embeddings and name == "lm_head.weight":
+                        continue  # some exporters write the tied head anyway
+                    unexpected.append(name)
+                    continue
+                if tuple(t.shape) != tuple(expected[name].shape):
+                    if name.endswith("mlp.gate.weight"):  # a router: one row per expert
+                        raise ValueError(f"checkpoint {path} has {t.shape[0]} experts ({name}), config.json says "
+                                         f"num_experts={config.num_experts}")
+                    raise ValueError(f"tensor {name} in {f.name} has shape {tuple(t.shape)}, "
+                                     f"expected {tuple(expected[name].shape)} from config.json")
+                state[_our_name(name)] = t.to(dtype)
     missing = sorted(set(expected) - {_hf_name(k) for k in state})
     if missing or unexpected:
         raise ValueError(f"checkpoint {path} does not match config.json: "
                          f"missing tensors {missing[:8]}{'...' if len(missing) > 8 else ''}, "
                          f"unexpected tensors {sorted(unexpected)[:8]}{'...' if len(unexpected) > 8 else ''}")
     model.load_state_dict(state, assign=True)  # no random init of weights that get overwritten anyway
-    model.inv_freq = rope_inv_freq(config)  # the one non-persistent buffer: rebuild it off the meta device
+    model.rope_buffers()  # the non-persistent buffers: rebuild them off the meta device
     return model.to(device)
 
 
@@ -98,6 +136,8 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *, max_shard_by
     """
     path = Path(path)
     state = {_hf_name(k): v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in model.state_dict().items()}
+    if model.config.fused_projections:
+        state = _fused(state)
     cfg = model.config.to_dict()
     cfg["torch_dtype"] = str(next(iter(state.values())).dtype).replace("torch.", "")
     cfg["architectures"] = list(model.config.architectures)

@@ -1,5 +1,5 @@
-"""Building blocks shared by the policy decoder and the drafts: RMSNorm, RoPE (with Llama-3
-frequency scaling), the SwiGLU MLP, and the product ``linear``.
+"""Building blocks shared by the policy decoder and the drafts: RMSNorm (and Gemma's (1 + w) form), RoPE
+(with Llama-3 frequency scaling), the gated MLP (SwiGLU, or GeGLU for Gemma), and the product ``linear``.
 
 The plain reference, torch ops only. The CPU decode fast path (C kernels for few-row products
 and norms) is not here: ``codraft.kernels.enable(module)`` installs it on a module tree."""
@@ -24,9 +24,24 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
-def rope_inv_freq(config: ModelConfig) -> torch.Tensor:
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: scaled by (1 + w), w initialised to 0. A subclass, so the CPU fast path (which
+    swaps exact classes) leaves it on this reference forward."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__(dim, eps)
+        nn.init.zeros_(self.weight)
+
+    def forward(self, x):
+        return (F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps) * (1.0 + self.weight.float())).to(x.dtype)
+
+
+def rope_inv_freq(config: ModelConfig, theta: float | None = None) -> torch.Tensor:
+    """theta: a base other than the config's (Gemma 3's sliding layers: rope_local_base_freq, unscaled)."""
     d = config.head_dim
-    inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    inv = 1.0 / ((theta or config.rope_theta) ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    if theta is not None:
+        return inv
     s = config.rope_scaling
     if s and s.get("rope_type", s.get("type")) == "llama3":
         # Llama-3: keep high frequencies, divide low ones by `factor`, interpolate between.
@@ -65,16 +80,23 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return y.view(*x.shape[:-1], w.shape[0])
 
 
+def activate(x: torch.Tensor, gelu: bool) -> torch.Tensor:
+    """The gate's activation: silu (SwiGLU) or gelu with the tanh approximation (Gemma's GeGLU)."""
+    return F.gelu(x, approximate="tanh") if gelu else F.silu(x)
+
+
 class MLP(nn.Module):
-    """SwiGLU; ``size``: its intermediate size (default the config's; a MoE expert's is smaller)."""
+    """SwiGLU, or GeGLU where the config's activation is gelu_pytorch_tanh (Gemma); ``size``: its
+    intermediate size (default the config's; a MoE expert's is smaller)."""
 
     def __init__(self, c: ModelConfig, size: int | None = None):
         super().__init__()
         size = size or c.intermediate_size
+        self.gelu = c.activation == "gelu_pytorch_tanh"
         self.gate_proj = nn.Linear(c.hidden_size, size, bias=False)
         self.up_proj = nn.Linear(c.hidden_size, size, bias=False)
         self.down_proj = nn.Linear(size, c.hidden_size, bias=False)
 
     def forward(self, x):
-        return linear(F.silu(linear(x, self.gate_proj.weight)) * linear(x, self.up_proj.weight),
+        return linear(activate(linear(x, self.gate_proj.weight), self.gelu) * linear(x, self.up_proj.weight),
                       self.down_proj.weight)

