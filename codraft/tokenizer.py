@@ -136,12 +136,18 @@ class HFTokenizer:
 
     def chat_text(self, text: str) -> str:
         """``text`` as a single user turn followed by the assistant generation prompt."""
+        return self.chat_messages([{"role": "user", "content": text}])
+
+    def chat_messages(self, messages: list[dict]) -> str:
+        """Chat ``messages`` ({role, content}) followed by the assistant generation prompt."""
         if self._jinja is not None:
-            return self._jinja.render(messages=[{"role": "user", "content": text}], add_generation_prompt=True,
+            return self._jinja.render(messages=messages, add_generation_prompt=True,
                                       bos_token=self._bos_text, eos_token=self._eos_text)
-        system = (f"<|im_start|>system\n{self.default_system_prompt}<|im_end|>\n"
-                  if self.default_system_prompt else "")
-        return f"{system}<|im_start|>user\n{text}<|im_end|>\n<|im_start|>assistant\n"
+        turns = [m for m in messages if m["role"] == "system"] or \
+            ([{"role": "system", "content": self.default_system_prompt}] if self.default_system_prompt else [])
+        turns += [m for m in messages if m["role"] != "system"]
+        return "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in turns) + \
+            "<|im_start|>assistant\n"
 
     def prompt_ids(self, text: str) -> list[int]:
         if self.is_chat:

@@ -13,13 +13,13 @@ run folder, so a run can be reproduced from it alone.
 from codraft.config.loading import RETIRED, apply, flatten, load_config, preset_names, refuse_repeated_keys
 from codraft.config.rules import (COUNT, CROSS_RULES, EVERY, NON_NEGATIVE, POSITIVE, PRECISION, RULES, Device,
                                   Flag, OneOf, Range, Text)
-from codraft.config.schema import (ConfigError, DraftConfig, EnvConfig, GRPOConfig, LogConfig, ParallelConfig,
-                                   PolicyConfig, RolloutConfig, RunConfig, TaskConfig, _all_keys, check_policy,
+from codraft.config.schema import (ConfigError, DataConfig, DraftConfig, EnvConfig, GRPOConfig, LogConfig, ParallelConfig,
+                                   PolicyConfig, RewardConfig, RolloutConfig, RunConfig, TaskConfig, _all_keys, check_policy,
                                    check_taps, validate)
 from codraft.config.taps import Taps, taps_problem
 
 __all__ = ["COUNT", "CROSS_RULES", "EVERY", "NON_NEGATIVE", "POSITIVE", "PRECISION", "RETIRED", "RULES",
-           "ConfigError", "Device", "DraftConfig", "EnvConfig", "Flag", "GRPOConfig", "LogConfig", "OneOf",
-           "ParallelConfig", "PolicyConfig", "Range", "RolloutConfig", "RunConfig", "Taps", "TaskConfig", "Text",
+           "ConfigError", "DataConfig", "Device", "DraftConfig", "EnvConfig", "Flag", "GRPOConfig", "LogConfig", "OneOf",
+           "ParallelConfig", "PolicyConfig", "Range", "RewardConfig", "RolloutConfig", "RunConfig", "Taps", "TaskConfig", "Text",
            "apply", "check_policy", "check_taps", "flatten", "load_config", "preset_names", "refuse_repeated_keys",
            "taps_problem", "validate"]

@@ -42,6 +42,8 @@ def _coerce(key: str, value, typ: type, where: str | None = None, column_offset:
         value = float(value)
     if typ is str and isinstance(value, (int, float)) and not isinstance(value, bool):
         value = str(value)
+    if typ is str and isinstance(value, list) and all(isinstance(x, (str, int, float)) for x in value):
+        value = ",".join(str(x) for x in value)  # a YAML list of a comma-separated key (reward.funcs, weights)
     _check_type(key, value, typ)
     return value
 

@@ -3,6 +3,7 @@ and ``CROSS_RULES`` (rules between keys, each returning the error message or Non
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -13,6 +14,7 @@ from codraft.config.taps import Taps, _taps_fit
 from codraft.drafts import available_drafts
 from codraft.envs import ENVS
 from codraft.envs.workers import MAX_OBSERVATION_CHARS, MAX_TIMEOUT_S, MAX_WORKERS
+from codraft.rewards import BUILTINS, parse_funcs, parse_weights
 from codraft.tasks import TASKS
 
 if TYPE_CHECKING:
@@ -64,6 +66,58 @@ class Text:
         return self.what
 
 
+class AnyText:
+    """Any string, empty included; ``what`` says what it names and what empty means."""
+
+    def __init__(self, what: str):
+        self.what = what
+
+    def allows(self, v) -> bool:
+        return True
+
+    def __str__(self) -> str:
+        return self.what
+
+
+class RewardFuncs:
+    """``reward.funcs``: comma-separated built-in names, ``FILE.py:NAME`` or ``module:NAME``; empty: the task's own."""
+
+    def allows(self, v) -> bool:
+        return all(s in BUILTINS or (s.rpartition(":")[0].strip() and s.rpartition(":")[2].isidentifier())
+                   for s in parse_funcs(v))
+
+    def __str__(self) -> str:
+        return f"comma-separated rewards: built in ({', '.join(BUILTINS)}), FILE.py:NAME or module:NAME " \
+               "(empty: the task's own reward)"
+
+
+class Weights:
+    """``reward.weights``: comma-separated finite numbers; empty: every weight 1."""
+
+    def allows(self, v) -> bool:
+        try:
+            return all(math.isfinite(float(x)) for x in v.split(",")) if v.strip() else True
+        except ValueError:
+            return False
+
+    def __str__(self) -> str:
+        return "comma-separated numbers, one per reward.funcs entry (empty: every weight 1)"
+
+
+class Pattern:
+    """A Python regular expression."""
+
+    def allows(self, v) -> bool:
+        try:
+            re.compile(v)
+        except re.error:
+            return False
+        return True
+
+    def __str__(self) -> str:
+        return "a Python regular expression"
+
+
 class Device:
     """A torch device this machine has: cpu, or cuda[:N] / mps where available."""
 
@@ -107,7 +161,7 @@ PRECISION = OneOf(("float32", "bfloat16", "auto"))  # a loss's products (codraft
 POSITIVE = Range(0, lo_open=True)
 
 # Every key of RunConfig, with the values it allows (tests/unit/test_config.py checks the table is complete).
-RULES: dict[str, Range | OneOf | Text | Device | Flag | Taps] = {
+RULES: dict[str, Range | OneOf | Text | AnyText | Device | Flag | Taps | RewardFuncs | Weights | Pattern] = {
     "seed": Range(0, 2**63 - 1),
     "steps": COUNT,
     "run_dir": Text("a folder path (not empty)"),
@@ -120,6 +174,19 @@ RULES: dict[str, Range | OneOf | Text | Device | Flag | Taps] = {
     "task.name": OneOf(tuple(TASKS)),
     "task.max_chars": Range(1, note="longer completions get reward 0"),
     "task.format_reward": Range(0, 1, hi_open=True, note="below a correct answer's 1"),
+    "data.train": AnyText("a data file (.jsonl, .json, .parquet, .csv) or a save_to_disk folder; empty: the "
+                          "task.name generator"),
+    "data.val": AnyText("a data file or folder like data.train; empty: a held-out data.val_fraction of data.train"),
+    "data.prompt_key": Text("a column name (not empty)"),
+    "data.chat_template": OneOf(("auto", "none")),
+    "data.system_prompt": AnyText("text (empty: no system turn)"),
+    "data.val_fraction": Range(0, 1, lo_open=True, hi_open=True, note="of data.train's rows, at least one"),
+    "data.shuffle": Flag(),
+    "reward.funcs": RewardFuncs(),
+    "reward.weights": Weights(),
+    "reward.timeout": Range(0, MAX_TIMEOUT_S, lo_open=True, note="seconds, at most an hour"),
+    "reward.isolation": OneOf(("auto", "process", "inline")),
+    "reward.regex": Pattern(),
     "env.name": OneOf(_EnvNames()),
     "env.max_turns": COUNT,
     "env.timeout": Range(0, MAX_TIMEOUT_S, lo_open=True, note="seconds, at most an hour"),
@@ -253,8 +320,40 @@ def _taps_reach_the_device(c: RunConfig) -> str | None:
     return None
 
 
+def _data_files_exist(c: RunConfig) -> str | None:
+    for key, path in (("data.train", c.data.train), ("data.val", c.data.val)):
+        if path and not Path(path).exists():
+            return f"config key {key!r} must be an existing data file or folder, got {path!r} (no such file or folder)"
+    if c.data.val and not c.data.train:
+        return f"config key 'data.val' needs data.train (held-out prompts of your data), got {c.data.val!r}"
+    return None
+
+
+def _data_has_rewards(c: RunConfig) -> str | None:
+    if c.data.train and not c.reward.funcs.strip():
+        return "config key 'reward.funcs' must name the reward functions of data.train (e.g. math, or " \
+               "my_rewards.py:accuracy; docs/your-data.md), got ''"
+    if c.data.train and c.env.name != "none":
+        return f"config key 'env.name' must be none with data.train (an environment scores a built-in task's " \
+               f"episodes), got {c.env.name!r}"
+    return None
+
+
+def _reward_files_exist(c: RunConfig) -> str | None:
+    for spec in parse_funcs(c.reward.funcs):
+        target = spec.rpartition(":")[0]
+        if target.endswith(".py") and not Path(target).is_file():
+            return f"config key 'reward.funcs' names {spec!r}: no such file {target!r}"
+    funcs, weights = parse_funcs(c.reward.funcs), parse_weights(c.reward.weights)
+    if weights and len(weights) != max(len(funcs), 1):
+        return f"config key 'reward.weights' must give one weight per reward function ({max(len(funcs), 1)}), " \
+               f"got {len(weights)}: {c.reward.weights!r}"
+    return None
+
+
 # Rules between keys: each returns the error message, or None.
 CROSS_RULES: tuple[Callable[[RunConfig], str | None], ...] = (_auto_needs_a_draft, _rollout_copy_is_narrower,
                                                                _draft_folder_exists, _every_rank_has_work,
                                                                _data_parallel_fits, _env_has_its_task, _aux_loss_in_one_batch,
-                                                               _taps_reach_the_device, _taps_fit)
+                                                               _taps_reach_the_device, _taps_fit,
+                                                               _data_files_exist, _data_has_rewards, _reward_files_exist)

@@ -26,6 +26,28 @@ class TaskConfig:
 
 
 @dataclass
+class DataConfig:
+    train: str = ""                 # your training prompts: a .jsonl/.json/.parquet/.csv file or a save_to_disk
+    #                                 folder ("": the built-in task.name's generator); docs/your-data.md
+    val: str = ""                   # held-out prompts ("": a seeded val_fraction of data.train)
+    prompt_key: str = "prompt"      # the column holding each prompt: text, or a list of chat messages
+    chat_template: str = "auto"     # auto: the tokenizer's chat template where it has one | none: the text as is
+    system_prompt: str = ""         # a system turn before each prompt ("": none)
+    val_fraction: float = 0.05      # without data.val: this share of data.train's rows is held out (at least one)
+    shuffle: bool = True            # each pass over data.train in an order drawn from (seed, pass); false: file order
+
+
+@dataclass
+class RewardConfig:
+    funcs: str = ""                 # comma-separated: math, exact, regex, a task name, FILE.py:NAME, module:NAME
+    #                                 ("": the task's own reward)
+    weights: str = ""               # comma-separated, one per function ("": every weight 1)
+    timeout: float = 60.0           # seconds one call of one of your functions may take (the whole batch)
+    isolation: str = "auto"         # where your functions run: auto/process (a worker process) or inline
+    regex: str = r"^<think>.*?</think>\s*<answer>.*?</answer>$"  # the `regex` reward's pattern (whole completion)
+
+
+@dataclass
 class EnvConfig:
     name: str = "none"              # none (the task, one turn) or a multi-turn environment: calculator, lookup
     max_turns: int = 4              # the policy's turns per episode; its tokens and the observations' share
@@ -120,6 +142,8 @@ class RunConfig:
     memory_check: bool = True       # refuse a step estimated larger than the memory available (codraft.rl.memory)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)

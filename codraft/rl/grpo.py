@@ -91,14 +91,14 @@ def token_logprobs(logits: Tensor, targets: Tensor, *, chunk_size: int | None = 
     V = logits.shape[-1]
     flat = logits.reshape(-1, V)  # (N,V)
     tgt = targets.reshape(-1, 1).long()  # (N,1)
-    step = flat.shape[0] if chunk_size is None else max(1, chunk_size)
+    step = max(1, flat.shape[0] if chunk_size is None else chunk_size)
     out = []
     for s in range(0, flat.shape[0], step):
         z = flat[s : s + step]
         picked = z.gather(-1, tgt[s : s + step]).squeeze(-1).float()  # (n,)
         out.append(picked - torch.logsumexp(z.float(), dim=-1))
-    if not out:
-        return logits.new_zeros(targets.shape, dtype=torch.float32)
+    if not out:  # no token (e.g. every sample of a step dropped): empty, still in the graph so backward runs
+        return logits.new_zeros(targets.shape, dtype=torch.float32) + logits.float().sum() * 0
     return torch.cat(out).reshape(targets.shape)
 
 
@@ -137,17 +137,29 @@ def group_advantages(
     normalize_std: bool = True,
     leave_one_out: bool = False,
     eps: float = 1e-6,
+    keep: Tensor | None = None,
 ) -> Tensor:
     """Per-completion advantages for groups of ``group_size`` consecutive rewards.
 
     rewards (N,) with N a multiple of n -> (N,) fp32. See the module docstring for the exact
     formula (Bessel std, leave-one-out baseline, equal-reward groups -> exactly 0).
+    keep (N,) bool: the completions that have a reward (a reward function's None drops one): each group's
+    statistics are those of its kept members alone, as if the group had only them, and a dropped one's
+    advantage is 0 (the trainer also masks it out of the loss).
     """
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D (N,), got shape {tuple(rewards.shape)}")
     n = int(group_size)
     if n < 1 or rewards.numel() % n:
         raise ValueError(f"group_size={n} must be >= 1 and divide len(rewards)={rewards.numel()}")
+    if keep is not None and not bool(keep.all()):
+        out = torch.zeros(rewards.shape, dtype=torch.float32)
+        for g in range(0, rewards.numel(), n):
+            idx = keep[g:g + n].nonzero().squeeze(-1) + g
+            if idx.numel():
+                out[idx] = group_advantages(rewards[idx], idx.numel(), normalize_std=normalize_std,
+                                            leave_one_out=leave_one_out, eps=eps)
+        return out
     r = rewards.float().reshape(-1, n)  # (G,n)
     mean = r.mean(-1, keepdim=True)
     if leave_one_out and n > 1:

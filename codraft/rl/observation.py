@@ -29,6 +29,9 @@ def observe(tr: Trainer, step: int, rollout: Rollout, probes: Probes, scored: Sc
         m["refit_peak_bytes"] = tr.last_refit_peak
     m.update(update.metrics)
     lm, rewards, lens = update.metrics, scored.rewards, [len(o.tokens) for o in rollout.out]
+    if scored.kept is not None and not bool(scored.kept.all()):  # (dropped samples have no reward)
+        rewards = rewards[scored.kept] if bool(scored.kept.any()) else rewards.new_zeros(1)
+    m.update(scored.metrics)  # reward/NAME_mean per reward function, reward_dropped
     m.update(reward_mean=rewards.mean(), reward_std=rewards.std() if len(rewards) > 1 else 0.0,
              completion_len=sum(lens) / len(lens), lr=tr.sched.get_last_lr()[0],
              mismatch_kl=lm.get("policy/rollout_kl"), token_mult_prob_error=lm.get("policy/token_mult_prob_error"))

@@ -49,8 +49,14 @@ class Probes:
     seconds: float              # wall time of both
 
 
+def prompt_ids(tr: Trainer, problem) -> list[int]:
+    """The ids a problem's prompt is decoded from: rendered at load (data files), or the tokenizer's."""
+    return problem.prompt_ids if problem.prompt_ids is not None else tr.tok.prompt_ids(problem.prompt)
+
+
 def next_prompts(tr: Trainer) -> list:
-    """The next training prompts from the task's train stream (position saved in checkpoints)."""
+    """The next training prompts from the task's train stream (a built-in generator or your data files; the
+    position, prompts_used, is saved in checkpoints)."""
     if tr._stream is None:  # (re)open at the loader position, e.g. after a resume
         tr._stream = tr.task.stream("train", seed=tr.cfg.seed)
         for _ in range(tr.prompts_used):
@@ -118,11 +124,14 @@ def validate(tr: Trainer) -> float:
     """The held-out accuracy: greedy decodes of the validation prompts, with their own engine."""
     tr.policy.eval()
     tr.rollout_weights.check("validation")
-    prompts = [tr.tok.prompt_ids(p.prompt) for p in tr.val]
+    prompts = [prompt_ids(tr, p) for p in tr.val]
     out, _, _ = tr._generate(tr.val_engine, prompts, seed=0, temperature=0.0, problems=tr.val)
     if tr.env is not None:  # (scored against the environment)
         return sum(o.reward for o in out) / len(tr.val)
-    return sum(tr.task.reward(p, tr.tok.decode(o.tokens)) for p, o in zip(tr.val, out)) / len(tr.val)
+    # the run's reward functions (failures score 0; the prompts no function judged are left out)
+    totals = [t for t in tr.rewards.score(tr.val, [tr.tok.decode(o.tokens) for o in out],
+                                          [o.tokens for o in out]).totals if t is not None]
+    return sum(totals) / len(totals) if totals else 0.0
 
 
 def rollout(tr: Trainer, step: int) -> Rollout:
@@ -131,7 +140,7 @@ def rollout(tr: Trainer, step: int) -> Rollout:
     seed = step_seed(cfg.seed, step)
     problems = next_prompts(tr)
     group = [p for p in problems for _ in range(r.group_size)]
-    prompts = [tr.tok.prompt_ids(p.prompt) for p in group]
+    prompts = [prompt_ids(tr, p) for p in group]
     memory.check_prompts(tr.task.name, max(map(len, prompts)), r.max_new_tokens,
                          tr.policy.config.max_position_embeddings, cfg.policy.init)
     tr.policy.eval()
@@ -140,6 +149,9 @@ def rollout(tr: Trainer, step: int) -> Rollout:
     tr.last_stats = stats
     tr.last_rollout = out
     m = {"time_rollout": seconds}
+    epoch = tr.task.epoch(tr.prompts_used)
+    if epoch is not None:  # data files: passes over data.train so far (1.5: half way through the second)
+        m["epoch"] = epoch
     if tr.draft is not None:  # gamma_chosen[g]: rounds that drafted g tokens; gamma_mean: per row-round
         m.update(acceptance_length=stats.acceptance_length, acceptance_per_position=stats.acceptance_per_position,
                  gamma_chosen=stats.gamma_chosen, gamma_mean=stats.mean_gamma)

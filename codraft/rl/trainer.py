@@ -73,7 +73,8 @@ from codraft.rl.update_phase import Update, adamw
 from codraft.rollout import Engine, load_or_calibrate
 from codraft.rollout.weights import RolloutWeights
 from codraft.envs import make_env
-from codraft.tasks import make_task
+from codraft.data import build_task
+from codraft.rewards import build_rewards
 from codraft.train import checkpoint as ckpt
 from codraft.train.disk_full import DiskFullError, is_disk_full, run_full
 from codraft.drafts.eagle3_layer import parse_taps
@@ -108,7 +109,9 @@ class Trainer:
         random.seed(cfg.seed)
         self.policy, self.tok, self.policy_dir = load_policy(cfg.policy.init, dtype)
         check_policy(cfg, self.policy.config)  # what depends on the policy: known from here
-        self.task = make_task(cfg.task.name, max_chars=cfg.task.max_chars, format_reward=cfg.task.format_reward)
+        # the prompts (a built-in task's generator, or your data files) and the reward functions that score them
+        self.task = build_task(cfg, self.tok, self.policy.config.max_position_embeddings)
+        self.rewards = build_rewards(cfg, self.task)
         # multi-turn: the environment over the task, and how this policy writes tool calls
         self.env = None if cfg.env.name == "none" else make_env(cfg.env.name, self.task)
         init_policy = self.policy

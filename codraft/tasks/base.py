@@ -23,6 +23,8 @@ class Problem:
     answer: str  # canonical final answer, e.g. "101"
     solution: str  # worked reference completion, ends with the final-answer marker line
     meta: dict[str, Any] = field(default_factory=dict)
+    prompt_ids: list[int] | None = None  # the ids the policy is conditioned on, when rendered already (data files);
+    #                                      None: the tokenizer's prompt_ids(prompt)
 
 
 def parse_number(text: str) -> Decimal | None:
@@ -119,6 +121,10 @@ class Task(abc.ABC):
             return out
         raise ValueError(f"{self.name}: only {len(out)} distinct {split} problems after {budget} draws "
                          f"(wanted {n}); the knobs {self.knobs} allow too few problems")
+
+    def epoch(self, used: int) -> float | None:
+        """Passes over the training prompts after ``used`` of them; None for an endless generator."""
+        return None
 
     def format_completion(self, problem: Problem) -> str:
         """The exact SFT target text (no EOS)."""

@@ -1,0 +1,129 @@
+"""Your reward functions run in a worker process, as your tools do (``codraft.envs.workers``): a function that
+hangs past ``reward.timeout``, exits or crashes its process costs that call's samples (scored 0 and counted as
+errors), never the run. The worker is then killed and a fresh one started for the next call.
+
+One worker serves every user function of a run: it imports them at start (``calling.load``) and reports their
+conventions, or why it cannot (one line: the trainer refuses the run before step 0). It starts from a clean
+process (forkserver, else spawn: none of the trainer's torch state), with the trainer's ``sys.path``.
+"""
+from __future__ import annotations
+
+import signal
+import sys
+import time
+import warnings
+from multiprocessing.connection import wait as wait_for
+
+from codraft.envs.workers import KILL_TIMEOUT_S, START_TIMEOUT_S, _context
+from codraft.rewards.calling import Batch, RewardLoadError, Result, call, load, style_of
+
+
+class RewardWorker:
+    """The worker process of the functions ``specs`` (``FILE.py:NAME`` / ``module:NAME``)."""
+
+    def __init__(self, specs: list[str], timeout: float):
+        self.specs, self.timeout = specs, timeout
+        self.ctx = _context(__name__)
+        self.process = self.conn = None
+        self.styles = self._start()
+
+    def _start(self) -> list[str]:
+        """Start the process; -> each function's convention. A worker that cannot load them: RewardLoadError."""
+        parent, child = self.ctx.Pipe()
+        self.process = self.ctx.Process(target=_serve, args=(child, list(sys.path), self.specs), daemon=True,
+                                        name="codraft-reward")
+        self.process.start()
+        child.close()
+        self.conn = parent
+        got = self._receive(START_TIMEOUT_S)
+        if not (isinstance(got, tuple) and got[0] == "ready"):
+            self.close()
+            why = got[1] if isinstance(got, tuple) else got
+            raise RewardLoadError(why)
+        return got[1]
+
+    def call(self, index: int, batch: Batch) -> Result:
+        """Function ``index`` on the batch, within ``reward.timeout``; a hang or a dead worker fails every sample."""
+        n = len(batch)
+        if self.process is None:  # the last call's worker was killed: a fresh one
+            try:
+                self._start()
+            except RewardLoadError as e:
+                return Result([None] * n, [f"the reward worker process did not restart: {e}"] * n)
+        try:
+            self.conn.send((index, batch))
+        except OSError:
+            pass  # (a dead worker: read below)
+        got = self._receive(self.timeout)
+        if isinstance(got, Result):
+            return got
+        self._kill()
+        why = got if isinstance(got, str) else f"unexpected message {got!r}"
+        return Result([None] * n, [why] * n)
+
+    def _receive(self, timeout: float):
+        """The worker's next message, or (text) why there is none: it hung past ``timeout`` or died."""
+        deadline = time.monotonic() + timeout
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return f"no answer within reward.timeout={self.timeout:g} s (the worker process was killed)"
+            ready = wait_for([self.conn, self.process.sentinel], timeout=left)
+            try:
+                if self.conn in ready or self.conn.poll():
+                    return self.conn.recv()
+            except (EOFError, OSError):
+                pass
+            if self.process.sentinel in ready:
+                self.process.join(KILL_TIMEOUT_S)
+                return f"the reward worker process died (exit code {self.process.exitcode})"
+
+    def _kill(self):
+        if self.process is None:
+            return
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join(KILL_TIMEOUT_S)
+            if self.process.is_alive():
+                warnings.warn(f"reward worker process {self.process.pid} did not exit within {KILL_TIMEOUT_S:g} s "
+                              "of SIGKILL", RuntimeWarning, stacklevel=2)
+        self.conn.close()
+        self.process = self.conn = None
+
+    def close(self):
+        if self.process is not None and self.process.is_alive():
+            try:
+                self.conn.send(None)
+            except OSError:
+                pass
+            self.process.join(1.0)
+        self._kill()
+
+
+def _serve(conn, path: list[str], specs: list[str]):
+    """The worker process: load the functions, then call them until told to stop or the trainer is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle: it stops the worker
+    sys.path[:] = path
+    try:
+        fns = [load(s) for s in specs]
+        styles = [style_of(f, s) for f, s in zip(fns, specs)]
+    except RewardLoadError as e:
+        conn.send(("broken", str(e)))
+        return
+    except BaseException as e:  # noqa: BLE001 - reported to the trainer, which refuses the run
+        conn.send(("broken", f"the reward functions cannot be loaded: {e!r}"))
+        return
+    conn.send(("ready", styles))
+    while True:
+        try:
+            job = conn.recv()
+        except (EOFError, OSError):
+            return  # the trainer is gone
+        if job is None:
+            return
+        index, batch = job
+        try:
+            conn.send(call(fns[index], styles[index], batch))
+        except Exception as e:  # noqa: BLE001 - e.g. a value that does not pickle
+            n = len(batch)
+            conn.send(Result([None] * n, [f"the result cannot be sent back: {e!r}"] * n))
