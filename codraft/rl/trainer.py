@@ -127,7 +127,7 @@ class Trainer:
         self.draft = None if d.mode == "none" else starting_draft(
             d.kind, d.init, policy=self.policy, tok=self.tok, task=self.task, policy_dir=self.policy_dir,
             gamma=d.gamma, seed=cfg.seed, progress=self.progress, num_anchors=d.num_anchors,
-            layers=parse_taps(d.taps))
+            layers=parse_taps(d.taps), announce=self.is_main)  # (an offline draft: what it builds, said by rank 0)
         self.trains_draft = d.mode == "cotrain" and self.draft is not None and bool(self.draft.trainable_parameters())
         self.policy_dtype, self.draft_dtype = self._training_precisions(cfg)
         # draft_length=auto: one cost model for every engine, timed now (or read from the cache) for the

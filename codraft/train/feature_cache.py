@@ -1,7 +1,8 @@
 """Target features computed once: what offline draft training reads, with no target forward per step.
 
 ``build`` samples completions from the target with the rollout engine (temperature 1, like RL
-rollouts), runs the target once over them in packed chunks (no grad) and keeps, for every token,
+rollouts) on the task's training prompts as the run renders them (a data file's own ids), runs the
+target once over them in packed chunks (no grad) and keeps, for every token,
 the tapped layer outputs and the last layer's output (before the final norm). Teacher logits
 are the frozen, shared LM head applied to that last output: ``batch`` computes them for the rows
 a draft reads only, so the (tokens, vocab) logits are never stored. A draft that predicts K tokens
@@ -19,9 +20,11 @@ import hashlib
 import json
 import os
 import sys
+import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 from tqdm import tqdm
@@ -166,26 +169,39 @@ def check_identity(found: dict, expect: dict, folder) -> None:
 # ---------------------------------------------------------------- building
 
 
+def prompt_ids(tok, problem) -> list[int]:
+    """The ids a run decodes ``problem`` from: rendered at load where the task did it (your data files: chat
+    template, system prompt), else the tokenizer's."""
+    return problem.prompt_ids if problem.prompt_ids is not None else tok.prompt_ids(problem.prompt)
+
+
 def sample_sequences(policy, tok, task, *, n_prompts: int, max_new_tokens: int, seed: int,
-                     temperature: float = 1.0, progress: bool = True,
-                     keep: Path | None = None) -> list[tuple[list[int], list[int]]]:
-    """(prompt ids, completion ids) pairs sampled from the target on the task's train prompts. With
-    ``keep`` (a JSON file), the pairs so far are written there after every batch, and a build that was
-    interrupted continues after the last batch written: each batch has its own seed, so the result is
-    the uninterrupted one's (the real model's sampling takes minutes)."""
+                     temperature: float = 1.0, progress: bool = True, keep: Path | None = None,
+                     on_first_batch: Callable[[list, float, int], None] | None = None
+                     ) -> list[tuple[list[int], list[int]]]:
+    """(prompt ids, completion ids) pairs sampled from the target on the task's train prompts, rendered as
+    the run renders them (``prompt_ids``). With ``keep`` (a JSON file), the pairs so far are written there
+    after every batch, and a build that was interrupted continues after the last batch written: each batch
+    has its own seed, so the result is the uninterrupted one's (the real model's sampling takes minutes).
+    on_first_batch(pairs so far, seconds the batch took, batches left): called once, after the first batch
+    sampled here (what a build's time estimate is measured on)."""
     engine, batch = Engine(policy), SAMPLE_BATCH
     problems = task.sample("train", n_prompts, seed=seed + 17)
     out = _kept(keep, batch)
     bar = tqdm(total=-(-n_prompts // batch), initial=len(out) // batch, desc="sample completions",
                disable=not progress, dynamic_ncols=True)
     for i in range(len(out), n_prompts, batch):
-        prompts = [tok.prompt_ids(p.prompt) for p in problems[i:i + batch]]
+        t0 = time.perf_counter()
+        prompts = [prompt_ids(tok, p) for p in problems[i:i + batch]]
         res = engine.generate(prompts, max_new_tokens, temperature=temperature, seed=seed + i, eos_id=tok.eos_id)
         out += [(p, r.tokens) for p, r in zip(prompts, res)]
         if keep is not None:
             keep.parent.mkdir(parents=True, exist_ok=True)
             atomic_write_text(keep, json.dumps({"batch": batch, "sequences": out}))
         bar.update()
+        if on_first_batch is not None:
+            on_first_batch(out, time.perf_counter() - t0, -(-(n_prompts - len(out)) // batch))
+            on_first_batch = None
     bar.close()
     return out
 
@@ -233,18 +249,21 @@ def target_features(policy, sequences, layers, *, chunk_tokens: int = 4096,
 
 
 def build(policy, tok, task, *, layers, n_prompts: int, max_new_tokens: int, seed: int, temperature: float = 1.0,
-          ident: dict, progress: bool = True, keep: Path | None = None) -> FeatureCache:
-    """Sample, then run the target (``keep``: see ``sample_sequences``)."""
+          ident: dict, progress: bool = True, keep: Path | None = None,
+          on_first_batch: Callable[[list, float, int], None] | None = None) -> FeatureCache:
+    """Sample, then run the target (``keep``, ``on_first_batch``: see ``sample_sequences``)."""
     policy.eval()
     seqs = sample_sequences(policy, tok, task, n_prompts=n_prompts, max_new_tokens=max_new_tokens, seed=seed,
-                            temperature=temperature, progress=progress, keep=keep)
+                            temperature=temperature, progress=progress, keep=keep, on_first_batch=on_first_batch)
     feats, last = target_features(policy, seqs, sorted(layers), progress=progress)
     return FeatureCache(ident, seqs, feats, last)
 
 
 def cached(policy, tok, task, *, policy_name: str, policy_key: str, layers, n_prompts: int, max_new_tokens: int,
-           seed: int, temperature: float = 1.0, progress: bool = True) -> FeatureCache:
-    """The cache for these settings under ``cache_root()/features``, built and saved on first use."""
+           seed: int, temperature: float = 1.0, progress: bool = True,
+           on_first_batch: Callable[[list, float, int], None] | None = None) -> FeatureCache:
+    """The cache for these settings under ``cache_root()/features``, built and saved on first use
+    (``on_first_batch``: see ``sample_sequences``; not called when nothing is sampled)."""
     ident = identity(policy_name=policy_name, policy_key=policy_key, task=task, n_prompts=n_prompts,
                      max_new_tokens=max_new_tokens, seed=seed, temperature=temperature, layers=layers)
     key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
@@ -256,7 +275,8 @@ def cached(policy, tok, task, *, policy_name: str, policy_key: str, layers, n_pr
             return FeatureCache.load(folder, expect=ident)
         keep = folder.with_name(folder.name + ".sampled.json")  # what an interrupted build had sampled
         cache = build(policy, tok, task, layers=layers, n_prompts=n_prompts, max_new_tokens=max_new_tokens,
-                      seed=seed, temperature=temperature, ident=ident, progress=progress, keep=keep)
+                      seed=seed, temperature=temperature, ident=ident, progress=progress, keep=keep,
+                      on_first_batch=on_first_batch)
         cache.save(folder)
         keep.unlink(missing_ok=True)
     return cache

@@ -8,6 +8,11 @@ the cached last hidden state), so offline and online training share one loss and
 the target. The result is the starting point of a "frozen" draft and the initial weights for
 co-training. Progress is checkpointed (``resume/``, written atomically; each step reseeds from
 ``step_seed``) so an interrupted run continues where it stopped, with the same draws.
+
+A run's draft (``starting_draft``, ``draft.init=offline``) is trained on the run's own task: your data
+files' prompts, or the built-in task. It is cached by policy, data, kind and recipe; a build takes minutes
+on a real model, so before it starts, what it builds, on which data, where and how to skip it is said on
+stderr, then an estimate of its time measured on the first work done (``_BuildClock``).
 """
 from __future__ import annotations
 
@@ -17,6 +22,7 @@ import math
 import os
 import random
 import shutil
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -74,11 +80,9 @@ def train_offline(policy, tok, task, draft: Draft, *, out_dir: str | os.PathLike
                dynamic_ncols=True)
     for step in bar:
         s = step_seed(seed, step)
-        batch = features.batch(policy, random.Random(s).sample(range(len(features)), min(batch_sequences, len(features))),
-                               layers, teacher=draft.reads_teacher, columns=draft.teacher_columns())
-        torch.manual_seed(s)
-        with products(dtype):
-            loss, _ = draft.loss(batch)
+        loss = step_loss(draft, features, policy, random.Random(s).sample(range(len(features)),
+                                                                          min(batch_sequences, len(features))),
+                         layers, dtype, seed=s)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 1.0)
@@ -97,6 +101,16 @@ def train_offline(policy, tok, task, draft: Draft, *, out_dir: str | os.PathLike
     (out_dir / "report.json").write_text(json.dumps(report, indent=2))  # written last: marks complete
     shutil.rmtree(out_dir / "resume", ignore_errors=True)
     return report
+
+
+def step_loss(draft: Draft, features: FeatureCache, policy, indices: list[int], layers, dtype: torch.dtype, *,
+              seed: int) -> torch.Tensor:
+    """The draft's loss on cached sequences ``indices`` (one training step's forward)."""
+    batch = features.batch(policy, indices, tuple(layers), teacher=draft.reads_teacher, columns=draft.teacher_columns())
+    torch.manual_seed(seed)
+    with products(dtype):
+        loss, _ = draft.loss(batch)
+    return loss
 
 
 def _check_arguments(*, lr: float, **counts: int):
@@ -224,63 +238,176 @@ def shared_layers(target_config) -> list[int]:
 
 
 def offline_features(policy, tok, task, *, policy_dir: Path, layers, seed: int, n_prompts: int, max_new_tokens: int,
-                     progress: bool = True) -> FeatureCache:
-    """The cached target data offline drafts of ``policy`` train from (built on first use)."""
+                     progress: bool = True, on_first_batch=None) -> FeatureCache:
+    """The cached target data offline drafts of ``policy`` train from (built on first use; ``on_first_batch``:
+    see ``feature_cache.sample_sequences``)."""
     return feature_cache.cached(policy, tok, task, policy_name=str(Path(policy_dir).resolve()),
-                                policy_key=_policy_key(Path(policy_dir)),
-                                layers=sorted(set(layers) | set(shared_layers(policy.config))),
+                                policy_key=_policy_key(Path(policy_dir)), layers=feature_layers(policy, layers),
                                 n_prompts=n_prompts, max_new_tokens=max_new_tokens, seed=seed,
-                                progress=progress)
+                                progress=progress, on_first_batch=on_first_batch)
 
 
-def offline_draft_dir(kind: str, *, policy, tok, task, policy_dir: Path, gamma: int | None, seed: int,
-                      recipe: Recipe | None = None, progress: bool = True, layers: list[int] | None = None) -> Path:
-    """A cached draft of ``kind`` trained offline on ``policy`` by ``recipe``; trained on first use.
+def feature_layers(policy, layers) -> list[int]:
+    """The layers an offline feature cache holds: every kind's default taps, and ``layers``."""
+    return sorted(set(layers or ()) | set(shared_layers(policy.config)))
 
-    layers: EAGLE-3's taps (``draft.taps``); None = the kind's default (and the cache entry without them)."""
-    r = recipe or recipe_for(tok, kind)
+
+def offline_draft_folder(kind: str, *, task, policy_dir: Path, gamma: int | None, seed: int, recipe: Recipe,
+                         layers: list[int] | None = None) -> Path:
+    """Where the offline draft of these settings is cached: keyed by the policy (its folder and its weight
+    files' sizes and times), the data (a task's name and the knobs that decide its problems; for your data
+    files their contents), the kind and its settings (γ, taps), the recipe and the seed."""
+    r = recipe
     knobs = hashlib.sha256(json.dumps(task.problem_knobs, sort_keys=True).encode()).hexdigest()[:6]
     vocab = f"-dv{r.draft_vocab}" if r.draft_vocab else ""
     taps = f"-taps{'.'.join(map(str, layers))}" if layers else ""  # chosen taps: another draft, its own entry
     precision = f"-{r.precision}" if r.precision != "float32" else ""  # the setting; report.json has what it chose
     key = (f"{kind}-g{gamma}-{task.name}.{knobs}-s{r.steps}x{r.batch_sequences}-p{r.n_prompts}x{r.max_new_tokens}"
            f"{vocab}{taps}-lr{r.lr:g}{precision}-seed{seed}-{_policy_key(Path(policy_dir))}-v{CACHE_VERSION}")
-    folder = cache_root() / "drafts" / key
+    return cache_root() / "drafts" / key
+
+
+def data_label(task) -> str:
+    """The prompts an offline draft is trained on, as a user named them: a data file, or a built-in task."""
+    files = task.knobs.get("train") if task.name == "data" else None  # your files (codraft.data.FileTask)
+    return f"data.train={files}" if files else f"task.name={task.name}"
+
+
+def offline_draft_dir(kind: str, *, policy, tok, task, policy_dir: Path, gamma: int | None, seed: int,
+                      recipe: Recipe | None = None, progress: bool = True, layers: list[int] | None = None,
+                      announce: bool = True, skip: str = "draft.init=random") -> Path:
+    """A cached draft of ``kind`` trained offline on ``policy`` by ``recipe``; trained on first use.
+
+    layers: EAGLE-3's taps (``draft.taps``); None = the kind's default (and the cache entry without them).
+    announce: say on stderr what is reused, or what is built (kind, steps, data, cache, ``skip``: how to go
+    without it) before building and then its estimated time (one process of a launch: the trainer's rank 0)."""
+    r = recipe or recipe_for(tok, kind)
+    folder = offline_draft_folder(kind, task=task, policy_dir=policy_dir, gamma=gamma, seed=seed, recipe=r,
+                                  layers=layers)
     if (folder / "report.json").is_file():
+        if announce:
+            _say(f"reusing the offline {kind} draft of this policy on {data_label(task)} ({folder})")
         return folder / "draft"
+    if announce:
+        _say(f"the draft starts from offline training, and no offline {kind} draft of this policy on this data is "
+             f"cached yet: building one first (once; runs with the same policy, data and draft kind reuse it)\n"
+             f"  what: {r.steps} training steps of {r.batch_sequences} sequences, on {r.n_prompts} completions of "
+             f"up to {r.max_new_tokens} tokens the policy samples at T=1\n"
+             f"  data: the training prompts of {data_label(task)}, rendered as the run renders them\n"
+             f"  time: estimated below from the first completions sampled and a timed training step\n"
+             f"  cache: {folder}\n"
+             f"  skip it: {skip} (an untrained draft), or a trained draft's folder")
     # one process builds (CP/PP ranks, pytest workers); the others wait and then find it built
-    with build_lock(folder.with_name(f".{key}.lock"), f"the offline {kind} draft {folder}"):
+    with build_lock(folder.with_name(f".{folder.name}.lock"), f"the offline {kind} draft {folder}"):
         if (folder / "report.json").is_file():
             return folder / "draft"
+        clock = _BuildClock(kind, r, policy=policy, gamma=gamma, layers=layers, seed=seed, bars=progress) \
+            if announce else None
         features = offline_features(policy, tok, task, policy_dir=policy_dir, layers=layers or (),
                                     seed=seed, n_prompts=r.n_prompts, max_new_tokens=r.max_new_tokens,
-                                    progress=progress)  # the kinds' default taps, and these
-        options, notes, tokens = ({"layers": list(layers)} if layers else {}), {}, None
-        if r.draft_vocab:
-            tokens, covered = draft_vocabulary(features, policy.config.vocab_size, r.draft_vocab)
-            notes = {"draft_vocab": r.draft_vocab, "draft_vocab_coverage": covered}
-            options = {"draft_vocab_size": r.draft_vocab}
-            if kind not in BLOCK_KINDS:  # chosen at build: exactly these tokens, one count each
-                options["token_counts"] = torch.zeros(policy.config.vocab_size).index_fill_(0, tokens, 1.0)
-        torch.manual_seed(seed)
-        draft = build_draft(kind, policy.config, target=policy, gamma=gamma, **options)
-        if tokens is not None and kind in BLOCK_KINDS:
-            draft.set_vocabulary(tokens)
+                                    progress=progress, on_first_batch=clock and clock.after_first_batch)
+        if clock is not None and not clock.said:  # the completions were cached: only the training is left
+            clock.before_training(features)
+        draft, notes = _new_draft(kind, policy, features, gamma=gamma, layers=layers, recipe=r, seed=seed)
         train_offline(policy, tok, task, draft, out_dir=folder, steps=r.steps, batch_sequences=r.batch_sequences,
                       lr=r.lr, seed=seed, progress=progress, features=features, notes=notes, precision=r.precision)
         write_target_record(folder / "draft", policy, policy_dir, draft.feature_layers)
     return folder / "draft"
 
 
+def _new_draft(kind: str, policy, features: FeatureCache, *, gamma: int | None, layers, recipe: Recipe,
+               seed: int) -> tuple[Draft, dict]:
+    """(a fresh draft of ``kind`` as ``recipe`` builds it, notes for its report): with a draft vocabulary,
+    the ``features``' most frequent completion tokens."""
+    options, notes, tokens = ({"layers": list(layers)} if layers else {}), {}, None
+    if recipe.draft_vocab:
+        tokens, covered = draft_vocabulary(features, policy.config.vocab_size, recipe.draft_vocab)
+        notes = {"draft_vocab": recipe.draft_vocab, "draft_vocab_coverage": covered}
+        options = {**options, "draft_vocab_size": recipe.draft_vocab}
+        if kind not in BLOCK_KINDS:  # chosen at build: exactly these tokens, one count each
+            options["token_counts"] = torch.zeros(policy.config.vocab_size).index_fill_(0, tokens, 1.0)
+    torch.manual_seed(seed)
+    draft = build_draft(kind, policy.config, target=policy, gamma=gamma, **options)
+    if tokens is not None and kind in BLOCK_KINDS:
+        draft.set_vocabulary(tokens)
+    return draft, notes
+
+
+class _BuildClock:
+    """An offline build's time, estimated once from work measured on this machine and said on stderr:
+    the first batch of completions (its time per batch, for the batches left), the target over a few of
+    them (per token, for the tokens to come) and two training steps of a throwaway draft on those (the
+    faster one, per step). When the completions are cached already, the steps are timed on them."""
+
+    def __init__(self, kind: str, recipe: Recipe, *, policy, gamma, layers, seed: int, bars: bool):
+        self.kind, self.r, self.policy, self.gamma, self.layers, self.seed = kind, recipe, policy, gamma, layers, seed
+        self.bars, self.said = bars, False
+
+    def after_first_batch(self, pairs: list, seconds: float, batches_left: int) -> None:
+        few = pairs[:self.r.batch_sequences]
+        t0 = time.perf_counter()
+        feats, last = feature_cache.target_features(self.policy, few, feature_layers(self.policy, self.layers),
+                                                    progress=False)
+        per_token = (time.perf_counter() - t0) / sum(len(p) + len(c) for p, c in few)
+        step = self._step_seconds(FeatureCache({}, few, feats, last))
+        tokens = sum(len(p) + len(c) for p, c in pairs) / len(pairs) * self.r.n_prompts
+        sampling, target, training = seconds * batches_left, per_token * tokens, step * self.r.steps
+        self._say(sampling + target + training,
+                  f"a batch of {len(pairs)} completions sampled in {seconds:.0f} s, so {batches_left} more ~"
+                  f"{_duration(sampling)}; the target's features ~{_duration(target)} (a forward over {len(few)} "
+                  f"of them); {self.r.steps} steps x {step:.2f} s ~{_duration(training)} (the faster of 2 steps "
+                  f"timed on those); on a machine's first run that batch also times its decode paths: this errs long")
+
+    def before_training(self, features: FeatureCache) -> None:
+        step = self._step_seconds(features)
+        self._say(step * self.r.steps, f"the completions are cached; {self.r.steps} steps x {step:.2f} s "
+                                       f"(the faster of 2 steps timed on them)")
+
+    # (the estimate leaves out what is small beside these: optimiser updates, and with a draft vocabulary
+    # the teacher's log-sum-exp over the cache, once)
+
+    def _step_seconds(self, features: FeatureCache) -> float:
+        """One training step's forward and backward on ``features``, scaled to the recipe's batch."""
+        draft, _ = _new_draft(self.kind, self.policy, features, gamma=self.gamma, layers=self.layers, recipe=self.r,
+                              seed=self.seed)
+        dtype = resolve_precision(self.r.precision, draft)  # ("auto" measures once per machine: before the clock)
+        n, dev = min(self.r.batch_sequences, len(features)), self.policy.head_weight.device
+        times = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            step_loss(draft, features, self.policy, list(range(n)), draft.feature_layers, dtype,
+                      seed=self.seed).backward()
+            if dev.type == "cuda":  # (kernels run asynchronously: wait for them)
+                torch.cuda.synchronize(dev)
+            times.append(time.perf_counter() - t0)
+        return min(times) * min(self.r.batch_sequences, self.r.n_prompts) / n
+
+    def _say(self, seconds: float, basis: str) -> None:
+        _say(f"the offline {self.kind} draft needs about {_duration(seconds)} more (estimated on this machine: "
+             f"{basis})" + ("; the bars show the time left" if self.bars else ""))
+        self.said = True
+
+
+def _duration(seconds: float) -> str:
+    return f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.0f} min"
+
+
+def _say(text: str) -> None:
+    tqdm.write(f"codraft: {text}", file=sys.stderr)  # (above a progress bar in flight, not inside its line)
+
+
 def starting_draft(kind: str, init: str, *, policy, tok, task, policy_dir: Path, gamma: int | None, seed: int,
-                   progress: bool = True, layers: list[int] | None = None, **options) -> Draft:
-    """A run's initial draft: ``init`` "random", "offline" (cached short offline training) or a folder.
+                   progress: bool = True, layers: list[int] | None = None, announce: bool = True,
+                   skip: str = "draft.init=random", **options) -> Draft:
+    """A run's initial draft: ``init`` "random", "offline" (cached short offline training on ``task``'s
+    training prompts: the run's own) or a folder.
 
     Kinds without weights have nothing to train offline: "offline" builds them as they are. layers:
-    EAGLE-3's taps (``draft.taps``, None = its default); a folder must have been trained on them."""
+    EAGLE-3's taps (``draft.taps``, None = its default); a folder must have been trained on them.
+    announce, skip: see ``offline_draft_dir``."""
     if init == "offline":
         init = offline_draft_dir(kind, policy=policy, tok=tok, task=task, policy_dir=policy_dir, gamma=gamma,
-                                 seed=seed, progress=progress, layers=layers) \
+                                 seed=seed, progress=progress, layers=layers, announce=announce, skip=skip) \
             if draft_kind(kind).has_weights else "random"
     draft = init_draft(kind, policy, init=init, gamma=gamma, layers=layers, **options)
     if layers and sorted(draft.feature_layers) != sorted(layers):
@@ -298,7 +425,7 @@ def draft_for_command(spec: str, policy, tok, policy_dir, *, gamma: int = 4, ini
     if spec in available_drafts():
         task = make_task(default_task_name(tok)) if init == "offline" else None
         return starting_draft(spec, init, policy=policy, tok=tok, task=task, policy_dir=Path(policy_dir),
-                              gamma=gamma, seed=seed, progress=progress)
+                              gamma=gamma, seed=seed, progress=progress, skip="--draft-init random")
     if not Path(spec).is_dir():
         raise ValueError(f"unknown draft {spec!r}: not a draft folder, and not a kind "
                          f"(valid kinds: {', '.join(available_drafts())})")
