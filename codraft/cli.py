@@ -9,6 +9,7 @@ import sys
 
 from codraft.cli_bench import bench_commands  # argparse only: --help stays instant
 from codraft.errors import CodraftError  # no dependencies: --help stays instant
+from codraft.eval.args import add_parser as add_eval_parser  # argparse only: --help stays instant
 from codraft.export.args import add_parser as add_export_parser  # argparse only: --help stays instant
 
 
@@ -283,7 +284,13 @@ def _cmd_export_draft(args):
     run(args)
 
 
+def _cmd_eval(args):
+    from codraft.eval.command import run
+    run(args)
+
+
 def _tool_commands(sub):
+    add_eval_parser(sub).set_defaults(fn=_cmd_eval)
     add_export_parser(sub).set_defaults(fn=_cmd_export_draft)
     s = sub.add_parser("train-draft", help="offline draft training on samples from the target (resumable)")
     s.add_argument("--model", required=True, help="policy name (tiny-sft, smollm2-135m) or HF-format folder")

@@ -138,10 +138,16 @@ class HFTokenizer:
         """``text`` as a single user turn followed by the assistant generation prompt."""
         return self.chat_messages([{"role": "user", "content": text}])
 
-    def chat_messages(self, messages: list[dict]) -> str:
-        """Chat ``messages`` ({role, content}) followed by the assistant generation prompt."""
+    @property
+    def renders_tools(self) -> bool:
+        """Does the chat template write tool schemas itself (``tools=`` of ``chat_messages``)?"""
+        return self._jinja is not None and "tools" in self.chat_template
+
+    def chat_messages(self, messages: list[dict], tools: list[dict] | None = None) -> str:
+        """Chat ``messages`` ({role, content}) followed by the assistant generation prompt; ``tools``: JSON
+        schemas for a template that renders them (``renders_tools``)."""
         if self._jinja is not None:
-            return self._jinja.render(messages=messages, add_generation_prompt=True,
+            return self._jinja.render(messages=messages, add_generation_prompt=True, tools=tools,
                                       bos_token=self._bos_text, eos_token=self._eos_text)
         turns = [m for m in messages if m["role"] == "system"] or \
             ([{"role": "system", "content": self.default_system_prompt}] if self.default_system_prompt else [])

@@ -3,6 +3,7 @@ integration tests share (the fixtures built on it are in conftest.py)."""
 import dataclasses
 import json
 
+import pytest
 import torch
 
 from codraft.config import load_config
@@ -72,3 +73,22 @@ def alternating_reward(self, problem, completion) -> float:
     """ArithTask's reward replaced (the ``varied_reward`` fixture; spawned ranks set it themselves): it
     differs within groups, as the random tiny policy never solves arith, so advantages and updates are non-zero."""
     return float(len(completion) % 2)
+
+
+# what a resumed run must repeat of an uninterrupted one (timings aside)
+STEP_KEYS = ("reward_mean", "completion_len", "policy/loss", "policy/grad_norm", "draft/loss", "draft/grad_norm",
+             "acceptance_length")
+
+
+def step_rows(run) -> dict:
+    """The completed steps' rows of ``run``'s metrics.jsonl, by step."""
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r for r in rows if "policy/loss" in r}
+
+
+def assert_same_steps(got: dict, want: dict, rel: float = 1e-5, abs: float = 1e-7) -> None:
+    """``got``'s steps (step_rows) repeat ``want``'s in STEP_KEYS."""
+    assert set(got) <= set(want), (sorted(got), sorted(want))
+    for step, row in got.items():
+        for key in STEP_KEYS:
+            assert row[key] == pytest.approx(want[step][key], rel=rel, abs=abs), (step, key)

@@ -91,6 +91,19 @@ class RewardFuncs:
                "(empty: the task's own reward)"
 
 
+class ToolSpecs:
+    """``env.tools``: ``FILE.py:f,g`` or ``module:f,g`` (several, comma-separated); empty: no tools."""
+
+    def allows(self, v) -> bool:
+        items = [s.strip() for s in v.split(",")] if v.strip() else []
+        return (not items or ":" in items[0]) and \
+            all(s.rpartition(":")[0].strip() and s.rpartition(":")[2].strip().isidentifier() if ":" in s
+                else s.isidentifier() for s in items)
+
+    def __str__(self) -> str:
+        return "FILE.py:f,g or module:f,g: your typed functions as the tools (empty: none)"
+
+
 class Weights:
     """``reward.weights``: comma-separated finite numbers; empty: every weight 1."""
 
@@ -161,7 +174,7 @@ PRECISION = OneOf(("float32", "bfloat16", "auto"))  # a loss's products (codraft
 POSITIVE = Range(0, lo_open=True)
 
 # Every key of RunConfig, with the values it allows (tests/unit/test_config.py checks the table is complete).
-RULES: dict[str, Range | OneOf | Text | AnyText | Device | Flag | Taps | RewardFuncs | Weights | Pattern] = {
+RULES: dict[str, Range | OneOf | Text | AnyText | Device | Flag | Taps | RewardFuncs | ToolSpecs | Weights | Pattern] = {
     "seed": Range(0, 2**63 - 1),
     "steps": COUNT,
     "run_dir": Text("a folder path (not empty)"),
@@ -188,6 +201,7 @@ RULES: dict[str, Range | OneOf | Text | AnyText | Device | Flag | Taps | RewardF
     "reward.isolation": OneOf(("auto", "process", "inline")),
     "reward.regex": Pattern(),
     "env.name": OneOf(_EnvNames()),
+    "env.tools": ToolSpecs(),
     "env.max_turns": COUNT,
     "env.timeout": Range(0, MAX_TIMEOUT_S, lo_open=True, note="seconds, at most an hour"),
     "env.latency_ms": NON_NEGATIVE,
@@ -235,6 +249,8 @@ RULES: dict[str, Range | OneOf | Text | AnyText | Device | Flag | Taps | RewardF
     "log.frozen_probe_every": EVERY,
     "log.checkpoint_every": EVERY,
     "log.keep_last": Range(0, note="0 = keep every checkpoint"),
+    "log.samples_every": EVERY,
+    "log.no_signal_steps": Range(0, note="0 = never warn"),
     "parallel.dp": Range(1, note="data-parallel ranks, each with whole prompt groups; > 1 needs torchrun"),
     "parallel.dp_shard": OneOf(("fsdp", "ddp")),
     "parallel.cp": Range(1, note="ranks that split each packed row (zigzag ring); > 1 needs torchrun"),
@@ -307,9 +323,20 @@ def _aux_loss_in_one_batch(c: RunConfig) -> str | None:
 
 
 def _env_has_its_task(c: RunConfig) -> str | None:
-    if (c.env.name == "lookup") != (c.task.name == "lookup"):
+    if (c.env.name == "lookup") != (c.task.name == "lookup") and not c.env.tools:  # (env.tools: your own tools)
         return f"config key 'task.name' must be lookup exactly when env.name=lookup (the environment's tools " \
                f"read the task's table), got task.name={c.task.name!r} with env.name={c.env.name!r}"
+    return None
+
+
+def _tools_are_an_environment(c: RunConfig) -> str | None:
+    if c.env.tools and c.env.name != "none":
+        return f"config key 'env.tools' needs env.name=none (your functions are the environment's tools), got " \
+               f"env.name={c.env.name!r}"
+    for item in c.env.tools.split(","):
+        target = item.rpartition(":")[0].strip()
+        if target.endswith(".py") and not Path(target).is_file():
+            return f"config key 'env.tools' names {item.strip()!r}: no such file {target!r}"
     return None
 
 
@@ -354,6 +381,7 @@ def _reward_files_exist(c: RunConfig) -> str | None:
 # Rules between keys: each returns the error message, or None.
 CROSS_RULES: tuple[Callable[[RunConfig], str | None], ...] = (_auto_needs_a_draft, _rollout_copy_is_narrower,
                                                                _draft_folder_exists, _every_rank_has_work,
-                                                               _data_parallel_fits, _env_has_its_task, _aux_loss_in_one_batch,
+                                                               _data_parallel_fits, _env_has_its_task,
+                                                               _tools_are_an_environment, _aux_loss_in_one_batch,
                                                                _taps_reach_the_device, _taps_fit,
                                                                _data_files_exist, _data_has_rewards, _reward_files_exist)

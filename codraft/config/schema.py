@@ -50,6 +50,8 @@ class RewardConfig:
 @dataclass
 class EnvConfig:
     name: str = "none"              # none (the task, one turn) or a multi-turn environment: calculator, lookup
+    tools: str = ""                 # your functions as the tools of a multi-turn run (env.name=none): FILE.py:f,g or
+    #                                 module:f,g; typed, with docstrings (docs/multi-turn.md#your-functions-as-tools)
     max_turns: int = 4              # the policy's turns per episode; its tokens and the observations' share
     #                                 rollout.max_new_tokens
     timeout: float = 30.0           # seconds a tool call may take; past it the episode ends with reward 0
@@ -119,6 +121,9 @@ class LogConfig:
     frozen_probe_every: int = 0     # cotrain: every k steps, τ of a frozen copy of the initial draft on the same prompts
     checkpoint_every: int = 10
     keep_last: int = 2
+    samples_every: int = 10         # every k steps, the completions of the step's first two prompts with their
+    #                                 rewards in samples.jsonl and TensorBoard (0 = never)
+    no_signal_steps: int = 5        # warn when every group's completions got one reward this many steps in a row
 
 
 @dataclass

@@ -110,11 +110,14 @@ class EpisodeBatch:
     def score(self, results: list[GenerationResult]) -> list[Episode]:
         """Each finished episode with its reward from the policy's own text (0 after an environment fault)."""
         self.close()
+        own = [[t for t, m in zip(res.tokens, res.mask or [True] * len(res.tokens)) if m] for res in results]
+        rows = [r for r in range(len(results)) if r not in self.faults]
+        texts = [self.tok.decode(own[r]) for r in rows]
+        scored = dict(zip(rows, self.env.score([self.problems[r] for r in rows], texts, [own[r] for r in rows])))
         out = []
         for row, (problem, res) in enumerate(zip(self.problems, results)):
             reason = self.reasons.get(row, _ENDINGS.get(res.finish_reason))
-            own = [t for t, m in zip(res.tokens, res.mask or [True] * len(res.tokens)) if m]
-            r, e = (0.0, None) if row in self.faults else _reward(self.env, problem, self.tok.decode(own))
+            r, e = scored.get(row, (0.0, None))
             out.append(Episode(**{f.name: getattr(res, f.name) for f in fields(GenerationResult)}, reward=r,
                                reason=reason, fault=row in self.faults, tool_calls=self.calls[row],
                                observations_cut=self.cut[row], env_s=self.seconds[row], reward_error=e))
@@ -124,13 +127,13 @@ class EpisodeBatch:
 def play(engine: Engine, env: Environment, problems: list[Problem], tok, *, prompts: list[list[int]] | None = None,
          max_tokens: int, max_turns: int = 4, timeout: float = 30.0, latency_ms: float = 0.0, workers: int = 8,
          overlap: bool = True, isolation: str = "auto", max_observation_chars: int = 8192, **sampling) -> list[Episode]:
-    """One scored episode per problem (``prompts``: their token ids, default the tokenizer's prompt_ids);
+    """One scored episode per problem (``prompts``: their token ids, default ``prompt_ids``);
     ``sampling``: ``run_episodes``'s temperature, top_p, seed, progress."""
     fmt = ToolFormat.for_tokenizer(tok)
     answers = EpisodeBatch(env, problems, tok, fmt, timeout=timeout, latency_ms=latency_ms, workers=workers,
                            isolation=isolation, max_observation_chars=max_observation_chars)
     try:
-        results = run_episodes(engine, prompts or [tok.prompt_ids(p.prompt) for p in problems], answers,
+        results = run_episodes(engine, prompts or [prompt_ids(env, tok, p) for p in problems], answers,
                                max_tokens=max_tokens, max_turns=max_turns, stop=fmt.stop_ids(tok),
                                overlap=overlap, **{"eos_id": tok.eos_id, **sampling})
     finally:
@@ -138,9 +141,10 @@ def play(engine: Engine, env: Environment, problems: list[Problem], tok, *, prom
     return answers.score(results)
 
 
-def _reward(env: Environment, problem: Problem, text: str) -> tuple[float, Exception | None]:
-    try:
-        r = float(env.reward(problem, text))
-    except Exception as e:  # noqa: BLE001 - a failing reward scores 0 and is counted, as a task's
-        return 0.0, e
-    return (r, None) if r == r and abs(r) != float("inf") else (0.0, ValueError(f"non-finite reward {r}"))
+def prompt_ids(env: Environment, tok, problem: Problem) -> list[int]:
+    """The ids an episode starts from: the environment's own prompt (its tools' schemas in it), else the
+    problem's rendered ids, else the tokenizer's prompt."""
+    ids = env.prompt_ids(tok, problem)
+    if ids is not None:
+        return ids
+    return problem.prompt_ids if getattr(problem, "prompt_ids", None) is not None else tok.prompt_ids(problem.prompt)

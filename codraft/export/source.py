@@ -104,6 +104,15 @@ def _from_checkpoint(path: Path) -> Source:
     draft_kind(kind)  # an unknown kind: one line listing the valid ones
     _exportable(kind, path)
     policy = ckpt.load_policy_from(path)
+    draft = checkpoint_draft(path, d, policy)
+    step = json.loads((path / ckpt.MARKER).read_text())["step"]
+    return Source(draft, kind, policy, path / "policy", f"checkpoint {path} (step {step})")
+
+
+def checkpoint_draft(path: Path, d: dict, policy) -> Draft:
+    """The co-trained draft of checkpoint ``path`` (``d``: its config.yaml's draft section), rebuilt as the run
+    built it and filled from ``draft.pt``, bound to ``policy`` (also what ``codraft eval`` decodes with)."""
+    kind = str(d.get("kind"))
     state = ckpt.load_file(path / "draft.pt")
     draft = _rebuild(kind, d, policy, path)
     want = draft.state_dict()
@@ -115,8 +124,7 @@ def _from_checkpoint(path: Path) -> Source:
                          f"{d.get('gamma')}, taps={d.get('taps', 'auto')}, init={d.get('init')!r}): missing {missing}, "
                          f"unexpected {unexpected}, shapes {sorted(shapes)}")
     draft.load_state_dict(state)
-    step = json.loads((path / ckpt.MARKER).read_text())["step"]
-    return Source(draft, kind, policy, path / "policy", f"checkpoint {path} (step {step})")
+    return draft
 
 
 def _rebuild(kind: str, d: dict, policy, path: Path) -> Draft:

@@ -118,13 +118,12 @@ def build_rewards(cfg, task) -> RewardSet:
             raise RewardError(f"reward.funcs: {s!r} compares completions with an answer column (answer, "
                               f"ground_truth, reward_model.ground_truth or solution) and {task.knobs['train']} has "
                               f"none; its columns: {', '.join(task.train[0].meta) or '(only the prompt)'}")
-    worker, styles = None, {}
+    worker = None
     if mine and not inline:
         try:
             worker = RewardWorker(mine, r.timeout)
         except RewardLoadError as e:
             raise RewardError(f"reward.funcs: {e}") from None
-        styles = dict(zip(mine, worker.styles))
     fns = []
     for spec, name, w in zip(specs, names, weights):
         if ":" not in spec:

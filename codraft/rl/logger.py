@@ -20,9 +20,13 @@ class MetricsLogger:
 
     def __init__(self, run_dir: str | Path, *, resume_step: int | None = None):
         self.path = Path(run_dir) / "metrics.jsonl"
+        self.samples_path = Path(run_dir) / "samples.jsonl"
         if resume_step is not None:
-            atomic_write_text(self.path, "".join(l + "\n" for l in _rows_upto(self.path, resume_step)))
+            for path in (self.path, self.samples_path):
+                atomic_write_text(path, "".join(l + "\n" for l in _rows_upto(path, resume_step)))
         self._file = open(self.path, "a" if resume_step is not None else "x")
+        self._samples = None  # samples.jsonl, opened at the first samples
+        self._resumed = resume_step is not None
         try:
             from torch.utils.tensorboard import SummaryWriter
             self._tb = SummaryWriter(str(Path(run_dir) / "tensorboard"), purge_step=(resume_step or 0) + 1)
@@ -38,8 +42,23 @@ class MetricsLogger:
                 if k != "step" and isinstance(v, (int, float)) and math.isfinite(v):
                     self._tb.add_scalar(k, v, step)
 
+    def samples(self, step: int, rows: list[dict]):
+        """Completions with their rewards: one JSON line each in samples.jsonl, a table in TensorBoard's text tab."""
+        if self._samples is None:
+            self._samples = open(self.samples_path, "a" if self._resumed else "x")
+        self._samples.write("".join(json.dumps({"step": step, **r}) + "\n" for r in rows))
+        self._samples.flush()
+        if self._tb is not None:
+            cell = lambda text: str(text).replace("|", "\\|").replace("\n", "<br>")  # noqa: E731 - markdown table cell
+            table = ["| prompt | completion | reward | advantage |", "|---|---|---|---|"]
+            table += [f"| {cell(r['prompt'])} | {cell(r['completion'])} | {r['reward']:.3g} | {r['advantage']:.3g} |"
+                      for r in rows]
+            self._tb.add_text("samples", "\n".join(table), step)
+
     def close(self):
         self._file.close()
+        if self._samples is not None:
+            self._samples.close()
         if self._tb is not None:
             self._tb.close()
 

@@ -6,6 +6,7 @@ are the slowest rank's.
 from __future__ import annotations
 
 import time
+import warnings
 from typing import TYPE_CHECKING
 
 from codraft.rl.rollout_phase import Probes, Rollout
@@ -45,4 +46,27 @@ def observe(tr: Trainer, step: int, rollout: Rollout, probes: Probes, scored: Sc
     if tr.cfg.log.val_every and (step + 1) % tr.cfg.log.val_every == 0:
         m["val_accuracy"] = tr.validate()
     m["tokens_per_s"] = sum(lens) / rollout.seconds
+    _show(tr, step, rollout, scored)
     return m
+
+
+SAMPLED_PROMPTS = 2  # log.samples_every shows every completion of the step's first this-many prompts
+
+
+def _show(tr: Trainer, step: int, rollout: Rollout, scored: Scored) -> None:
+    """What the policy writes (`log.samples_every`: samples.jsonl, TensorBoard), and a warning when no group has
+    had a learning signal (every completion of each prompt got one reward) for `log.no_signal_steps` in a row."""
+    log = tr.cfg.log
+    if log.samples_every and (step + 1) % log.samples_every == 0:
+        n = min(len(rollout.out), SAMPLED_PROMPTS * tr.cfg.rollout.group_size)
+        kept = scored.kept if scored.kept is not None else [True] * len(rollout.out)
+        tr.logger.samples(step + 1, [
+            {"prompt": p.prompt, "completion": tr.tok.decode(o.tokens),
+             "reward": float(r) if k else None, "advantage": float(a)}
+            for p, o, r, a, k in zip(rollout.group[:n], rollout.out[:n], scored.rewards.tolist(),
+                                     scored.advantages.tolist(), kept)])
+    tr.no_signal_streak = tr.no_signal_streak + 1 if not bool(scored.advantages.any()) else 0
+    if log.no_signal_steps and tr.no_signal_streak == log.no_signal_steps and tr.is_main:
+        warnings.warn(f"steps {step + 2 - log.no_signal_steps}-{step + 1}: every prompt's {tr.cfg.rollout.group_size} "
+                      "completions got one reward, so every advantage is 0 and the policy does not learn; try more "
+                      "completions per prompt (rollout.group_size), other prompts or a finer reward", stacklevel=4)

@@ -21,6 +21,8 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from codraft.envs import Episode, play
+from codraft.envs import prompt_ids as env_prompt_ids
+from codraft.eval import evaluate
 from codraft.rl import memory
 from codraft.rollout import Engine, SpecStats
 from codraft.train.seeding import step_seed
@@ -50,8 +52,11 @@ class Probes:
 
 
 def prompt_ids(tr: Trainer, problem) -> list[int]:
-    """The ids a problem's prompt is decoded from: rendered at load (data files), or the tokenizer's."""
-    return problem.prompt_ids if problem.prompt_ids is not None else tr.tok.prompt_ids(problem.prompt)
+    """The ids a problem's prompt is decoded from: the environment's (env.tools: the tools' schemas in it),
+    rendered at load (data files), or the tokenizer's."""
+    if tr.env is not None:
+        return env_prompt_ids(tr.env, tr.tok, problem)
+    return evaluate.problem_ids(tr.tok, problem)
 
 
 def next_prompts(tr: Trainer) -> list:
@@ -121,17 +126,15 @@ def _round(bar, done: int, rows: int):
 
 
 def validate(tr: Trainer) -> float:
-    """The held-out accuracy: greedy decodes of the validation prompts, with their own engine."""
+    """The held-out accuracy: the greedy pass of ``codraft eval`` (``codraft.eval.evaluate``) over the
+    validation prompts, with their own engine, scored by the run's reward (or environment): its mean reward."""
     tr.policy.eval()
     tr.rollout_weights.check("validation")
     prompts = [prompt_ids(tr, p) for p in tr.val]
-    out, _, _ = tr._generate(tr.val_engine, prompts, seed=0, temperature=0.0, problems=tr.val)
-    if tr.env is not None:  # (scored against the environment)
-        return sum(o.reward for o in out) / len(tr.val)
-    # the run's reward functions (failures score 0; the prompts no function judged are left out)
-    totals = [t for t in tr.rewards.score(tr.val, [tr.tok.decode(o.tokens) for o in out],
-                                          [o.tokens for o in out]).totals if t is not None]
-    return sum(totals) / len(totals) if totals else 0.0
+
+    def decode(prompts, problems, temperature, seed, group):
+        return tr._generate(tr.val_engine, prompts, seed, temperature, group, problems)
+    return evaluate.greedy(decode, tr.val, prompts, tr.rewards, tr.tok).mean_reward
 
 
 def rollout(tr: Trainer, step: int) -> Rollout:

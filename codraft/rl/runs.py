@@ -45,6 +45,7 @@ RESUMABLE = (
     "env.timeout", "env.workers", "env.isolation",  # where and how long tool calls run, not what they answer
     "log.val_every", "log.speedup_every", "log.frozen_probe_every",  # measurement cadences
     "log.checkpoint_every", "log.keep_last",                         # checkpoint cadence and rotation
+    "log.samples_every", "log.no_signal_steps",                      # what the run shows of itself
 )
 
 

@@ -113,7 +113,8 @@ class Trainer:
         self.task = build_task(cfg, self.tok, self.policy.config.max_position_embeddings)
         self.rewards = build_rewards(cfg, self.task)
         # multi-turn: the environment over the task, and how this policy writes tool calls
-        self.env = None if cfg.env.name == "none" else make_env(cfg.env.name, self.task)
+        self.env = None if cfg.env.name == "none" and not cfg.env.tools else \
+            make_env(cfg.env.name, self.task, cfg.env.tools, self.rewards)  # (env.tools: your functions, your rewards)
         init_policy = self.policy
         if found is not None:
             self.policy = kernels.enable(found.policy)  # as load_policy's
@@ -162,6 +163,7 @@ class Trainer:
         self.steps_done, self._done_prompts, self._saved = self.start_step, self.prompts_used, self.start_step
         self._done_acceptance = self._acceptance()
         self.nonfinite_streak, self.last_rollout, self.last_stats = 0, None, None
+        self.no_signal_streak = 0  # steps in a row whose advantages were all 0 (log.no_signal_steps)
         self.last_refit_peak = None  # bytes the last refit added at its peak (sharded runs)
         self.val = self.task.sample("val", cfg.log.val_size, seed=cfg.seed)
         if self.is_main:
@@ -391,6 +393,9 @@ class _NoLogger:
     """The metrics logger of ranks other than 0: they compute the same rows, rank 0 writes them."""
 
     def log(self, step, metrics):
+        pass
+
+    def samples(self, step, rows):
         pass
 
     def close(self):

@@ -5,7 +5,6 @@ in rank 0's own, is one line on every rank, leaves no temporary folder and keeps
 from __future__ import annotations
 
 import errno
-import json
 import os
 import re
 import signal
@@ -17,10 +16,8 @@ from pathlib import Path
 import pytest
 
 from dist_harness import run_ranks
-from tiny_runs import run_config
+from tiny_runs import assert_same_steps, run_config, step_rows
 
-KEYS = ("reward_mean", "completion_len", "policy/loss", "policy/grad_norm", "draft/loss", "draft/grad_norm",
-        "acceptance_length")
 ARGS = ["rollout.prompts_per_step=4", "rollout.group_size=4", "rollout.max_new_tokens=24", "rollout.shards=4",
         "log.val_every=0", "log.speedup_every=0", "log.checkpoint_every=0", "draft.kind=dflash", "draft.init=random",
         "draft.gamma=3", "seed=1", "parallel.timeout=60"]
@@ -41,22 +38,11 @@ def _codraft(nproc: int, *args) -> None:
     assert done.returncode == 0, err[-4000:]
 
 
-def _rows(run: Path) -> dict:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in rows if "policy/loss" in r}
-
-
-def _same_rows(got: dict, want: dict) -> None:
-    assert sorted(got) == sorted(want)
-    for step, row in want.items():
-        for key in KEYS:
-            assert got[step][key] == pytest.approx(row[key], rel=1e-4, abs=1e-6), (step, key)
-
 
 def _after_first_step(proc: subprocess.Popen, run: Path) -> None:
     """Wait until the run has logged a trained step (fail, never hang, if it ends or takes too long)."""
     deadline = time.monotonic() + WAIT
-    while not ((run / "metrics.jsonl").is_file() and _rows(run)):
+    while not ((run / "metrics.jsonl").is_file() and step_rows(run)):
         if proc.poll() is not None:
             raise AssertionError(f"torchrun ended before its first step: {proc.communicate()[1][-4000:]}")
         if time.monotonic() > deadline:
@@ -110,10 +96,10 @@ def test_ctrl_c_to_torchrun_at_dp2_saves_the_step_every_rank_completed(tmp_path)
     step = _stopped_at(err, 2, "SIGINT", run)
     assert 1 <= step < 5 and _checkpoints(run) == [f"step_{step}"]
     assert len(list((run / f"step_{step}" / "sharded").glob("*.distcp"))) == 2  # every rank's part
-    assert sorted(_rows(run)) == list(range(1, step + 1))
+    assert sorted(step_rows(run)) == list(range(1, step + 1))
 
     _codraft(2, "--resume", str(run), *steps[1:2])
-    _same_rows(_rows(run), _rows(ref))
+    assert_same_steps(step_rows(run), step_rows(ref), rel=1e-4, abs=1e-6)
 
 
 def test_sigterm_to_one_rank_of_dp2_pp2_stops_all_four_after_one_step(tmp_path):
@@ -135,7 +121,7 @@ def test_sigterm_to_one_rank_of_dp2_pp2_stops_all_four_after_one_step(tmp_path):
     assert statuses and set(statuses) == {"143"}, err[-4000:]
 
     _codraft(4, "--resume", str(run), *steps[1:3])
-    _same_rows(_rows(run), _rows(ref))
+    assert_same_steps(step_rows(run), step_rows(ref), rel=1e-4, abs=1e-6)
 
 
 # ---------------------------------------------------------------- spawned ranks

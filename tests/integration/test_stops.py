@@ -5,7 +5,6 @@ into the writer (always) and, where this machine lets a test mount one, is a rea
 from __future__ import annotations
 
 import errno
-import json
 import os
 import shutil
 import signal
@@ -22,10 +21,8 @@ from codraft.cli import main
 from codraft.rl.logger import read_metrics
 from codraft.rl.trainer import train
 from codraft.train.checkpoint import list_checkpoints
-from tiny_runs import comparable, run_config
+from tiny_runs import assert_same_steps, comparable, run_config, step_rows
 
-KEYS = ("reward_mean", "completion_len", "policy/loss", "policy/grad_norm", "draft/loss", "draft/grad_norm",
-        "acceptance_length")
 ARGS = ["steps=4", "rollout.prompts_per_step=2", "rollout.group_size=4", "rollout.max_new_tokens=24",
         "log.val_every=0", "log.speedup_every=0", "log.checkpoint_every=2", "draft.kind=dflash", "draft.init=random",
         "draft.gamma=3", "seed=1"]
@@ -43,16 +40,6 @@ def _codraft(*args) -> None:
     _, err = proc.communicate(timeout=WAIT)
     assert proc.returncode == 0, err[-4000:]
 
-
-def _rows(run: Path) -> dict:
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    return {r["step"]: r for r in rows if "policy/loss" in r}
-
-
-def _same(got: dict, want: dict) -> None:
-    for step, row in got.items():
-        for key in KEYS:
-            assert row[key] == pytest.approx(want[step][key], rel=1e-5, abs=1e-7), (step, key)
 
 
 def _wait_for(proc: subprocess.Popen, ready, what: str) -> None:
@@ -75,13 +62,13 @@ def reference(tmp_path_factory) -> dict:
     """The uninterrupted run's metrics (the tiny preset's policy: it earns rewards, so it trains)."""
     run = tmp_path_factory.mktemp("reference") / "run"
     _codraft(f"run_dir={run}", *ARGS)
-    return _rows(run)
+    return step_rows(run)
 
 
 def test_sigterm_in_one_process_saves_the_last_completed_step_and_exits_143(tmp_path, reference):
     run = tmp_path / "run"
     proc = _start(f"run_dir={run}", *ARGS)
-    _wait_for(proc, lambda: (run / "metrics.jsonl").is_file() and _rows(run), "first step")
+    _wait_for(proc, lambda: (run / "metrics.jsonl").is_file() and step_rows(run), "first step")
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=WAIT)
     assert proc.returncode == 143, err[-4000:]
@@ -91,9 +78,9 @@ def test_sigterm_in_one_process_saves_the_last_completed_step_and_exits_143(tmp_
     assert step < 4 and "Traceback" not in err
     _no_temporaries(run)
     _codraft("--resume", str(run))
-    got = _rows(run)
+    got = step_rows(run)
     assert set(reference) - set(got) <= {step}  # (a signal after the commit point, before the row: row missing)
-    _same(got, reference)
+    assert_same_steps(got, reference)
 
 
 def test_a_full_disk_while_checkpointing_is_one_line_and_the_run_resumes(tmp_path, tiny_policy_dir, monkeypatch,
@@ -160,6 +147,6 @@ def test_a_real_full_disk_is_one_line_and_the_run_resumes(small_disk, reference)
 
     filler.unlink()
     _codraft("--resume", str(run))
-    got = _rows(run)
+    got = step_rows(run)
     assert sorted(got) == sorted(reference)
-    _same(got, reference)
+    assert_same_steps(got, reference)

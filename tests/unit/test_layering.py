@@ -29,13 +29,14 @@ ALLOWED = {
     "rewards": {"tasks", "data", "envs"},
     "config": {"drafts", "tasks", "envs", "rewards"},
     "rl": {"models", "kernels", "attention", "drafts", "rollout", "tasks", "policy", "train", "config", "atomic",
-           "parallel", "envs", "data", "rewards"},
+           "parallel", "envs", "data", "rewards", "eval"},
     "bench": {"models", "kernels", "drafts", "rollout", "tasks", "policy", "train", "rl", "config", "tokenizer",
               "attention", "spec", "parallel"},
     "export": {"models", "kernels", "drafts", "train", "policy", "atomic"},
+    "eval": {"atomic", "config", "data", "drafts", "envs", "export", "policy", "rewards", "rollout", "train"},
     "cli_bench": {"bench", "config"},
-    "cli": {"bench", "cli_bench", "config", "drafts", "export", "models", "parallel", "policy", "rl", "rollout",
-            "tasks", "train"},
+    "cli": {"bench", "cli_bench", "config", "drafts", "eval", "export", "models", "parallel", "policy", "rl",
+            "rollout", "tasks", "train"},
     "__main__": {"cli"},
 }
 for _deps in ALLOWED.values():  # codraft.errors (the base of the deliberate errors) is a leaf every package uses
