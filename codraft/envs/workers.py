@@ -52,6 +52,16 @@ START_TIMEOUT_S = 60.0  # a worker process must have built its environment withi
 KILL_TIMEOUT_S = 5.0    # a killed worker process must be gone within this
 
 
+def kill(process, what: str) -> None:
+    """SIGKILL a worker process and reap it; one that outlives KILL_TIMEOUT_S is warned about, never waited on."""
+    if process.is_alive():
+        process.kill()
+        process.join(KILL_TIMEOUT_S)
+        if process.is_alive():
+            warnings.warn(f"{what} worker process {process.pid} did not exit within {KILL_TIMEOUT_S:g} s of SIGKILL",
+                          RuntimeWarning, stacklevel=3)
+
+
 class ToolWorkerError(CodraftError, RuntimeError):
     """Worker processes cannot run this environment (it does not reach them, or they do not start)."""
 
@@ -400,12 +410,7 @@ class ProcessTools(_Pool):
         return f"env.isolation=process: no tool worker process: {self.broken}"
 
     def _kill(self, w: _Proc):
-        if w.process.is_alive():
-            w.process.kill()
-            w.process.join(KILL_TIMEOUT_S)
-            if w.process.is_alive():
-                warnings.warn(f"tool worker process {w.process.pid} did not exit within {KILL_TIMEOUT_S:g} s "
-                              "of SIGKILL", RuntimeWarning, stacklevel=2)
+        kill(w.process, "tool")
         w.conn.close()
 
     def close(self):

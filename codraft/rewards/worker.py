@@ -11,10 +11,9 @@ from __future__ import annotations
 import signal
 import sys
 import time
-import warnings
 from multiprocessing.connection import wait as wait_for
 
-from codraft.envs.workers import KILL_TIMEOUT_S, START_TIMEOUT_S, _context
+from codraft.envs.workers import KILL_TIMEOUT_S, START_TIMEOUT_S, _context, kill
 from codraft.rewards.calling import Batch, RewardLoadError, Result, call, load, style_of
 
 
@@ -81,12 +80,7 @@ class RewardWorker:
     def _kill(self):
         if self.process is None:
             return
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join(KILL_TIMEOUT_S)
-            if self.process.is_alive():
-                warnings.warn(f"reward worker process {self.process.pid} did not exit within {KILL_TIMEOUT_S:g} s "
-                              "of SIGKILL", RuntimeWarning, stacklevel=2)
+        kill(self.process, "reward")
         self.conn.close()
         self.process = self.conn = None
 
