@@ -42,7 +42,8 @@ class RewardConfig:
     funcs: str = ""                 # comma-separated: math, exact, regex, a task name, FILE.py:NAME, module:NAME
     #                                 ("": the task's own reward)
     weights: str = ""               # comma-separated, one per function ("": every weight 1)
-    timeout: float = 60.0           # seconds one call of one of your functions may take (the whole batch)
+    timeout: float = 60.0           # seconds one of your functions may take on one batch (a verl function's
+    #                                 calls on all its completions together); not enforced under inline
     isolation: str = "auto"         # where your functions run: auto/process (a worker process) or inline
     regex: str = r"^<think>.*?</think>\s*<answer>.*?</answer>$"  # the `regex` reward's pattern (whole completion)
 

@@ -1,6 +1,7 @@
-"""Your data as a task: ``data.train`` / ``data.val`` files read with Hugging Face ``datasets`` (``files``) and
-served through the ``Task`` interface the built-in generators have (``file_task``), so the trainer has one
-prompt stream, one position in it (checkpointed) and one scoring path for both (docs/your-data.md).
+"""Your data as a task: ``data.train`` / ``data.val`` files read with their values as written (``files``: JSON
+with ``json``, the other formats with Hugging Face ``datasets``) and served through the ``Task`` interface
+the built-in generators have (``file_task``), so the trainer has one prompt stream, one position in it
+(checkpointed) and one scoring path for both (docs/your-data.md).
 """
 from codraft.data.file_task import DataProblem, FileTask, load_file_task
 from codraft.data.files import DataError, read_rows

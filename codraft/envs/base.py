@@ -62,9 +62,10 @@ class Environment(abc.ABC):
         return None
 
     def score(self, problems: list[Problem], texts: list[str], ids: list[list[int]]
-              ) -> list[tuple[float, Exception | None]]:
+              ) -> list[tuple[float | None, Exception | None]]:
         """Each episode's (reward, error) from the policy's own text and tokens: ``reward`` one by one, a reward
-        that raises or is not finite scoring 0 with its error."""
+        that raises or is not finite scoring 0 with its error. A reward of None: no reward judged the episode
+        (it is dropped from the step)."""
         return [checked_reward(lambda p=p, t=t: self.reward(p, t)) for p, t in zip(problems, texts)]
 
 

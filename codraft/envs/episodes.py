@@ -29,13 +29,13 @@ _ENDINGS = {"context": "its observation is longer than the room left in rollout.
 @dataclass
 class Episode(GenerationResult):
     """One finished episode: the engine's result (tokens, logprobs, mask, turns) and how it went."""
-    reward: float = 0.0
+    reward: float | None = 0.0             # None: no reward function judged it (dropped from the step)
     reason: str | None = None              # why it ended early (the step's warning), None: it did not
     fault: bool = False                    # an environment fault ended it (raised, hung, not text)
     tool_calls: int = 0
     observations_cut: int = 0              # tool answers cut to env.max_observation_chars
     env_s: float = 0.0                     # seconds inside its tool calls
-    reward_error: Exception | None = None  # the reward function failed (scored 0)
+    reward_error: Exception | None = None  # a reward function failed (it scored 0; the others count)
 
 
 class EpisodeBatch:
@@ -108,7 +108,8 @@ class EpisodeBatch:
     # ---- the scores
 
     def score(self, results: list[GenerationResult]) -> list[Episode]:
-        """Each finished episode with its reward from the policy's own text (0 after an environment fault)."""
+        """Each finished episode with its reward from the policy's own text (0 after an environment fault; None
+        where no reward function judged it)."""
         self.close()
         own = [[t for t, m in zip(res.tokens, res.mask or [True] * len(res.tokens)) if m] for res in results]
         rows = [r for r in range(len(results)) if r not in self.faults]

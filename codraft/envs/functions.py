@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Literal, Union
 
-from codraft.envs.base import Environment, checked_reward
+from codraft.envs.base import Environment
 from codraft.errors import CodraftError
 from codraft.tasks import Problem, Task
 
@@ -352,14 +352,15 @@ class FunctionTools(Environment):
 
     def score(self, problems: list[Problem], texts: list[str], ids: list[list[int]]):
         """The run's reward functions (``rewards``: ``reward.funcs``, or the task's own), one episode at a
-        time so that each failure is that episode's; a sample no function judged scores 0."""
+        time so that each failure is that episode's: its reward is the reward set's total, as in a single-turn
+        run (a failing function scores 0 there, the others count; the error comes with it), and None where no
+        function judged it (the episode is dropped from the step, ``codraft.rl.scoring``)."""
         if self.rewards is None:
             return super().score(problems, texts, ids)
         out = []
         for p, t, i in zip(problems, texts, ids):
             s = self.rewards.score([p], [t], [i])
-            total = s.totals[0] or 0.0
-            out.append((0.0, RuntimeError(s.errors[0])) if s.errors else checked_reward(lambda: total))
+            out.append((s.totals[0], RuntimeError("; ".join(s.errors)) if s.errors else None))
         return out
 
     def prompt_ids(self, tok, problem: Problem) -> list[int] | None:

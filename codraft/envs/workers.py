@@ -23,6 +23,7 @@ process start) and process for any other (yours).
 """
 from __future__ import annotations
 
+import atexit
 import collections
 import multiprocessing as mp
 import os
@@ -50,6 +51,7 @@ MAX_WORKERS = 256       # env.workers' upper bound (each a thread or a process)
 MAX_OBSERVATION_CHARS = 1_000_000  # env.max_observation_chars' upper bound: what a cut is for is a bounded tokeniser
 START_TIMEOUT_S = 60.0  # a worker process must have built its environment within this
 KILL_TIMEOUT_S = 5.0    # a killed worker process must be gone within this
+WORKER_NAMES = ("codraft-tool", "codraft-reward")  # the worker processes' names (their own process names)
 
 
 def kill(process, what: str) -> None:
@@ -60,6 +62,18 @@ def kill(process, what: str) -> None:
         if process.is_alive():
             warnings.warn(f"{what} worker process {process.pid} did not exit within {KILL_TIMEOUT_S:g} s of SIGKILL",
                           RuntimeWarning, stacklevel=3)
+
+
+def _kill_workers_at_exit() -> None:
+    """At exit multiprocessing terminates its daemonic children (SIGTERM) and waits for them; the workers ignore
+    SIGTERM (``_serve``), so those still running are killed first (registered after multiprocessing's own exit
+    hook, which this module imports, so it runs before it)."""
+    for p in mp.active_children():
+        if p.name in WORKER_NAMES:
+            kill(p, "worker")
+
+
+atexit.register(_kill_workers_at_exit)
 
 
 class ToolWorkerError(CodraftError, RuntimeError):
@@ -243,12 +257,12 @@ class _Thread(threading.Thread):
         self.pool, self.inbox, self.abandoned = pool, queue.Queue(), False
 
     def run(self):
-        while (job := self.inbox.get()) is not None:
+        while (job := self.inbox.get()) is not None and not self.abandoned:
             env = self.pool.env()
             out = answer(env, job) if env is not None else Outcome(job.key, "fault", "the environment is gone")
             if self.abandoned:
                 return  # given up on at its deadline: its answer is nobody's
-            self.pool.done.put((self, out))
+            self.pool.done.put((self, out))  # (retired right after: its inbox has the None that ends it)
 
 
 class ThreadTools(_Pool):
@@ -281,6 +295,7 @@ class ThreadTools(_Pool):
 
     def _retire(self, worker):
         worker.abandoned = True
+        worker.inbox.put(None)  # (it ends when its call returns, even one that returns as it is retired)
         self.hung = [t for t in self.hung if t.is_alive()] + [worker]
         if len(self.hung) <= self.size:
             self.idle.append(self._start())
@@ -296,10 +311,10 @@ class ThreadTools(_Pool):
 
     def close(self):
         self.closed = True
-        for t in self.idle + [r.worker for r in self.busy.values()]:
+        for t in self.idle + [r.worker for r in self.busy.values()] + self.hung:
             t.abandoned = True
-            t.inbox.put(None)
-        self.idle, self.busy = [], {}
+            t.inbox.put(None)  # (a hung thread that ever returns reads it and ends)
+        self.idle, self.busy, self.hung = [], {}, []
 
 
 @dataclass(eq=False)
@@ -429,7 +444,7 @@ class ProcessTools(_Pool):
 
 def _serve(conn, path: list[str], blob: bytes):
     """A worker process: build the environment, then answer calls until told to stop or the trainer is gone."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle: it stops the workers
+    ignore_stop_signals()
     sys.path[:] = path  # (where the environment's module is found, as in the trainer)
     try:
         cls, x = pickle.loads(blob)
@@ -451,6 +466,15 @@ def _serve(conn, path: list[str], blob: bytes):
         except Exception as e:  # noqa: BLE001 - e.g. a state that does not pickle: that episode's fault
             conn.send(Outcome(job.key, "fault", f"the answer or the episode's state cannot be sent back: {e!r}",
                               seconds=out.seconds))
+
+
+def ignore_stop_signals() -> None:
+    """A worker process ignores Ctrl-C (SIGINT) and SIGTERM: they are the trainer's to handle. torchrun forwards
+    SIGTERM to each rank's whole process group, workers included, and a rank that gets it finishes the step in
+    flight (its tool and reward calls too) before it stops; the trainer closes or kills its workers, and one
+    left idle exits when the trainer's end of its pipe closes."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
 
 
 def portable(env: Environment) -> bytes:
@@ -477,11 +501,20 @@ def _context(module: str):
     ctx.set_forkserver_preload(list(dict.fromkeys(["__main__", "codraft.envs.workers", module])))
     # The server finds those modules on this process's sys.path, given as PYTHONPATH: Python < 3.13 hands it
     # sys.path and drops it, and a module it cannot import is left for each worker to import (slow starts).
+    # The server starts ignoring SIGTERM, as the workers it forks do: a SIGTERM to the trainer's process group
+    # (torchrun's stop) would end it, and every worker with it. (A disposition can be set from the main thread
+    # only; SIGTERM is blocked meanwhile, so one that reaches the trainer then waits for its own handler.)
     old = os.environ.get("PYTHONPATH")
     os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    main = threading.current_thread() is threading.main_thread()
+    handler = signal.signal(signal.SIGTERM, signal.SIG_IGN) if main else None
     try:
         forkserver.ensure_running()  # (once running, a no-op)
     finally:
+        if main:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL if handler is None else handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
         if old is None:
             del os.environ["PYTHONPATH"]
         else:

@@ -13,6 +13,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--task", help="prompts from a built-in task's held-out split instead (arith, chain_sum, ...)")
     s.add_argument("--reward", metavar="FUNCS", help="reward.funcs: math, exact, regex, a task's name, FILE.py:NAME, "
                                                      "module:NAME, comma-separated (default: the run's)")
+    s.add_argument("--trust-run-rewards", action="store_true",
+                   help="import and run the reward code (FILE.py:NAME, module:NAME) a run's config names (a run "
+                        "folder is not trusted without it; --reward names your own instead)")
     s.add_argument("--limit", type=int, help="evaluate the first N prompts (default: every row of --data; the run's "
                                              "log.val_size validation prompts)")
     s.add_argument("--samples", type=int, default=0, help="n samples per prompt at --temperature, for pass@k "

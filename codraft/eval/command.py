@@ -54,7 +54,7 @@ def run(args) -> dict:
     ks = check(args)
     t = open_target(args.model, data=args.data, task=args.task, reward=args.reward, overrides=args.overrides,
                     max_new_tokens=args.max_new_tokens, limit=args.limit, draft=args.draft, gamma=args.gamma,
-                    draft_init=args.draft_init, progress=args.progress)
+                    draft_init=args.draft_init, progress=args.progress, trust_run_rewards=args.trust_run_rewards)
     engine = Engine(t.policy, t.draft, t.gamma)
     r = t.cfg.rollout
     decode = batched(engine, r.max_new_tokens, eos_id=t.tok.eos_id, top_p=r.top_p, batch=args.batch_size,

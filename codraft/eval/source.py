@@ -11,6 +11,10 @@ defaults the command's options override; its rollout weights (``rollout.dtype``)
 made them. A policy has no draft (plain decoding unless ``--draft``) and no data (``--data`` and
 ``--reward``, or ``--task``).
 
+A run folder is not trusted (as its pickles are not): where its config's ``reward.funcs`` names code of yours
+(``FILE.py:NAME``, ``module:NAME``) it is refused in one line unless ``--reward`` (or ``reward.funcs=``) names
+the reward or ``--trust-run-rewards`` says the run is yours; the built-in rewards need no word.
+
 The prompts: ``--data FILE``'s rows (all, or the first ``--limit``); else a built-in task's held-out split
 (``--task``); else the run's own validation prompts: the first ``log.val_size`` of its held-out split,
 exactly what its in-run validation decoded.
@@ -33,7 +37,7 @@ from codraft.eval.evaluate import problem_ids
 from codraft.export.source import checkpoint_draft
 from codraft.policy import load_policy
 from codraft.policy.warmstart import WARM_STARTS
-from codraft.rewards import RewardSet, build_rewards
+from codraft.rewards import RewardSet, build_rewards, parse_funcs
 from codraft.rollout.weights import RolloutWeights
 from codraft.train import checkpoint as ckpt
 from codraft.train.offline_draft import draft_for_command
@@ -100,7 +104,7 @@ def check_overrides(overrides: list[str]) -> None:
 
 def open_target(name: str, *, data: str | None, task: str | None, reward: str | None, overrides: list[str],
                 max_new_tokens: int | None, limit: int | None, draft: str | None, gamma: str | None,
-                draft_init: str, progress: bool) -> Target:
+                draft_init: str, progress: bool, trust_run_rewards: bool = False) -> Target:
     check_overrides(overrides)
     kind = kind_of(name)
     checkpoint = None
@@ -114,6 +118,9 @@ def open_target(name: str, *, data: str | None, task: str | None, reward: str | 
     saved = (yaml.safe_load((checkpoint / "config.yaml").read_text()) or {}) if checkpoint is not None else {}
     cfg = _config(name, checkpoint, saved, data=data, task=task, reward=reward, overrides=overrides,
                   max_new_tokens=max_new_tokens)
+    chosen = reward is not None or any(o.split("=", 1)[0].strip() == "reward.funcs" for o in overrides)
+    if checkpoint is not None and not chosen and not trust_run_rewards:
+        check_trusted(name, cfg.reward.funcs)
     if cfg.env.name != "none" or cfg.env.tools:
         raise ValueError(f"{name}: the run plays multi-turn episodes (env.name={cfg.env.name}, env.tools="
                          f"{cfg.env.tools!r}); eval scores single completions only, for now")
@@ -140,6 +147,16 @@ def open_target(name: str, *, data: str | None, task: str | None, reward: str | 
     gamma = None if chosen is None else _gamma(gamma, default_gamma)
     return Target(weights.policy, tok, weights.draft_for(chosen), gamma, cfg, origin, label, problems, prompts,
                   rewards, where)
+
+
+def check_trusted(name: str, funcs: str) -> None:
+    """A run folder is not trusted: the reward code its config names (FILE.py:NAME, module:NAME) is imported only
+    on the user's word (``--reward``, ``reward.funcs=``, or ``--trust-run-rewards``); the built-in rewards are."""
+    code = [s for s in parse_funcs(funcs) if ":" in s]
+    if code:
+        raise ValueError(f"{name}: the run's config names reward code ({', '.join(code)}), which eval would import "
+                         f"and run; a run folder is not trusted: give --reward FUNCS (the same, if you trust that "
+                         f"code) or --trust-run-rewards")
 
 
 def _config(name: str, checkpoint: Path | None, saved: dict, *, data, task, reward, overrides,

@@ -6,7 +6,8 @@
 """
 from codraft.rewards.builtin import BUILTINS
 from codraft.rewards.calling import Batch, Result
-from codraft.rewards.reward_set import RewardError, RewardSet, Scores, build_rewards, parse_funcs, parse_weights
+from codraft.rewards.reward_set import (RewardError, RewardSet, ScoredOnce, Scores, build_rewards, parse_funcs,
+                                        parse_weights)
 
-__all__ = ["BUILTINS", "Batch", "Result", "RewardError", "RewardSet", "Scores", "build_rewards", "parse_funcs",
-           "parse_weights"]
+__all__ = ["BUILTINS", "Batch", "Result", "RewardError", "RewardSet", "ScoredOnce", "Scores", "build_rewards",
+           "parse_funcs", "parse_weights"]

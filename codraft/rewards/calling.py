@@ -49,6 +49,12 @@ class RewardLoadError(Exception):
     """A reward function that cannot be loaded (the caller turns it into one config line)."""
 
 
+# FILE.py modules loaded in this process, by resolved path (with the file's modification time, so an edited
+# file is imported afresh): ``f.py:a,f.py:b`` imports f.py once, and its functions share its module state, as
+# those of a module imported by name do.
+_FILE_MODULES: dict[str, tuple[int, Any]] = {}
+
+
 def load(spec: str) -> Callable:
     """The function ``FILE.py:NAME`` or ``module:NAME``."""
     target, _, name = spec.rpartition(":")
@@ -56,14 +62,19 @@ def load(spec: str) -> Callable:
         path = Path(target)
         if not path.is_file():
             raise RewardLoadError(f"{target}: no such file")
-        module_name = f"codraft_reward_{abs(hash(str(path.resolve())))}"
-        loader = importlib.util.spec_from_file_location(module_name, path)
-        module = importlib.util.module_from_spec(loader)
-        sys.modules[module_name] = module  # (dataclasses and pickling look their module up)
-        try:
-            loader.loader.exec_module(module)
-        except BaseException as e:  # noqa: BLE001 - the user's module failed to import
-            raise RewardLoadError(f"{target} raised {e!r} on import") from None
+        resolved, mtime = str(path.resolve()), path.stat().st_mtime_ns
+        mtime_then, module = _FILE_MODULES.get(resolved, (None, None))
+        if module is None or mtime_then != mtime:
+            module_name = f"codraft_reward_{abs(hash(resolved))}"
+            loader = importlib.util.spec_from_file_location(module_name, path)
+            module = importlib.util.module_from_spec(loader)
+            sys.modules[module_name] = module  # (dataclasses and pickling look their module up)
+            try:
+                loader.loader.exec_module(module)
+            except BaseException as e:  # noqa: BLE001 - the user's module failed to import
+                sys.modules.pop(module_name, None)
+                raise RewardLoadError(f"{target} raised {e!r} on import") from None
+            _FILE_MODULES[resolved] = (mtime, module)
     else:
         try:
             module = importlib.import_module(target)
@@ -95,8 +106,8 @@ def call(fn: Callable, style: str, batch: Batch) -> Result:
         for i in range(n):
             try:
                 c = batch.columns[i]
-                ground = batch.answers[i] if c.get("ground_truth") is None else c["ground_truth"]
-                got = _run(fn, data_source=c.get("data_source"), solution_str=batch.texts[i], ground_truth=ground,
+                got = _run(fn, data_source=c.get("data_source"), solution_str=batch.texts[i],
+                           ground_truth=ground_truth(c, batch.answers[i]),
                            extra_info=c.get("extra_info"))
                 out.values[i] = number(got["score"] if isinstance(got, dict) else got)
             except Exception as e:  # noqa: BLE001 - the user's code: this sample's error
@@ -116,6 +127,16 @@ def call(fn: Callable, style: str, batch: Batch) -> Result:
         except (TypeError, ValueError) as e:
             out.errors[i] = repr(e)
     return out
+
+
+def ground_truth(columns: dict, answer: str):
+    """verl's ``ground_truth`` for a row, as verl passes it (``reward_model["ground_truth"]``, raw: a list or a
+    number stays one), else the row's ``ground_truth``, ``answer`` or ``solution`` column as written, else
+    ``answer`` (the built-in rewards' answer text)."""
+    rm = columns.get("reward_model")
+    if isinstance(rm, dict) and rm.get("ground_truth") is not None:
+        return rm["ground_truth"]
+    return next((columns[k] for k in ("ground_truth", "answer", "solution") if columns.get(k) is not None), answer)
 
 
 def number(v: Any) -> float | None:

@@ -82,6 +82,27 @@ class RewardSet:
             self.worker.close()
 
 
+class ScoredOnce:
+    """A reward set over several ranks that all need the same batch's scores (the trainer's step and its
+    validation): rank 0 runs the functions on the whole batch and every rank gets its ``Scores`` through
+    ``world`` (a group with ``rank``, ``size`` and ``all_gather_object``), so each function runs once per sample
+    and every rank has rank 0's values, whatever a function does (a judge that answers differently, a timeout on
+    one rank). With one process (``world`` None) it is the reward set itself."""
+
+    def __init__(self, rewards: RewardSet, world=None):
+        self.rewards, self.world = rewards, world
+
+    @property
+    def names(self) -> list[str]:
+        return self.rewards.names
+
+    def score(self, problems: list[Problem], texts: list[str], completion_ids: list[list[int]]) -> Scores:
+        if self.world is None or self.world.size == 1:
+            return self.rewards.score(problems, texts, completion_ids)
+        mine = self.rewards.score(problems, texts, completion_ids) if self.world.rank == 0 else None
+        return self.world.all_gather_object(mine, "rank 0's reward scores")[0]
+
+
 def make_batch(problems: list[Problem], texts: list[str], completion_ids: list[list[int]]) -> Batch:
     """The samples as reward functions see them: data rows give their own prompt and columns; a built-in
     task's problems give their prompt text and the columns answer, solution and their meta."""

@@ -1,6 +1,8 @@
 """Your reward functions run in a worker process, as your tools do (``codraft.envs.workers``): a function that
 hangs past ``reward.timeout``, exits or crashes its process costs that call's samples (scored 0 and counted as
-errors), never the run. The worker is then killed and a fresh one started for the next call.
+errors), never the run. The worker is then killed and a fresh one started for the next call. One call is one
+function on all the samples scored together (a step's, or a validation pass's): a TRL function's one call, a
+verl function's calls on each of them, one after the other.
 
 One worker serves every user function of a run: it imports them at start (``calling.load``) and reports their
 conventions, or why it cannot (one line: the trainer refuses the run before step 0). It starts from a clean
@@ -8,12 +10,11 @@ process (forkserver, else spawn: none of the trainer's torch state), with the tr
 """
 from __future__ import annotations
 
-import signal
 import sys
 import time
 from multiprocessing.connection import wait as wait_for
 
-from codraft.envs.workers import KILL_TIMEOUT_S, START_TIMEOUT_S, _context, kill
+from codraft.envs.workers import KILL_TIMEOUT_S, START_TIMEOUT_S, _context, ignore_stop_signals, kill
 from codraft.rewards.calling import Batch, RewardLoadError, Result, call, load, style_of
 
 
@@ -34,7 +35,7 @@ class RewardWorker:
         self.process.start()
         child.close()
         self.conn = parent
-        got = self._receive(START_TIMEOUT_S)
+        got = self._receive(START_TIMEOUT_S, f"{START_TIMEOUT_S:g} s of loading the reward functions")
         if not (isinstance(got, tuple) and got[0] == "ready"):
             self.close()
             why = got[1] if isinstance(got, tuple) else got
@@ -53,20 +54,21 @@ class RewardWorker:
             self.conn.send((index, batch))
         except OSError:
             pass  # (a dead worker: read below)
-        got = self._receive(self.timeout)
+        got = self._receive(self.timeout, f"reward.timeout={self.timeout:g} s")
         if isinstance(got, Result):
             return got
         self._kill()
         why = got if isinstance(got, str) else f"unexpected message {got!r}"
         return Result([None] * n, [why] * n)
 
-    def _receive(self, timeout: float):
-        """The worker's next message, or (text) why there is none: it hung past ``timeout`` or died."""
+    def _receive(self, timeout: float, limit: str):
+        """The worker's next message, or (text) why there is none: it hung past ``timeout`` (``limit`` says
+        which) or died."""
         deadline = time.monotonic() + timeout
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
-                return f"no answer within reward.timeout={self.timeout:g} s (the worker process was killed)"
+                return f"no answer within {limit} (the worker process was killed)"
             ready = wait_for([self.conn, self.process.sentinel], timeout=left)
             try:
                 if self.conn in ready or self.conn.poll():
@@ -96,7 +98,7 @@ class RewardWorker:
 
 def _serve(conn, path: list[str], specs: list[str]):
     """The worker process: load the functions, then call them until told to stop or the trainer is gone."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the trainer's to handle: it stops the worker
+    ignore_stop_signals()  # Ctrl-C and SIGTERM are the trainer's: a step in flight finishes its scoring
     sys.path[:] = path
     try:
         fns = [load(s) for s in specs]

@@ -1,7 +1,8 @@
 """Will the run fit? Its prompts against the policy's context, its step against the machine's memory.
 
 ``check_run`` runs before the trainer loads or creates anything: from the policy's config.json and
-tokenizer (``codraft.policy.resolve.policy_config``, no weights) and a sample of the task's prompts,
+tokenizer (``codraft.policy.resolve.policy_config``, no weights) and a sample of a built-in task's prompts
+(a data file's: every row, rendered as the run renders them),
   * a prompt + ``rollout.max_new_tokens`` longer than the policy's context (max_position_embeddings)
     is refused naming the task, the longest prompt and the context (``check_context``; the trainer
     checks every step's prompts again);
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from codraft.data import build_task
 from codraft.errors import CodraftError
 from codraft.models import ModelConfig
 from codraft.parallel.mesh import Layout
@@ -321,14 +323,23 @@ def check_memory(cfg, m: ModelConfig, prompt_len: int, val_prompt_len: int = 0) 
 
 def check_run(cfg) -> None:
     """The prompts against the policy's context, then the step against the memory (``memory_check``), from the
-    policy's config and a sample of the task's prompts: no weights are read and nothing is created."""
+    policy's config and the task's prompts: no weights are read and nothing is created. A built-in task's
+    prompts: a sample (a step's and the validation's); a data file's (``data.train``): every row, rendered as
+    the run renders them (a file's longest prompt may come up at any step; a prompt past the context is the
+    file's DataError, naming its row)."""
     m, tok = policy_config(cfg.policy.init)
-    task = make_task(cfg.task.name, max_chars=cfg.task.max_chars, format_reward=cfg.task.format_reward)
     r = cfg.rollout
-    train = max(len(tok.prompt_ids(p.prompt))
-                for p in itertools.islice(task.stream("train", seed=cfg.seed), r.prompts_per_step))
-    val = max(len(tok.prompt_ids(p.prompt)) for p in task.sample("val", cfg.log.val_size, seed=cfg.seed)) \
-        if cfg.log.val_every else 0
+    if cfg.data.train:
+        task = build_task(cfg, tok, m.max_position_embeddings)
+        train = max(len(p.prompt_ids) for p in task.train)
+        val = max(len(p.prompt_ids) for p in task.sample("val", cfg.log.val_size, seed=cfg.seed)) \
+            if cfg.log.val_every else 0
+    else:
+        task = make_task(cfg.task.name, max_chars=cfg.task.max_chars, format_reward=cfg.task.format_reward)
+        train = max(len(tok.prompt_ids(p.prompt))
+                    for p in itertools.islice(task.stream("train", seed=cfg.seed), r.prompts_per_step))
+        val = max(len(tok.prompt_ids(p.prompt)) for p in task.sample("val", cfg.log.val_size, seed=cfg.seed)) \
+            if cfg.log.val_every else 0
     check_prompts(task.name, max(train, val), r.max_new_tokens, m.max_position_embeddings, cfg.policy.init)
     if cfg.memory_check:
         check_memory(cfg, m, train, val)

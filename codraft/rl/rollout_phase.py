@@ -23,6 +23,7 @@ from tqdm import tqdm
 from codraft.envs import Episode, play
 from codraft.envs import prompt_ids as env_prompt_ids
 from codraft.eval import evaluate
+from codraft.rewards import ScoredOnce
 from codraft.rl import memory
 from codraft.rollout import Engine, SpecStats
 from codraft.train.seeding import step_seed
@@ -127,14 +128,15 @@ def _round(bar, done: int, rows: int):
 
 def validate(tr: Trainer) -> float:
     """The held-out accuracy: the greedy pass of ``codraft eval`` (``codraft.eval.evaluate``) over the
-    validation prompts, with their own engine, scored by the run's reward (or environment): its mean reward."""
+    validation prompts, with their own engine, scored by the run's reward (or environment): its mean reward.
+    Over several ranks rank 0 scores the gathered completions and the others get its scores (``ScoredOnce``)."""
     tr.policy.eval()
     tr.rollout_weights.check("validation")
     prompts = [prompt_ids(tr, p) for p in tr.val]
 
     def decode(prompts, problems, temperature, seed, group):
         return tr._generate(tr.val_engine, prompts, seed, temperature, group, problems)
-    return evaluate.greedy(decode, tr.val, prompts, tr.rewards, tr.tok).mean_reward
+    return evaluate.greedy(decode, tr.val, prompts, ScoredOnce(tr.rewards, tr.world), tr.tok).mean_reward
 
 
 def rollout(tr: Trainer, step: int) -> Rollout:

@@ -1,6 +1,9 @@
 """Step 2 of an RL step (``Trainer.score``): the run's reward functions score each completion
 (``codraft.rewards``: a built-in task's own reward, or ``reward.funcs``; a multi-turn episode comes scored by
 its environment, and the episodes that ended early are warned about once per step); GRPO advantages per group.
+Over several ranks the functions run once per sample: rank 0 scores the gathered completions and the other
+ranks get its scores (``ScoredOnce``), so every rank computes the same advantages; an episode is scored once,
+by the rank that played it.
 
 A reward function that fails on a sample (raises, hangs, returns the wrong length or not a number) scores it 0
 and is counted (`reward_errors` in the metrics), with one warning per step naming the first error.
@@ -21,6 +24,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from codraft.rewards import ScoredOnce
 from codraft.rl.grpo import group_advantages
 from codraft.rl.rollout_phase import Rollout
 
@@ -50,12 +54,12 @@ def score(tr: Trainer, step: int, rollout: Rollout) -> Scored:
         if ended:
             warnings.warn(f"step {step}: {len(ended)}/{len(rollout.out)} episodes ended early (first: {ended[0]})",
                           stacklevel=4)
-    else:
-        s = tr.rewards.score(rollout.group, [tr.tok.decode(o.tokens) for o in rollout.out],
-                             [o.tokens for o in rollout.out])
+    else:  # (over several ranks rank 0 scores the gathered batch and the others get its scores: ScoredOnce)
+        s = ScoredOnce(tr.rewards, tr.world).score(rollout.group, [tr.tok.decode(o.tokens) for o in rollout.out],
+                                                   [o.tokens for o in rollout.out])
         totals, errors = s.totals, s.errors
         metrics = function_means(s.per_function)
-        metrics["reward_dropped"] = sum(t is None for t in totals)
+    metrics["reward_dropped"] = sum(t is None for t in totals)
     kept = torch.tensor([t is not None for t in totals])
     rewards = torch.tensor([0.0 if t is None else t for t in totals])
     for i in (~kept).nonzero().flatten().tolist():  # dropped: its tokens leave the losses (see the module doc)

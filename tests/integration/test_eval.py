@@ -60,7 +60,7 @@ def test_eval_of_a_run_equals_its_last_validation(run, capsys, tmp_path):
     rows = [json.loads(line) for line in (run / "run" / "metrics.jsonl").read_text().splitlines()]
     last = [r for r in rows if "val_accuracy" in r][-1]
     assert last["step"] == 2
-    got, table = _eval(capsys, tmp_path, run / "run")
+    got, table = _eval(capsys, tmp_path, run / "run", "--trust-run-rewards")
     assert got["origin"] == f"checkpoint {run / 'run' / 'step_2'} (step 2)"
     assert got["draft"] == "the run's dflash (co-trained)" and got["gamma"] == 3
     assert got["settings"]["prompts"] == 4 and got["settings"]["max_new_tokens"] == 10
@@ -69,15 +69,15 @@ def test_eval_of_a_run_equals_its_last_validation(run, capsys, tmp_path):
                                                          + 0.5 * got["greedy"]["reward/parity_mean"])
     assert got["greedy"]["samples"] == got["greedy"]["judged"] == 4
     # the checkpoint named directly is the same evaluation
-    again, _ = _eval(capsys, tmp_path, run / "run" / "step_2")
+    again, _ = _eval(capsys, tmp_path, run / "run" / "step_2", "--trust-run-rewards")
     assert again["greedy"]["mean_reward"] == last["val_accuracy"]
     assert "mean reward" in table and "τ (tokens/round)" in table
 
 
 def test_speculative_and_plain_greedy_agree_and_tau_only_with_a_draft(run, capsys, tmp_path):
-    spec, spec_table = _eval(capsys, tmp_path, run / "run")
-    plain, plain_table = _eval(capsys, tmp_path, run / "run", "--draft", "none")
-    ngram, _ = _eval(capsys, tmp_path, run / "run", "--draft", "ngram", "--gamma", 2)
+    spec, spec_table = _eval(capsys, tmp_path, run / "run", "--trust-run-rewards")
+    plain, plain_table = _eval(capsys, tmp_path, run / "run", "--trust-run-rewards", "--draft", "none")
+    ngram, _ = _eval(capsys, tmp_path, run / "run", "--trust-run-rewards", "--draft", "ngram", "--gamma", 2)
     for key in ("mean_reward", "accuracy", "completion_len", "tokens", "reward/checksum_mean",
                 "reward/parity_mean"):
         assert spec["greedy"][key] == plain["greedy"][key] == ngram["greedy"][key], key
@@ -105,8 +105,8 @@ def test_a_policy_folder_on_a_data_file_or_a_task(run, capsys, tmp_path):
 
 def test_samples_give_pass_at_k_and_the_json_has_every_figure(run, capsys, tmp_path):
     data = run / "data.jsonl"
-    got, table = _eval(capsys, tmp_path, run / "run", "--data", data, "--limit", 5, "--samples", 4, "--temperature",
-                       1.5, "--seed", 3)
+    got, table = _eval(capsys, tmp_path, run / "run", "--trust-run-rewards", "--data", data, "--limit", 5,
+                       "--samples", 4, "--temperature", 1.5, "--seed", 3)
     common = {"mean_reward", "accuracy", "samples", "judged", "reward_errors", "completion_len", "reward/checksum_mean",
               "reward/parity_mean",
               "acceptance_length", "acceptance_per_position", "tokens", "tokens_per_s", "seconds"}
@@ -122,8 +122,8 @@ def test_samples_give_pass_at_k_and_the_json_has_every_figure(run, capsys, tmp_p
     assert 0 < s["accuracy"] < 1  # a varied reward: the estimator was exercised
     assert "pass@4" in table and "T=1.5, n=4" in table
     # the same seed samples the same completions; the greedy pass does not depend on it
-    again, _ = _eval(capsys, tmp_path, run / "run", "--data", data, "--limit", 5, "--samples", 4, "--temperature",
-                     1.5, "--seed", 3, "--k", "1,3")
+    again, _ = _eval(capsys, tmp_path, run / "run", "--trust-run-rewards", "--data", data, "--limit", 5,
+                     "--samples", 4, "--temperature", 1.5, "--seed", 3, "--k", "1,3")
     assert again["sampled"]["accuracy"] == s["accuracy"] and set(again["sampled"]) == common | {"pass@1", "pass@3"}
 
 
@@ -171,8 +171,8 @@ def test_evaluate_on_a_stub_gives_the_hand_computed_pass_at_k():
 @pytest.mark.parametrize("args, message", [
     (["{root}/nope"], r"'\S+/nope' is not a run folder, a checkpoint \(RUN/step_N\), a policy folder or a policy "
                       r"name .*: no such folder"),
-    (["{root}/run", "--data", "{root}/noprompt.jsonl"], r"\S+noprompt.jsonl: no column 'prompt' \(data.prompt_key\); "
-                                                        r"its columns: question, answer"),
+    (["{root}/run", "--trust-run-rewards", "--data", "{root}/noprompt.jsonl"],
+     r"\S+noprompt.jsonl: no column 'prompt' \(data.prompt_key\); its columns: question, answer"),
     (["{root}/run", "--reward", "nope"], r"config key 'reward.funcs' must be comma-separated rewards"),
     (["{root}/policy", "--data", "{root}/data.jsonl"], r"--data \S+: name its reward with --reward"),
     (["{root}/policy"], r"\S+/policy is a policy, with no data of its own: give --data FILE \(and --reward\) or "
@@ -187,6 +187,28 @@ def test_bad_inputs_are_one_line(run, args, message):
     (run / "noprompt.jsonl").write_text(json.dumps({"question": "1+1=", "answer": "2"}) + "\n")
     with pytest.raises(SystemExit, match=f"^codraft eval: error: {message}"):
         main(["eval", *[a.format(root=run) for a in args], "--no-progress"])
+
+
+def test_a_run_folders_reward_code_runs_only_on_the_users_word(run, capsys, tmp_path):
+    """A run folder is not trusted: eval refuses, in one line naming it, the reward code its config names (it would
+    import and run it) unless --reward names the reward (the user's own choice) or --trust-run-rewards."""
+    rewards, marker = run / "rewards.py", tmp_path / "imported"
+    kept = rewards.read_text()
+    rewards.write_text(f"open({str(marker)!r}, 'w').close()\n" + kept)  # (what a planted file could do)
+    try:
+        with pytest.raises(SystemExit, match=rf"^codraft eval: error: \S+/run: the run's config names reward code "
+                                             rf"\({rewards}:checksum, {rewards}:parity\), which eval would import and "
+                                             r"run; a run folder is not trusted: give --reward FUNCS .* or "
+                                             r"--trust-run-rewards$"):
+            main(["eval", str(run / "run"), "--no-progress"])
+        assert not marker.exists()
+        got, _ = _eval(capsys, tmp_path, run / "run", "reward.weights=", "--reward", "exact")
+        assert got["settings"]["reward_funcs"] == ["exact"] and got["greedy"]["samples"] == 4
+        assert not marker.exists()
+        _eval(capsys, tmp_path, run / "run", "--trust-run-rewards")
+        assert marker.exists()
+    finally:
+        rewards.write_text(kept)
 
 
 def test_a_checkpoint_that_does_not_verify_is_skipped_or_refused(run, tmp_path):

@@ -8,6 +8,7 @@ import json
 import os
 import pickle
 import re
+from types import SimpleNamespace
 
 import pytest
 
@@ -15,6 +16,10 @@ from codraft.config import load_config
 from codraft.config.schema import ConfigError
 from codraft.envs import EpisodeBatch, FunctionTools, ToolFormat, ToolSpecError, json_schema, make_env, prompt_ids
 from codraft.envs.functions import load_functions, parse_docstring
+from codraft.rewards.calling import Result
+from codraft.rewards.reward_set import RewardFn, RewardSet
+from codraft.rl import scoring
+from codraft.rl.rollout_phase import Rollout
 from codraft.rollout.engine import GenerationResult
 from codraft.tasks import make_task
 from codraft.tokenizer import CharTokenizer, HFTokenizer
@@ -322,8 +327,38 @@ def test_episodes_score_with_the_runs_reward_functions(tools_file):
     batch = EpisodeBatch(env, problems, TOK, FMT, timeout=10, workers=1)
     results = [GenerationResult(TOK.encode(t), [], "eos", None) for t in ("abc", "boom", "skip")]
     episodes = batch.score(results)
-    assert [e.reward for e in episodes] == [3.0, 0.0, 0.0]
+    assert [e.reward for e in episodes] == [3.0, 0.0, None]  # None: no function judged it (dropped)
     assert episodes[0].reward_error is None and "boom" in str(episodes[1].reward_error)
+
+
+def test_a_failing_reward_function_scores_0_and_the_others_count_as_in_a_single_turn_run(tools_file):
+    """The run's RewardSet: a function that raises scores 0 on that episode and the others' values still
+    count (its error comes with the reward, not in place of it), exactly the single-turn total; an episode
+    no function judged has no reward (None), and the step drops it."""
+    def good(problems, batch):
+        return Result([None if "skip" in t else 1.0 for t in batch.texts], [None] * len(problems))
+
+    def bad(problems, batch):
+        return Result([None] * len(problems), [None if "skip" in t else "RuntimeError('boom')"
+                                               for t in batch.texts])
+    rewards = RewardSet([RewardFn("good", 1.0, good), RewardFn("bad", 0.5, bad)])
+    problems = TASK.sample("train", 2)
+    single = rewards.score(problems, ["abc", "skip"], [TOK.encode("abc"), TOK.encode("skip")])
+    assert single.totals == [1.0, None]
+    env = FunctionTools(TASK, f"{tools_file}:add", rewards=rewards)
+    batch = EpisodeBatch(env, problems, TOK, FMT, timeout=10, workers=1)
+    episodes = batch.score([GenerationResult(TOK.encode(t), [], "eos", None) for t in ("abc", "skip")])
+    assert [e.reward for e in episodes] == single.totals
+    assert "bad: RuntimeError('boom')" in str(episodes[0].reward_error) and episodes[1].reward_error is None
+
+    tr = SimpleNamespace(env=env, world=None, cfg=SimpleNamespace(rollout=SimpleNamespace(group_size=2),
+                                                                  grpo=SimpleNamespace(leave_one_out=False)))
+    rollout = Rollout(problems, [[0]] * 2, episodes, None, 0.0, 0)
+    with pytest.warns(UserWarning, match="failed on 1/2 samples"):
+        scored = scoring.score(tr, 0, rollout)
+    assert scored.kept.tolist() == [True, False] and scored.rewards.tolist() == [1.0, 0.0]
+    assert scored.metrics["reward_dropped"] == 1 and len(scored.errors) == 1
+    assert not any(rollout.out[1].mask) and scored.advantages.tolist() == [0.0, 0.0]  # its tokens leave the losses
 
 
 def test_the_environment_reaches_a_worker_by_the_files_path(tools_file):

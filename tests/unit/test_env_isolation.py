@@ -4,15 +4,19 @@ flat; an answer longer than env.max_observation_chars is cut before it is tokeni
 from __future__ import annotations
 
 import gc
+import json
 import multiprocessing as mp
 import os
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 
 from codraft.envs import Calculator, Environment, EpisodeBatch, ToolFormat, calc
-from codraft.envs.workers import ToolWorkerError, resolve, tools_for
+from codraft.envs.base import ToolCall
+from codraft.envs.workers import Job, ToolWorkerError, resolve, tools_for
 from codraft.rollout.engine import GenerationResult
 from codraft.tasks import make_task
 from codraft.tokenizer import CharTokenizer
@@ -206,3 +210,94 @@ def test_the_pool_is_the_environments_across_batches():
     assert EpisodeBatch(env, problems, TOK, FMT, timeout=5, workers=2).pool is first.pool
     assert EpisodeBatch(env, problems, TOK, FMT, timeout=5, workers=3).pool is not first.pool  # (resized)
     assert first.pool.closed and len(procs) == 2 and not any(p.is_alive() for p in procs)
+
+
+def test_a_thread_retired_as_it_answers_ends_and_the_pool_keeps_its_size():
+    """The race at a call's deadline: the thread puts its answer and goes back to its inbox just as the pool
+    retires it. It must end (not wait there forever, counted among the hung threads), and closing the pool
+    ends the hung threads whose calls return later."""
+    env = Calculator(TASK)
+    pool = tools_for(env, "thread", 1)
+    problem = TASK.sample("train", 1)[0]
+    pool.submit(Job(0, problem, None, True, ToolCall("calc", "2+3"), 0.0, 100), 10)
+    worker = pool.busy[0].worker
+    deadline = time.monotonic() + 10
+    while pool.done.empty() and time.monotonic() < deadline:  # it has answered ...
+        time.sleep(0.01)
+    time.sleep(0.1)  # ... and waits on its inbox again
+    del pool.busy[0]  # ... when the pool, past the deadline, retires it (as poll does)
+    pool._retire(worker)
+    worker.join(5)
+    assert not worker.is_alive()
+    assert pool.poll(0.0) == [] and len(pool.idle) == 1  # (its answer is nobody's; a fresh thread took its place)
+
+    RELEASE.clear()
+    flaky = Flaky(TASK)
+    pool = tools_for(flaky, "thread", 1)
+    pool.submit(Job(1, problem, None, True, ToolCall("calc", "1"), 0.0, 100), 0.1)
+    got = pool.poll(5)
+    assert got and got[0].kind == "fault" and len(pool.hung) == 1
+    hung = pool.hung[0]
+    pool.close()
+    RELEASE.set()
+    hung.join(5)
+    assert not hung.is_alive() and pool.hung == []
+
+
+SIGTERMED = r'''
+import json, os, signal, sys, time
+from codraft.envs import Calculator, EpisodeBatch, ToolFormat
+from codraft.rewards.reward_set import make_batch
+from codraft.rewards.worker import RewardWorker
+from codraft.tasks import make_task
+from codraft.tokenizer import CharTokenizer
+
+
+def main():
+    tok, task = CharTokenizer(), make_task("arith")
+    problems = task.sample("train", 2)
+    signals = []
+    signal.signal(signal.SIGTERM, lambda *_: signals.append("SIGTERM"))  # (a rank finishes its step in flight)
+    batch = EpisodeBatch(Calculator(task), problems, tok, ToolFormat.for_tokenizer(tok), timeout=10, workers=2,
+                         isolation="process")
+    rewards = RewardWorker([sys.argv[1] + ":pid"], 10)
+    workers = [w.process.pid for w in batch.pool.idle] + [rewards.process.pid]
+    os.killpg(0, signal.SIGTERM)  # torchrun's stop: the rank's whole process group, the workers and forkserver too
+    time.sleep(0.5)
+    for pid in workers:
+        os.kill(pid, signal.SIGTERM)  # (and each worker on its own)
+    time.sleep(0.5)
+    batch.submit(0, tok.encode("[calc 2+3]"))
+    batch.submit(1, tok.encode("[calc 4*5]"))
+    answers = {}
+    while batch.pending:
+        answers.update(batch.ready("any"))
+    got = rewards.call(0, make_batch(problems, ["a", "b"], [[1], [2]]))
+    batch.close()
+    print(json.dumps({"signals": signals, "answers": {r: a and tok.decode(a) for r, a in answers.items()},
+                      "reasons": batch.reasons,
+                      "rewards": got.values, "errors": got.errors, "pids": workers}))
+
+
+if __name__ == "__main__":  # (the forkserver imports this file)
+    main()
+'''
+
+
+def test_workers_outlive_a_sigterm_to_the_process_group_and_still_answer(tmp_path):
+    """torchrun forwards SIGTERM to each rank's process group; the rank finishes its step, so its tool and reward
+    workers (and the forkserver they are forked from) ignore it and answer that step's calls. The process then
+    exits (its workers killed at exit, not waited on)."""
+    reward = tmp_path / "pid_reward.py"
+    reward.write_text("import os\n\n\ndef pid(completions, **kwargs):\n"
+                      "    return [float(os.getpid())] * len(completions)\n")
+    script = tmp_path / "sigtermed.py"
+    script.write_text(SIGTERMED)
+    done = subprocess.run([sys.executable, str(script), str(reward)], capture_output=True, text=True, timeout=120,
+                          process_group=0, cwd=os.getcwd(),  # (its own group: the killpg stays in it)
+                          env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.strip().splitlines()[-1])
+    assert out["signals"] == ["SIGTERM"]
+    assert out["answers"] == {"0": "{5}", "1": "{20}"}, out
+    assert out["errors"] == [None, None] and out["rewards"] == [float(out["pids"][-1])] * 2

@@ -13,11 +13,15 @@ from tokenizer_folder import tiny_tokenizer_folder
 from codraft.config import ConfigError, load_config
 from codraft.data import DataError, DataProblem, load_file_task
 from codraft.data.file_task import FileTask
-from codraft.rewards import RewardError, build_rewards
+from codraft.policy.resolve import policy_config
+from codraft.rewards import RewardError, build_rewards, calling
+from codraft.rewards import worker as reward_worker
+from codraft.rewards.calling import Batch, call
+from codraft.rl import memory
 from codraft.rl.grpo import group_advantages
 from codraft.tokenizer import CharTokenizer, load_tokenizer
 
-ROWS = [{"prompt": f"{i}+{i}=", "answer": f"is {2 * i}", "level": i % 3} for i in range(10)]  # (text: CSV reads numbers as numbers)
+ROWS = [{"prompt": f"{i}+{i}=", "answer": f"is {2 * i}", "level": i % 3} for i in range(10)]
 
 
 def write_jsonl(path: Path, rows) -> Path:
@@ -55,7 +59,9 @@ def test_every_format_reads_the_same_rows(tmp_path):
     want = load(tmp_path / "d.jsonl", "data.shuffle=false")
     for name in ("d.json", "d.parquet", "d.csv", "folder", "splits"):
         got = load(tmp_path / name, "data.shuffle=false")
-        assert [(p.prompt, p.answer, p.meta) for p in got.train] == [(p.prompt, p.answer, p.meta) for p in want.train]
+        text = name.endswith(".csv")  # (a CSV's every cell is text, as written)
+        assert [(p.prompt, p.answer, p.meta) for p in got.train] == \
+            [(p.prompt, p.answer, {k: str(v) if text else v for k, v in p.meta.items()}) for p in want.train]
         assert [p.row for p in got.val] == [p.row for p in want.val]
 
 
@@ -303,3 +309,125 @@ def test_dropped_samples_leave_their_groups_statistics():
         assert torch.equal(group_advantages(r, 4, leave_one_out=loo, keep=torch.ones(8, dtype=torch.bool)),
                            group_advantages(r, 4, leave_one_out=loo))
     assert not any(math.isnan(x) for x in group_advantages(r, 4, keep=torch.zeros(8, dtype=torch.bool)).tolist())
+
+
+# ---------------------------------------------------------------- values as the file writes them
+
+
+def test_json_lines_split_at_newlines_only(tmp_path):
+    """U+2028, U+2029, \\x85, \\x0b, \\x0c and \\x1c-\\x1e are text inside a JSON string (str.splitlines splits
+    at them); a leading byte order mark and CRLF line ends are not the rows'."""
+    odd = "line one\u2028two\u2029three\x85four\x0bfive\x0csix\x1cseven\x1deight\x1enine"
+    rows = [{"prompt": odd, "answer": "1"}, {"prompt": "b\u2028c", "answer": "2"}] * 5
+    want = sorted([(r["prompt"], r["answer"]) for r in rows])
+    for name, end, bom in (("plain.jsonl", "\n", b""), ("crlf.jsonl", "\r\n", b"\xef\xbb\xbf")):
+        text = end.join(json.dumps(r, ensure_ascii=False) for r in rows) + end
+        (tmp_path / name).write_bytes(bom + text.encode())
+        task = load(tmp_path / name, "data.shuffle=false", "data.val_fraction=0.1")
+        assert sorted([(p.raw_prompt, p.answer) for p in task.train + task.val]) == want
+    (tmp_path / "bad.jsonl").write_text(json.dumps(rows[0], ensure_ascii=False) + "\n{\"prompt\": \"x\u2028\n")
+    with pytest.raises(DataError, match=r"bad\.jsonl: row 2 \(line 2\): not JSON"):
+        load(tmp_path / "bad.jsonl")
+
+
+def test_answers_keep_the_type_they_are_written_with(tmp_path):
+    """JSON: 42 among floats stays the int 42 (Arrow's one type per column would make it 42.0); CSV: every
+    cell is text as written, 007 stays "007" even in a column with an empty cell."""
+    rows = [{"prompt": f"q{i}", "answer": a} for i, a in enumerate([42, 1.5, 7, 2.25, 10**18 + 1] * 2)]
+    write_jsonl(tmp_path / "d.jsonl", rows)
+    (tmp_path / "d.json").write_text(json.dumps(rows))
+    for name in ("d.jsonl", "d.json"):
+        task = load(tmp_path / name, "data.shuffle=false", "data.val_fraction=0.1")
+        got = {p.raw_prompt: (p.answer, p.meta["answer"]) for p in task.train + task.val}
+        assert got == {r["prompt"]: (str(r["answer"]), r["answer"]) for r in rows}
+        assert all(type(p.meta["answer"]) is type(rows[p.row - 1]["answer"]) for p in task.train + task.val)
+    (tmp_path / "d.csv").write_text("prompt,answer,level\n" + "".join(
+        f"q{i},{a},{lv}\n" for i, (a, lv) in enumerate([("007", "1"), ("", "2"), ("NA", ""), ("3.0", "0")] * 3)))
+    task = load(tmp_path / "d.csv", "data.shuffle=false", "data.val_fraction=0.1")
+    got = {p.raw_prompt: (p.answer, p.meta) for p in task.train + task.val}
+    assert got["q0"] == ("007", {"answer": "007", "level": "1"})
+    assert got["q1"] == ("", {"answer": "", "level": "2"})
+    assert got["q2"] == ("NA", {"answer": "NA", "level": ""})
+    assert got["q3"] == ("3.0", {"answer": "3.0", "level": "0"})
+
+
+def test_json_rows_lacking_a_column_have_it_as_none(tmp_path):
+    task = load(write_jsonl(tmp_path / "d.jsonl", [{"prompt": "a", "answer": "1"}, {"prompt": "b", "x": [1]}] * 3),
+                "data.shuffle=false", "data.val_fraction=0.1")
+    assert {p.raw_prompt: p.meta for p in task.train + task.val} == {"a": {"answer": "1", "x": None},
+                                                                     "b": {"answer": None, "x": [1]}}
+
+
+# ---------------------------------------------------------------- verl's ground_truth, loading, the worker
+
+
+def test_verl_gets_reward_models_ground_truth_raw():
+    seen = []
+
+    def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+        seen.append(ground_truth)
+        return 1.0
+
+    columns = [{"reward_model": {"ground_truth": ["1", "2"]}, "answer": "x", "ground_truth": "y"},
+               {"reward_model": {"ground_truth": 72}, "answer": "x"},
+               {"reward_model": {"style": "rule"}, "ground_truth": {"a": 1}, "answer": "x"},
+               {"answer": 5},
+               {"solution": [3]},
+               {}]
+    n = len(columns)
+    batch = Batch([""] * n, [""] * n, [""] * n, [[1]] * n, columns, ["A"] * n)
+    out = call(compute_score, "verl", batch)
+    assert out.errors == [None] * n
+    assert seen == [["1", "2"], 72, {"a": 1}, 5, [3], "A"]
+
+
+def test_a_file_of_several_functions_is_imported_once(tmp_path):
+    f = tmp_path / "twice.py"
+    f.write_text("import pathlib\n"
+                 "p = pathlib.Path(__file__).with_name('imports.txt')\n"
+                 "p.write_text(p.read_text() + 'x' if p.exists() else 'x')\n"
+                 "def a(completions, **kw):\n    return [1.0] * len(completions)\n"
+                 "def b(completions, **kw):\n    return [2.0] * len(completions)\n")
+    a, b = calling.load(f"{f}:a"), calling.load(f"{tmp_path / '.' / 'twice.py'}:b")
+    assert (tmp_path / "imports.txt").read_text() == "x"
+    assert a.__globals__ is b.__globals__
+    rs = reward_set(f"{f}:a,{f}:b", "reward.isolation=inline")
+    assert (tmp_path / "imports.txt").read_text() == "x"
+    rs.close()
+
+
+def test_a_worker_that_does_not_start_names_the_start_timeout(tmp_path, monkeypatch):
+    (tmp_path / "slow.py").write_text("import time\ntime.sleep(30)\n"
+                                      "def f(completions, **kw):\n    return [1.0] * len(completions)\n")
+    monkeypatch.setattr(reward_worker, "START_TIMEOUT_S", 1.5)
+    with pytest.raises(RewardError, match=r"no answer within 1\.5 s of loading the reward functions") as e:
+        reward_set(f"{tmp_path / 'slow.py'}:f", "reward.timeout=300")
+    assert "reward.timeout" not in one_line(e)
+
+
+# ---------------------------------------------------------------- the run's checks before the policy loads
+
+
+def test_the_memory_check_sizes_a_data_run_from_its_longest_prompt(tmp_path, monkeypatch):
+    seen, real = [], memory.estimate
+    monkeypatch.setattr(memory, "estimate", lambda cfg, m, p, v=0: seen.append(p) or real(cfg, m, p, v))
+    monkeypatch.setattr(memory, "available", lambda device: (1 << 62, "the test's machine has"))
+    short = [{"prompt": "1+1=", "answer": "2"}] * 20
+    val = write_jsonl(tmp_path / "val.jsonl", short[:2])
+
+    def cfg(path):
+        return load_config(None, [f"data.train={path}", f"data.val={val}", "reward.funcs=exact",
+                                  "policy.init=tiny-sft", "memory_check=true"])
+
+    memory.check_run(cfg(write_jsonl(tmp_path / "short.jsonl", short)))
+    long = cfg(write_jsonl(tmp_path / "long.jsonl", short[:10] + [{"prompt": "7" * 30000, "answer": "2"}] + short))
+    memory.check_run(long)
+    assert seen[0] < 100 and seen[1] >= 30000  # (the built-in task's prompts would be the same short ones)
+    m, _ = policy_config("tiny-sft")
+    need = real(long, m, seen[1]).peak
+    monkeypatch.setattr(memory, "available", lambda device: (need - 1, "the test's machine has"))
+    with pytest.raises(memory.OutOfMemory):
+        memory.check_run(long)
+    past = cfg(write_jsonl(tmp_path / "past.jsonl", short + [{"prompt": "7" * 70000, "answer": "2"}]))
+    with pytest.raises(DataError, match=r"past\.jsonl: row 21: column 'prompt': the prompt is 7000\d tokens"):
+        memory.check_run(past)
