@@ -135,7 +135,7 @@ def validate(tr: Trainer) -> float:
     prompts = [prompt_ids(tr, p) for p in tr.val]
 
     def decode(prompts, problems, temperature, seed, group):
-        return tr._generate(tr.val_engine, prompts, seed, temperature, group, problems)
+        return tr._generate(tr.val_engine, prompts, seed, temperature=temperature, group=group, problems=problems)
     return evaluate.greedy(decode, tr.val, prompts, ScoredOnce(tr.rewards, tr.world), tr.tok).mean_reward
 
 
