@@ -23,57 +23,29 @@ process start) and process for any other (yours).
 """
 from __future__ import annotations
 
-import atexit
 import collections
-import multiprocessing as mp
 import os
 import pickle
 import queue
-import signal
 import sys
 import threading
 import time
-import warnings
 import weakref
 from dataclasses import dataclass
-from multiprocessing import forkserver
 from multiprocessing.connection import wait as wait_for
 from typing import Any
 
 from codraft.envs.base import Environment, EpisodeEnd, ToolCall
 from codraft.envs.calculator import Calculator
 from codraft.envs.lookup import Lookup
+from codraft.envs.processes import KILL_TIMEOUT_S, START_TIMEOUT_S, ignore_stop_signals, kill, serve, \
+    start_context
 from codraft.errors import CodraftError
 from codraft.tasks import Problem
 
 MAX_TIMEOUT_S = 3600    # env.timeout's upper bound: past ~9e9 s the thread and pipe waits overflow
 MAX_WORKERS = 256       # env.workers' upper bound (each a thread or a process)
 MAX_OBSERVATION_CHARS = 1_000_000  # env.max_observation_chars' upper bound: what a cut is for is a bounded tokeniser
-START_TIMEOUT_S = 60.0  # a worker process must have built its environment within this
-KILL_TIMEOUT_S = 5.0    # a killed worker process must be gone within this
-WORKER_NAMES = ("codraft-tool", "codraft-reward")  # the worker processes' names (their own process names)
-
-
-def kill(process, what: str) -> None:
-    """SIGKILL a worker process and reap it; one that outlives KILL_TIMEOUT_S is warned about, never waited on."""
-    if process.is_alive():
-        process.kill()
-        process.join(KILL_TIMEOUT_S)
-        if process.is_alive():
-            warnings.warn(f"{what} worker process {process.pid} did not exit within {KILL_TIMEOUT_S:g} s of SIGKILL",
-                          RuntimeWarning, stacklevel=3)
-
-
-def _kill_workers_at_exit() -> None:
-    """At exit multiprocessing terminates its daemonic children (SIGTERM) and waits for them; the workers ignore
-    SIGTERM (``_serve``), so those still running are killed first (registered after multiprocessing's own exit
-    hook, which this module imports, so it runs before it)."""
-    for p in mp.active_children():
-        if p.name in WORKER_NAMES:
-            kill(p, "worker")
-
-
-atexit.register(_kill_workers_at_exit)
 
 
 class ToolWorkerError(CodraftError, RuntimeError):
@@ -330,7 +302,7 @@ class ProcessTools(_Pool):
     def __init__(self, env: Environment, workers: int):
         super().__init__(workers)
         self.blob = portable(env)
-        self.ctx = _context(type(env).__module__)
+        self.ctx = start_context(type(env).__module__)
         self.starting: list[_Proc] = []
         self.broken: str | None = None
         for _ in range(workers):
@@ -453,28 +425,8 @@ def _serve(conn, path: list[str], blob: bytes):
         conn.send(("broken", f"the environment cannot be built in a worker process: {e!r}"))
         return
     conn.send(("ready", os.getpid()))
-    while True:
-        try:
-            job = conn.recv()
-        except (EOFError, OSError):
-            return  # the trainer is gone
-        if job is None:
-            return
-        out = answer(env, job)
-        try:
-            conn.send(out)
-        except Exception as e:  # noqa: BLE001 - e.g. a state that does not pickle: that episode's fault
-            conn.send(Outcome(job.key, "fault", f"the answer or the episode's state cannot be sent back: {e!r}",
-                              seconds=out.seconds))
-
-
-def ignore_stop_signals() -> None:
-    """A worker process ignores Ctrl-C (SIGINT) and SIGTERM: they are the trainer's to handle. torchrun forwards
-    SIGTERM to each rank's whole process group, workers included, and a rank that gets it finishes the step in
-    flight (its tool and reward calls too) before it stops; the trainer closes or kills its workers, and one
-    left idle exits when the trainer's end of its pipe closes."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    serve(conn, lambda job: answer(env, job), lambda job, out, e: Outcome(  # e.g. a state that does not pickle
+        job.key, "fault", f"the answer or the episode's state cannot be sent back: {e!r}", seconds=out.seconds))
 
 
 def portable(env: Environment) -> bytes:
@@ -490,36 +442,6 @@ def portable(env: Environment) -> bytes:
             f"env.isolation=process: environment {getattr(env, 'name', type(env).__name__)!r} reaches a worker "
             f"process pickled, or as its class and task (rebuilt as cls(task)), and neither pickles ({e!r}): "
             "define its class at a module's top level, or set env.isolation=thread") from None
-
-
-def _context(module: str):
-    """forkserver (fast starts: the server imports codraft and the environment's module once, and each worker
-    is a fork of it), else spawn."""
-    if "forkserver" not in mp.get_all_start_methods():
-        return mp.get_context("spawn")
-    ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(dict.fromkeys(["__main__", "codraft.envs.workers", module])))
-    # The server finds those modules on this process's sys.path, given as PYTHONPATH: Python < 3.13 hands it
-    # sys.path and drops it, and a module it cannot import is left for each worker to import (slow starts).
-    # The server starts ignoring SIGTERM, as the workers it forks do: a SIGTERM to the trainer's process group
-    # (torchrun's stop) would end it, and every worker with it. (A disposition can be set from the main thread
-    # only; SIGTERM is blocked meanwhile, so one that reaches the trainer then waits for its own handler.)
-    old = os.environ.get("PYTHONPATH")
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)
-    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
-    main = threading.current_thread() is threading.main_thread()
-    handler = signal.signal(signal.SIGTERM, signal.SIG_IGN) if main else None
-    try:
-        forkserver.ensure_running()  # (once running, a no-op)
-    finally:
-        if main:
-            signal.signal(signal.SIGTERM, signal.SIG_DFL if handler is None else handler)
-        signal.pthread_sigmask(signal.SIG_SETMASK, mask)
-        if old is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = old
-    return ctx
 
 
 def _ref(env):

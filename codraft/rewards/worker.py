@@ -14,7 +14,8 @@ import sys
 import time
 from multiprocessing.connection import wait as wait_for
 
-from codraft.envs.workers import KILL_TIMEOUT_S, START_TIMEOUT_S, _context, ignore_stop_signals, kill
+from codraft.envs.processes import KILL_TIMEOUT_S, START_TIMEOUT_S, ignore_stop_signals, kill, serve, \
+    start_context
 from codraft.rewards.calling import Batch, RewardLoadError, Result, call, load, style_of
 
 
@@ -23,7 +24,7 @@ class RewardWorker:
 
     def __init__(self, specs: list[str], timeout: float):
         self.specs, self.timeout = specs, timeout
-        self.ctx = _context(__name__)
+        self.ctx = start_context(__name__)
         self.process = self.conn = None
         self.styles = self._start()
 
@@ -110,16 +111,11 @@ def _serve(conn, path: list[str], specs: list[str]):
         conn.send(("broken", f"the reward functions cannot be loaded: {e!r}"))
         return
     conn.send(("ready", styles))
-    while True:
-        try:
-            job = conn.recv()
-        except (EOFError, OSError):
-            return  # the trainer is gone
-        if job is None:
-            return
+
+    def answer(job):
         index, batch = job
-        try:
-            conn.send(call(fns[index], styles[index], batch))
-        except Exception as e:  # noqa: BLE001 - e.g. a value that does not pickle
-            n = len(batch)
-            conn.send(Result([None] * n, [f"the result cannot be sent back: {e!r}"] * n))
+        return call(fns[index], styles[index], batch)
+
+    def unsendable(job, out, e):  # e.g. a value that does not pickle
+        return Result([None] * len(job[1]), [f"the result cannot be sent back: {e!r}"] * len(job[1]))
+    serve(conn, answer, unsendable)
