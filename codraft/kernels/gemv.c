@@ -256,7 +256,7 @@ void gemv_rows_bf16(const float *x, const uint16_t *w, float *y, int64_t m, int6
 // index k for a whole panel are one vector load, widened into 2 x LANES outputs by load_bf16 (evens:
 // the panel's first LANES outputs, odds: the next LANES), and each input row contributes one broadcast
 // x[r][k]: FMAs into accumulators that are already y's outputs. Measured on a 2-core EPYC
-// (docs/bench-spec.md): 1.1x the rows kernel streamed at 1 row, 1.2-1.4x at 2-4 rows,
+// (docs/bench-spec.md, session 20): 1.1x the rows kernel streamed at 1 row, 1.2-1.4x at 2-4 rows,
 // ~1.4x with the weights in cache at 4-8 rows (at the FMA rate).
 #define PANEL (2 * LANES)
 int panel_rows(void) { return PANEL; }
@@ -327,8 +327,8 @@ INLINE void panel_tile(const float *x, const uint16_t *packed, float *y, int64_t
 // the last rest (1 .. ROW_TILE - 1) rows from r0 over np panels from p, as one tile over 4 panels for a
 // single row, else 2 (rest x 2 x 2 accumulators: up to 28 of AVX-512's 32 registers, 12 of AVX2's 16).
 // AVX-512 used to take 4-7 rows as a 4-row tile over one panel, then 1-3 rows: SmolLM2's products at
-// 5-7 rows took 1.42x as long that way, 1.18x at 4, on a 2-core Xeon (scripts/panel_tile_ab.py, since
-// removed). Returns how many panels it did
+// 5-7 rows took 1.42x as long that way, 1.18x at 4, on a 2-core Xeon (scripts/panel_tile_ab.py,
+// session 25). Returns how many panels it did
 INLINE int last_rows(const float *x, const uint16_t *packed, float *y, int64_t in, int64_t out, int64_t r0,
                      int64_t p, int np, const int rest, const int hint) {
     if (rest == 1) {

@@ -147,8 +147,7 @@ def test_session_only_in_history(page):
 def test_no_session_in_the_source():
     """Code and tests cite docs and measurements, not the work's history (subprocess's
     ``start_new_session`` is an API name; this file names the word it checks)."""
-    files = [f for f in sorted([*(ROOT / "codraft").rglob("*.py"), *(ROOT / "codraft").rglob("*.[ch]"),
-                                *(ROOT / "tests").rglob("*.py")])
+    files = [f for f in sorted([*(ROOT / "codraft").rglob("*.py"), *(ROOT / "tests").rglob("*.py")])
              if f != Path(__file__).resolve()]
     found = [f"{_rel(f)} {hit}" for f in files
              for hit in mentions_session(f.read_text(encoding="utf-8").replace("start_new_session", ""))]
