@@ -46,9 +46,11 @@ def _cmd_train(args):
         trainer.fit()
     except KeyboardInterrupt as e:  # fit checkpointed the last completed step and said where
         ignore_signals()  # exiting: the status stays 128 + the signal whatever arrives now
+        trainer.leave()
         if trainer.is_main:
             print(trainer.report())
         sys.exit(exit_code(e))  # 130 after SIGINT, 143 after SIGTERM
+    trainer.leave()
     if trainer.is_main:
         print(trainer.report())
 

@@ -151,6 +151,14 @@ def backend_for(device: torch.device | str) -> str:
     return "nccl" if torch.device(device).type == "cuda" else "gloo"
 
 
+def leave_process_group() -> None:
+    """Destroy the default process group and every group made from it, while the interpreter is whole. Left
+    to the interpreter's exit, gloo's worker threads may still hold tensors whose release needs the GIL, and
+    a rank that completed its run aborts (SIGABRT, "terminate called without an active exception")."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def init_cp(device: torch.device | str = "cpu", timeout: float = 300.0, needs: str = "parallel.cp=C",
             nproc: int | str = "C") -> CPGroup:
     """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT) once; the

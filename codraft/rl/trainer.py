@@ -58,7 +58,7 @@ from tqdm import tqdm
 from codraft import kernels
 from codraft.config import RunConfig, check_policy
 from codraft.errors import CodraftError, NonFiniteError
-from codraft.parallel.comm import init_cp
+from codraft.parallel.comm import init_cp, leave_process_group
 from codraft.parallel.mesh import Layout, build_mesh
 from codraft.parallel.parallelize import parallelize
 from codraft.parallel.pipeline import stage_parameters
@@ -361,6 +361,16 @@ class Trainer:
             finally:  # never checkpoints: after an error the in-memory state may be bad
                 self._close_run()
         return self.run_dir
+
+    def leave(self) -> None:
+        """After a run every rank ended at the same step (completed, or stopped by an agreed signal): the tap
+        channel's last transfers finished (bounded), then the process groups destroyed while this process is
+        whole. Not after an error: a peer may be gone, and the exit must not wait on it."""
+        if self.world is None:
+            return
+        if self.pipe is not None and self.pipe.channel is not None:
+            self.pipe.channel.close()
+        leave_process_group()
 
     def _interrupted(self, e: KeyboardInterrupt) -> str:
         """The line each rank prints when a signal stopped the run: after which step, and where it is saved."""
