@@ -3,11 +3,14 @@
 Tests run as `pytest -n 2` on 2 cores; two workers with two OpenMP threads each
 oversubscribe the machine and make small ops many times slower.
 """
+import fcntl
+
 import pytest
 import torch
 
 from codraft.kernels import amx, cbuild, decode_ops, gemv
 from codraft.tasks import ArithTask
+from codraft.policy.warmstart import SFTConfig, warm_start
 from tiny_runs import alternating_reward, save_tiny_policy
 
 torch.set_num_threads(1)
@@ -44,3 +47,31 @@ def varied_reward(monkeypatch):
     """A reward that differs within groups (``tiny_runs.alternating_reward``), so the advantages and the
     policy's updates are non-zero and weight comparisons mean something."""
     monkeypatch.setattr(ArithTask, "_reward", alternating_reward)
+
+
+def _shared(tmp_path_factory, name: str):
+    """A folder every xdist worker of this run sees (the workers' common base), and a lock held while it is
+    filled: what one worker builds, the others reuse."""
+    root = tmp_path_factory.getbasetemp().parent / name
+    root.mkdir(parents=True, exist_ok=True)
+    lock = open(root / ".lock", "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)
+    return root, lock
+
+
+@pytest.fixture(scope="session")
+def portable_kernels(tmp_path_factory):
+    """The C kernels built once per run with 8 lanes (what AVX2 machines get; this one may build 16)."""
+    root, lock = _shared(tmp_path_factory, "portable-kernels")
+    with lock:
+        return cbuild.build(cache_dir=root, defines=("LANES=8",))
+
+
+@pytest.fixture(scope="session")
+def tiny_tools_policy(tmp_path_factory):
+    """tiny-tools, shortened (enough SFT steps to write tool calls in the lookup format), trained once per
+    run for every module that needs it."""
+    root, lock = _shared(tmp_path_factory, "tiny-tools")
+    with lock:
+        return warm_start(SFTConfig(steps=150, val_size=40), cache_dir=root / "policy", progress=False,
+                          name="tiny-tools")

@@ -11,7 +11,6 @@ import json
 import pytest
 
 from codraft.config import load_config
-from codraft.policy.warmstart import SFTConfig, warm_start
 from codraft.rl.trainer import train
 
 LOOKUP_TOOLS = '''
@@ -39,20 +38,13 @@ def budget(d: str) -> int | str:
 '''
 
 
-@pytest.fixture(scope="module")
-def tools_policy(tmp_path_factory):
-    """tiny-tools, shortened: enough steps to write tool calls in the lookup format."""
-    return warm_start(SFTConfig(steps=150, val_size=40), cache_dir=tmp_path_factory.mktemp("tools") / "policy",
-                      progress=False, name="tiny-tools")
-
-
 def _rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_lookup_as_functions_equals_the_lookup_environment(tools_policy, tmp_path):
+def test_lookup_as_functions_equals_the_lookup_environment(tiny_tools_policy, tmp_path):
     (tmp_path / "lookup_tools.py").write_text(LOOKUP_TOOLS)
-    common = [f"policy.init={tools_policy}", "steps=2", "draft.mode=none", "rollout.prompts_per_step=2",
+    common = [f"policy.init={tiny_tools_policy}", "steps=2", "draft.mode=none", "rollout.prompts_per_step=2",
               "log.val_every=0", "log.speedup_every=0", "log.checkpoint_every=0", "env.overlap=false"]
     train(load_config("tiny-tools", [*common, f"run_dir={tmp_path / 'env'}", "env.name=lookup"]), progress=False)
     train(load_config("tiny-tools", [*common, f"run_dir={tmp_path / 'fn'}", "env.name=none",

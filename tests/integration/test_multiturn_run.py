@@ -11,15 +11,7 @@ import pytest
 from codraft.bench.multiturn import run as bench_multiturn
 from codraft.config import load_config
 from codraft.envs import Lookup
-from codraft.policy.warmstart import SFTConfig, warm_start
 from codraft.rl.trainer import Trainer, train
-
-
-@pytest.fixture(scope="module")
-def tools_policy(tmp_path_factory):
-    """tiny-tools, shortened: enough steps to write tool calls in the lookup format."""
-    return warm_start(SFTConfig(steps=150, val_size=40), cache_dir=tmp_path_factory.mktemp("tools") / "policy",
-                      progress=False, name="tiny-tools")
 
 
 def _cfg(policy, run_dir, steps=3, extra=()):
@@ -32,23 +24,23 @@ def _rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_tool_calling_run_resumes(tools_policy, tmp_path):
+def test_tool_calling_run_resumes(tiny_tools_policy, tmp_path):
     run_dir = tmp_path / "run"
-    train(_cfg(tools_policy, run_dir), progress=False)
+    train(_cfg(tiny_tools_policy, run_dir), progress=False)
     rows = _rows(run_dir)
     assert len(rows) == 3
     for r in rows:
         assert r["tool_calls_mean"] >= 1 and r["turns_mean"] == pytest.approx(r["tool_calls_mean"] + 1, abs=1.0)
         assert r["env_errors"] == 0 and r["time_env"] >= 0 and len(r["acceptance_length_per_turn"]) == 4
         assert r["rollout_speedup"] > 0 and 0 < r["time_rollout"] < r["time_step"]
-    train(_cfg(tools_policy, run_dir, steps=5), resume=str(run_dir), progress=False)
+    train(_cfg(tiny_tools_policy, run_dir, steps=5), resume=str(run_dir), progress=False)
     assert [r["step"] for r in _rows(run_dir)] == [1, 2, 3, 4, 5]
 
 
-def test_a_tool_that_hangs_ends_only_its_episodes(tools_policy, tmp_path):
+def test_a_tool_that_hangs_ends_only_its_episodes(tiny_tools_policy, tmp_path):
     """Every call sleeps past env.timeout: the episodes end with reward 0, counted and warned about, and
     the run goes on."""
-    cfg = _cfg(tools_policy, tmp_path / "run", steps=1, extra=("env.latency_ms=400", "env.timeout=0.05"))
+    cfg = _cfg(tiny_tools_policy, tmp_path / "run", steps=1, extra=("env.latency_ms=400", "env.timeout=0.05"))
     tr = Trainer(cfg, progress=False)
     try:
         with pytest.warns(UserWarning, match="episodes ended early .*env.timeout=0.05"):
@@ -68,10 +60,10 @@ class ExitingLookup(Lookup):
         self.tools["dept"] = lambda who: os._exit(3) if who < "m" else dept(who)
 
 
-def test_a_tool_that_exits_its_process_ends_only_its_episodes(tools_policy, tmp_path):
+def test_a_tool_that_exits_its_process_ends_only_its_episodes(tiny_tools_policy, tmp_path):
     """A tool that calls os._exit(3) used to end the run silently: now each such call is an env error of
     its episode, warned about, and the run takes its next step."""
-    cfg = _cfg(tools_policy, tmp_path / "run", steps=2)
+    cfg = _cfg(tiny_tools_policy, tmp_path / "run", steps=2)
     tr = Trainer(cfg, progress=False)
     try:
         tr.env = ExitingLookup(tr.env.task)
@@ -85,9 +77,9 @@ def test_a_tool_that_exits_its_process_ends_only_its_episodes(tools_policy, tmp_
         tr._unlock()
 
 
-def test_bench_multiturn_rows(tools_policy, tmp_path):
+def test_bench_multiturn_rows(tiny_tools_policy, tmp_path):
     out = bench_multiturn(latencies=(0.0, 30.0), steps=1, json_path=tmp_path / "mt.json", log=lambda *_: None,
-                          overrides=(f"policy.init={tools_policy}", "draft.init=random", "rollout.prompts_per_step=2"))
+                          overrides=(f"policy.init={tiny_tools_policy}", "draft.init=random", "rollout.prompts_per_step=2"))
     rows = json.loads((tmp_path / "mt.json").read_text())["rows"]
     assert [r["latency_ms"] for r in rows] == [0.0, 30.0] == [r["latency_ms"] for r in out["rows"]]
     for r in rows:

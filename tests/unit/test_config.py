@@ -3,7 +3,6 @@ what is allowed: ranges (``codraft.config.RULES``), rules between keys, YAML fil
 `--config` names, and `codraft train` / `codraft plot` on the command line (nothing written)."""
 import json
 import math
-import subprocess
 import sys
 
 import pytest
@@ -12,6 +11,7 @@ import yaml
 import codraft.policy
 import codraft.policy.warmstart
 import codraft.rl.trainer
+from codraft import cli
 from codraft.cli import main
 from codraft.config import (CROSS_RULES, RULES, ConfigError, RunConfig, _all_keys, load_config, preset_names,
                             validate)
@@ -339,29 +339,34 @@ def test_cli_train_refuses_before_any_work(tmp_path, monkeypatch, args, message)
     assert not run.exists() and list(tmp_path.iterdir()) == []
 
 
-def _codraft(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "codraft", *args], cwd=cwd, capture_output=True, text=True,
-                          timeout=120)
+def _codraft(*args, cwd, monkeypatch, capsys) -> tuple[int, str]:
+    """The command's exit status and stderr, run in this process as its entry point runs it."""
+    monkeypatch.chdir(cwd)
+    monkeypatch.setattr(sys, "argv", ["codraft", *args])
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as done:
+        cli.run()
+    return done.value.code, capsys.readouterr().err
 
 
 @pytest.mark.parametrize("args, first, second", [
     (["steps=3", "steps=0"], "steps=3", "steps=0"),
     (["grpo.lr=1e-3", "seed=2", " grpo.lr =1e-4"], "grpo.lr=1e-3", " grpo.lr =1e-4"),  # spaces: the same key
 ])
-def test_cli_train_refuses_a_key_given_twice(tmp_path, args, first, second):
+def test_cli_train_refuses_a_key_given_twice(tmp_path, monkeypatch, capsys, args, first, second):
     """On the command line, fresh or on --resume, a key given twice is one error line naming it: the run
     does not pick one of the two values."""
+    _no_loading(monkeypatch)
     key = first.split("=")[0].strip()
     message = f"config key {key!r} is given twice ({first!r} and {second!r}); give it once"
-    done = _codraft("train", f"run_dir={tmp_path / 'run'}", *args, cwd=tmp_path)
-    assert (done.returncode, done.stderr) == (1, f"codraft train: error: {message}\n")
-    run = tmp_path / "saved"  # a run folder to resume: its config.yaml is all a resume reads before refusing
-    run.mkdir()
-    (run / "config.yaml").write_text(yaml.safe_dump(RunConfig(run_dir=str(run)).to_dict()))
-    done = _codraft("train", "--resume", str(run), *args, cwd=tmp_path)
-    assert (done.returncode, done.stderr) == (1, f"codraft train: error: {message}\n")
+    common = dict(cwd=tmp_path, monkeypatch=monkeypatch, capsys=capsys)
+    assert _codraft("train", f"run_dir={tmp_path / 'run'}", *args, **common) == (1, f"codraft train: error: {message}\n")
+    run_dir = tmp_path / "saved"  # a run folder to resume: its config.yaml is all a resume reads before refusing
+    run_dir.mkdir()
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(RunConfig(run_dir=str(run_dir)).to_dict()))
+    assert _codraft("train", "--resume", str(run_dir), *args, **common) == (1, f"codraft train: error: {message}\n")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["saved"]
-    assert [p.name for p in run.iterdir()] == ["config.yaml"]
+    assert [p.name for p in run_dir.iterdir()] == ["config.yaml"]
 
 
 # ---------------------------------------------------------------- codraft plot

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from codraft import kernels
 from codraft.attention import cache_causal_mask
-from codraft.kernels import amx, cbuild, decode_ops, dispatch, fast_layers
+from codraft.kernels import amx, decode_ops, dispatch, fast_layers
 from codraft.models import ModelConfig, Transformer
 from codraft.models.kv_cache import KVCache
 from codraft.models.layers import apply_rope, rope_cos_sin
@@ -88,9 +88,9 @@ def test_cache_attention_softmax_weights_are_exact_to_a_few_ulp():
 
 
 @pytest.mark.parametrize("d", [64, 12])
-def test_cache_attention_at_the_portable_vector_width(tmp_path, d):
+def test_cache_attention_at_the_portable_vector_width(portable_kernels, d):
     """decode_ops.c built with 8 lanes (what AVX2 machines get; this one may build 16) agrees too."""
-    lib = ctypes.CDLL(str(cbuild.build(cache_dir=tmp_path, defines=("LANES=8",))))
+    lib = ctypes.CDLL(str(portable_kernels))
     lengths = torch.tensor([3, 17, 37])
     q, k, v, cos, sin, kc, vc = _attention_case(3, d, lengths, 48, seed=2)
     ref, ref_kc, _ = _reference(q, k, v, cos, sin, kc, vc, lengths)
