@@ -4,6 +4,7 @@ Tests run as `pytest -n 2` on 2 cores; two workers with two OpenMP threads each
 oversubscribe the machine and make small ops many times slower.
 """
 import fcntl
+import os
 
 import pytest
 import torch
@@ -50,9 +51,10 @@ def varied_reward(monkeypatch):
 
 
 def _shared(tmp_path_factory, name: str):
-    """A folder every xdist worker of this run sees (the workers' common base), and a lock held while it is
-    filled: what one worker builds, the others reuse."""
-    root = tmp_path_factory.getbasetemp().parent / name
+    """A folder every xdist worker of this run sees (the workers' common base; this run's base without
+    xdist), and a lock held while it is filled: what one worker builds, the others reuse."""
+    base = tmp_path_factory.getbasetemp()
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / name
     root.mkdir(parents=True, exist_ok=True)
     lock = open(root / ".lock", "w")
     fcntl.flock(lock, fcntl.LOCK_EX)

@@ -12,7 +12,7 @@ import torch
 
 from codraft import kernels
 from codraft.drafts import dspark
-from codraft.kernels import block_layers, cbuild, decode_ops, dispatch, markov
+from codraft.kernels import block_layers, decode_ops, dispatch, markov
 from codraft.models.config import ModelConfig
 from codraft.models.transformer import Transformer
 from codraft.spec.sampling import Sampler
@@ -147,9 +147,9 @@ def test_markov_loop_in_c_equals_torch(monkeypatch, settings, rows, gamma, vocab
 
 
 @pytest.fixture(scope="module")
-def portable(tmp_path_factory):
-    """The kernels built with 8-lane vectors (what AVX2 machines build; this one may build 16), once."""
-    return ctypes.CDLL(str(cbuild.build(cache_dir=tmp_path_factory.mktemp("lanes8"), defines=("LANES=8",))))
+def portable(portable_kernels):
+    """The kernels built with 8-lane vectors (what AVX2 machines build; this one may build 16)."""
+    return ctypes.CDLL(str(portable_kernels))
 
 
 @pytest.mark.parametrize("lanes", [None, 8])
