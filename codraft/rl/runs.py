@@ -37,6 +37,7 @@ RESUMABLE = (
     "steps",                     # the run's length, >= the steps completed; the lr cosine follows it
     "device",                    # where it runs (exact repetition holds on one device only)
     "memory_check",              # a check before the run, not the run
+    "rollout.vllm_kv_cache_gb",  # vLLM's KV cache size: how many rows fit at once, not what they sample
     "parallel.dp", "parallel.dp_shard",  # DCP reshards a checkpoint to any layout (the same math)
     "parallel.cp", "parallel.pp", "parallel.taps", "parallel.tap_tokens", "parallel.timeout",  # how it is split:
     #                            the same math, other float rounding

@@ -15,7 +15,9 @@ the loop checkpoints (``checkpointing``) every `log.checkpoint_every` steps and 
 The engine holds references to the live policy and draft modules, so step t+1's rollout uses the
 weights updated at step t with no copy; with ``rollout.dtype=bfloat16`` it decodes a weight-only bf16
 copy (``RolloutWeights``), refreshed after each update and checked against the trainer's weights before
-each rollout (a stale copy is a ``StaleRolloutWeights`` error).
+each rollout (a stale copy is a ``StaleRolloutWeights`` error). With ``rollout.backend=vllm`` the engines are
+vLLM's in this process (``codraft.vllm``): the weights are pushed into them after every update and checked
+there (docs/vllm.md).
 
 Determinism: every step reseeds from (seed, step), so a resumed run repeats an
 uninterrupted one's rollouts and updates exactly (timings aside; with draft_length=auto the
@@ -83,6 +85,8 @@ from codraft.train.run_dir import FreshFolder
 from codraft.train.precision import resolve as resolve_precision
 from codraft.train.schedule import warmup, warmup_cosine
 from codraft.train.seeding import step_seed
+from codraft.vllm.backend import VllmBackend
+from codraft.eval import evaluate
 
 
 class Trainer:
@@ -121,8 +125,10 @@ class Trainer:
         self.policy.to(cfg.device)
         # what the engines decode with: the policy, or (rollout.dtype) a cast copy refreshed after every update
         r = cfg.rollout
+        # (rollout.backend=vllm: vLLM holds the rollout dtype's copy; here only the gathered one, under dp)
         self.rollout_weights = RolloutWeights(self.policy, getattr(torch, cfg.policy.dtype if r.dtype == "policy"
-                                                                   else r.dtype), gather=self.layout.gathers)
+                                                                   or r.backend == "vllm" else r.dtype),
+                                              gather=self.layout.gathers)
 
         d = cfg.draft
         self.draft = None if d.mode == "none" else starting_draft(
@@ -146,6 +152,9 @@ class Trainer:
         if cfg.grpo.kl_coef > 0:  # KL to the initial policy, also after a resume (not to the checkpoint's)
             ref = init_policy if init_policy is not self.policy else copy.deepcopy(self.policy)
             self.reference = ref.to(cfg.device).eval().requires_grad_(False)
+        # rollout.backend=vllm: its engines, built from the policy and draft before they are sharded
+        self.vllm = VllmBackend(cfg, self.rollout_weights.policy, self.draft, self._probe(),
+                                max_rows=rows) if r.backend == "vllm" else None
         # the layout applied from outside the models, once (codraft.parallel.parallelize)
         parallelize(self.policy, self.draft, self.layout, self.mesh, self.rollout_weights,
                     trains_draft=self.trains_draft)
@@ -154,10 +163,14 @@ class Trainer:
         # the rollout engine; validation (greedy) has its own, so its rounds stay out of the rollouts'
         # acceptance estimate (draft_length=auto), which checkpoints carry
         replay = cfg.grpo.routing_replay  # (the plain rollout of the speedup probe records as the rollout does)
-        self.engine, self.val_engine, self.plain_engine = self._engine(self.draft, replay), self._engine(self.draft), \
-            self._engine(None, replay)
+        self.engine, self.val_engine, self.plain_engine = (self.vllm.engine, self.vllm.val_engine, self.vllm.plain_engine) \
+            if self.vllm is not None else (self._engine(self.draft, replay), self._engine(self.draft),
+                                           self._engine(None, replay))
         if found is not None:
             checkpointing.resume_from(self, found)
+            if self.vllm is not None:  # the checkpoint's weights into vLLM, checked
+                self.vllm.refit(self.draft)
+                self.vllm.check(f"resume from {found.path}")
         # steps_done/_done_prompts/_done_acceptance: the last step whose update is fully applied (what
         # Ctrl-C saves); _saved: the last step on disk; nonfinite_streak: skipped updates in a row
         self.steps_done, self._done_prompts, self._saved = self.start_step, self.prompts_used, self.start_step
@@ -248,6 +261,10 @@ class Trainer:
         if self.cost_model is None:
             return Engine(policy, draft, self.cfg.draft.gamma, record_routes=routes)
         return Engine(policy, draft, "auto", cost_model=self.cost_model, record_routes=routes)
+
+    def _probe(self) -> list[int]:
+        """The sequence the vLLM refit check scores: the prompt of the first validation problem."""
+        return evaluate.problem_ids(self.tok, self.task.sample("val", 1, seed=self.cfg.seed)[0])
 
     def _estimates(self) -> dict:
         """The running acceptance estimates (draft_length=auto) a resume must continue: rollout, frozen probe."""

@@ -15,7 +15,9 @@ engine's full copy is refreshed from the shards (``time_refit``, ``refit_peak_by
 Faults: a step whose loss or grad norm is NaN/inf is skipped (no optimiser step, `skipped_update`; the
 trainer stops the run after `grpo.max_nonfinite_steps` of those in a row). The commit point
 (``commit``) holds Ctrl-C and SIGTERM until every optimiser and scheduler has stepped, so a step's update is
-all-or-nothing; with ``rollout.dtype=bfloat16`` it also refreshes the rollout weights' bf16 copy.
+all-or-nothing; with ``rollout.dtype=bfloat16`` it also refreshes the rollout weights' bf16 copy, and with
+``rollout.backend=vllm`` it pushes the weights into vLLM (``time_refit``) and checks them (``time_refit_check``,
+``codraft.vllm.refit``).
 """
 from __future__ import annotations
 
@@ -257,6 +259,11 @@ def commit(tr: Trainer, step: int, finite: bool, timer: PhaseTimer):
                     tr.rollout_weights.refresh()
                 if peak is not None:
                     tr.last_refit_peak = peak.bytes  # (the gathered tensors, transient)
+            if tr.vllm is not None:  # rollout.backend=vllm: the weights pushed into vLLM in place, then checked
+                with timer("refit"):
+                    tr.vllm.refit(tr.draft if tr.trains_draft else None)
+                with timer("refit_check"):
+                    tr.vllm.check(f"step {step}")
         tr.sched.step()
         if tr.draft_sched is not None:
             tr.draft_sched.step()
