@@ -6,7 +6,7 @@
 not finish within ``timeout`` are killed and raise ``RuntimeError`` naming them (never a hang);
 with ``allow_dead`` a rank that died without reporting is simply absent from both (for tests of
 dead peers). ``fn`` (and ``setup``, run first in each process) must be module-level functions of
-importable modules: spawn pickles them by name.
+importable modules: spawn (``start_method``) pickles them by name.
 """
 from __future__ import annotations
 
@@ -26,6 +26,15 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def start_method() -> str:
+    """fork where it is safe: a rank forked from the caller has torch and codraft loaded already (spawn
+    imports them again in every rank, ~3 s of CPU each on a 2-core host, most of a small distributed test).
+    spawn once CUDA is initialised in the caller (a forked child cannot use it) or where there is no fork."""
+    if "fork" in mp.get_all_start_methods() and not torch.cuda.is_initialized():
+        return "fork"
+    return "spawn"
 
 
 def _worker(fn, setup, rank, world, port, args, out, pg_timeout):
@@ -52,7 +61,7 @@ def _worker(fn, setup, rank, world, port, args, out, pg_timeout):
 
 def spawn_ranks(fn, world: int, *args, timeout: float = 180.0, pg_timeout: float = 60.0, setup=None,
                 allow_dead: bool = False) -> tuple[dict, dict]:
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context(start_method())
     out = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(fn, setup, r, world, port, args, out, pg_timeout), daemon=True)
