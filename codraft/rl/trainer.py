@@ -387,6 +387,8 @@ class Trainer:
             return
         if self.pipe is not None and self.pipe.channel is not None:
             self.pipe.channel.close()
+        if self.vllm is not None:  # vLLM's groups over the trainer's ranks, while they are valid
+            self.vllm.release()
         leave_process_group()
 
     def _interrupted(self, e: KeyboardInterrupt) -> str:

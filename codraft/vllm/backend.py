@@ -1,7 +1,7 @@
 """``VllmBackend``: what the trainer holds with rollout.backend=vllm — the engines, the refit, the checks.
 
 Two vLLM engines over one policy (built from its folders, which are then removed, serving.py): the
-speculative one (the policy + the EAGLE-3 draft, drafting draft.gamma tokens a round) decodes the rollouts
+speculative one (the policy + the EAGLE-3 or DFlash draft, drafting draft.gamma tokens a round) decodes the rollouts
 and the validation; the plain one (no draft) the speedup probe's rollouts and the self-check's plain samples.
 With draft.mode=none there is one engine, plain.
 
@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from codraft.errors import CodraftError
-from codraft.vllm import expand_fix, lossless, refit, serving
+from codraft.vllm import expand_fix, lossless, refit, serving, world
 from codraft.vllm.engine import VllmEngine
 from codraft.vllm.environment import import_vllm, prepare
 
@@ -39,7 +39,7 @@ def check_policy(config, init: str) -> None:
 
 class VllmBackend:
     """``VllmBackend(cfg, policy, draft, probe)``: engines over ``policy`` (the trainer's full-precision policy,
-    or its gathered copy under data parallelism) and ``draft`` (an EAGLE-3 draft, or None); ``probe``: the
+    or its gathered copy under data parallelism) and ``draft`` (an EAGLE-3 or DFlash draft, or None); ``probe``: the
     token ids the refit check scores (a fixed prompt of the task)."""
 
     def __init__(self, cfg, policy, draft, probe: list[int], *, max_rows: int, announce: bool = True):
@@ -93,3 +93,7 @@ class VllmBackend:
             refit.push(served, self.policy)
             served.version = self.version
             refit.check(served, self.policy, self.probe, "the plain vLLM engine's refit")
+
+    def release(self) -> None:
+        """Under torchrun, before the trainer leaves its process group: vLLM's groups destroyed (world.py)."""
+        world.release()

@@ -9,10 +9,11 @@ Push (``push``), after every optimiser step:
   head (its parameter and, on CPU, its prepacked GEMM copy), which then no longer reads the embedding
   (measured: after a changed embedding, logprobs off by 0.3–3; the probe check found it): so a tied head
   is tied again and its kernel form rebuilt after every reload;
-* the EAGLE-3 drafter: ``reload.inplace.reload_weights`` on ``worker.model_runner.drafter.model`` inside
-  ``set_current_vllm_config``, with the export's names and tensors (``codraft.export.eagle3.draft_tensors``);
-  its embedding is the policy's (vLLM shares the module when the export's copy equals it, as it does), so
-  it is not sent;
+* the drafter: ``reload.inplace.reload_weights`` on ``worker.model_runner.drafter.model`` inside
+  ``set_current_vllm_config``, with the export's names and tensors (``codraft.export.eagle3.draft_tensors``,
+  ``codraft.export.block.draft_tensors``); its embedding (DFlash: and LM head) is the policy's (vLLM shares
+  the module), so it is not sent; a DFlash draft's learned MASK vector is (``VLLM_MASK``), and vLLM's copies
+  of its K/V weights are made again (``_rebuild_context_kv``);
 * then the prefix cache is dropped: its blocks hold keys and values of the old weights.
 
 Probe check (``check``): vLLM's logprobs of a fixed probe sequence (``prompt_logprobs``: the raw
@@ -27,15 +28,16 @@ from __future__ import annotations
 import torch
 
 from codraft.errors import CodraftError
-from codraft.export.eagle3 import draft_tensors
+from codraft.export import block, eagle3
 from codraft.models.hf_io import hf_tensors
 from codraft.rollout.weights import full
-from codraft.vllm.serving import Served
+from codraft.vllm.serving import Served, learned_mask
 
 # max |Δ logprob| over the probe. Measured on the tiny policy (4 layers, hidden 128; AMD EPYC, 2026-12-06):
 # fp32 ≤ 1e-6 after refits; bf16 0.004-0.005, and 0.058 when a whole update of size 1e-3 was not pushed.
 # Deeper models round more in bf16: unmeasured, the bound may need raising there (docs/vllm.md).
 TOLERANCE = {"float32": 1e-3, "bfloat16": 0.05}
+VLLM_MASK = "mask_embedding"  # DFlashQwen3ForCausalLM.load_weights: model.mask_embedding, read from MASK_FILE at load
 
 
 class StaleVllmWeights(CodraftError, RuntimeError):
@@ -48,9 +50,15 @@ def policy_tensors(policy) -> dict[str, torch.Tensor]:
 
 
 def drafter_tensors(draft) -> dict[str, torch.Tensor]:
-    """The EAGLE-3 draft's tensors as its vLLM export holds them (gathered when sharded)."""
+    """The draft's tensors as its vLLM export holds them (gathered when sharded); a DFlash draft's learned MASK
+    vector (the export's mask_embedding.pt) under vLLM's name for it."""
     state = {k: full(v).detach() for k, v in draft.state_dict().items()}
-    return draft_tensors(draft, torch.float32, "vllm", state=state)
+    if block.ARCHITECTURES["dflash"] not in draft.architectures:  # (EAGLE-3: the config allows no other)
+        return eagle3.draft_tensors(draft, torch.float32, "vllm", state=state)
+    tensors = block.draft_tensors(draft, torch.float32, state=state)
+    if learned_mask(draft):
+        tensors[VLLM_MASK] = state["mask_embedding"].float()
+    return tensors
 
 
 @torch.no_grad()
@@ -63,11 +71,44 @@ def push(served: Served, policy, draft=None) -> None:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload.inplace import reload_weights
 
+        drafter = worker.model_runner.drafter.model
+        if hasattr(drafter, "_read_mask_embedding"):  # DFlash: the MASK vector comes with the tensors
+            drafter._read_mask_embedding = _no_mask_file
+        tensors = drafter_tensors(draft)
         with set_current_vllm_config(worker.vllm_config):
-            reload_weights(worker.vllm_config, worker.model_runner.drafter.model,
-                           weights_iterator=iter(drafter_tensors(draft).items()), weights_path=None,
+            reload_weights(worker.vllm_config, drafter, weights_iterator=iter(tensors.items()), weights_path=None,
                            is_checkpoint_format=True)
+        _rebuild_context_kv(drafter, tensors)
     served.llm.reset_prefix_cache()
+
+
+def _no_mask_file() -> None:
+    """vLLM's DFlash drafter reads its learned MASK vector from the folder's mask_embedding.pt at every load, and
+    it would win over the one sent (``VLLM_MASK``): that folder is removed after the build (else it would hold
+    the build's vector, and with it gone vLLM asks the Hugging Face hub for the path). Nothing is read."""
+
+
+def _rebuild_context_kv(drafter, tensors: dict[str, torch.Tensor]) -> None:
+    """DFlash: vLLM projects the context's keys and values with copies of every layer's K/V weights, K-norm and
+    hidden norm made at the end of its ``load_weights`` (``_build_fused_kv_buffers``). In an in-place reload that
+    runs when the layers are already processed, and on CPU a processed linear keeps its weight only in its
+    kernel's packed copy (the parameter is empty): the copies come out empty (measured: "size mismatch, got
+    input (10), mat (10x128), vec (0)" at the next decode). So they are made again now, by vLLM's function, each
+    layer's fused q/k/v weight (vLLM's ``qkv_proj``: q, k, v rows stacked) lent back from the sent tensors."""
+    inner = getattr(drafter, "model", None)
+    if not hasattr(inner, "_build_fused_kv_buffers"):
+        return
+    lent = []
+    for i, layer in enumerate(inner.layers):
+        proj = layer.self_attn.qkv_proj
+        lent.append(proj.weight)
+        qkv = torch.cat([tensors[f"layers.{i}.self_attn.{x}_proj.weight"] for x in "qkv"])
+        proj.weight = torch.nn.Parameter(qkv.to(proj.weight.dtype), requires_grad=False)
+    try:
+        inner._build_fused_kv_buffers()
+    finally:
+        for layer, weight in zip(inner.layers, lent):
+            layer.self_attn.qkv_proj.weight = weight
 
 
 def _retie_head(model) -> None:

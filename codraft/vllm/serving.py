@@ -2,7 +2,8 @@
 
 vLLM loads a model only from a folder: the policy as ``save_pretrained`` writes it (HF format) and the draft as
 ``codraft export-draft --stack vllm`` writes it (EAGLE-3's public layout, no d2t/t2d for a full vocabulary,
-which vLLM refuses). Both go to a temporary folder that is removed once the engines are built: after that the
+which vLLM refuses; DFlash's, a learned MASK vector fed as ``mask_token``'s id and written to
+mask_embedding.pt). Both go to a temporary folder that is removed once the engines are built: after that the
 weights only ever arrive in place (refit.py).
 
 The ``LLM``: in this process (environment.py), no tokenizer (prompts and outputs are token ids), eager (no
@@ -15,6 +16,7 @@ of ``LLM.get_metrics()`` live in one Prometheus registry per process, which the 
 from __future__ import annotations
 
 import contextlib
+import json
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,6 +24,7 @@ from pathlib import Path
 import numpy
 import torch
 
+from codraft.export.source import EXPORT_MARK
 from codraft.export.write import export_draft
 from codraft.models import save_pretrained
 
@@ -49,8 +52,30 @@ def write_folders(folder: Path, policy, draft) -> tuple[Path, Path | None]:
     if draft is None:
         return folder / "policy", None
     draft.save(folder / "draft-source")
-    export_draft(folder / "draft-source", folder / "draft", target=str(folder / "policy"), stack="vllm")
+    export_draft(folder / "draft-source", folder / "draft", target=str(folder / "policy"), stack="vllm",
+                 mask_token_id=mask_token(policy.config) if learned_mask(draft) else None)
     return folder / "policy", folder / "draft"
+
+
+def learned_mask(draft) -> bool:
+    """A DFlash draft whose MASK input is its own learned vector (codraft's default), not a target row."""
+    return getattr(draft, "mask_embedding", None) is not None
+
+
+def mask_token(config) -> int:
+    """The token id vLLM feeds a learned MASK vector as: the policy's pad token unless it is an EOS, else its
+    last vocabulary row. vLLM's DFlash substitutes the vector for every draft input of that id, so a real token
+    of that id drafts worse (never wrongly: the target verifies every draft): a token the policy rarely emits
+    is best."""
+    eos = config.eos_token_id
+    eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+    pad = config.pad_token_id
+    return pad if pad is not None and pad not in eos else config.vocab_size - 1
+
+
+def method(draft) -> str:
+    """vLLM's speculative method for an exported draft: its folder's ``codraft_export`` kind (eagle3, dflash)."""
+    return json.loads((draft / "config.json").read_text())[EXPORT_MARK]["kind"]
 
 
 def build(policy_dir: Path, draft_dir: Path | None, *, gamma: int, dtype: str, max_len: int, max_rows: int,
@@ -59,7 +84,7 @@ def build(policy_dir: Path, draft_dir: Path | None, *, gamma: int, dtype: str, m
     from vllm import LLM
 
     spec = {} if draft_dir is None else dict(
-        speculative_config={"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": gamma},
+        speculative_config={"method": method(draft_dir), "model": str(draft_dir), "num_speculative_tokens": gamma},
         per_request_spec_decode_metrics="summary")
     with kept_random_state():
         llm = LLM(model=str(policy_dir), dtype=dtype, skip_tokenizer_init=True, enforce_eager=True,

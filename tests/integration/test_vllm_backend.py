@@ -17,11 +17,12 @@ import importlib.util
 
 import pytest
 import torch
-from tiny_runs import assert_same_steps, run_config, save_tiny_policy, step_rows
+from tiny_runs import comparable, run_config, save_tiny_policy, step_rows
 
 from codraft.config import load_config
 from codraft.drafts import build_draft
 from codraft.models import load_pretrained
+from codraft.rl.logger import read_metrics
 from codraft.rl.trainer import Trainer
 from codraft.rollout import Engine
 
@@ -48,8 +49,9 @@ def tiny(tmp_path_factory):
     return path, policy, draft
 
 
-def _config(path, *extra):
-    return load_config(None, [f"policy.init={path}", *VLLM, "draft.kind=eagle3", "draft.gamma=3", *extra])
+def _config(path, *extra, kind="eagle3"):
+    taps = VLLM if kind == "eagle3" else VLLM[:1]  # (a DFlash draft's taps are its own: here [2])
+    return load_config(None, [f"policy.init={path}", *taps, f"draft.kind={kind}", "draft.gamma=3", *extra])
 
 
 @pytest.fixture(scope="module")
@@ -59,6 +61,28 @@ def backend(tiny):
     b = VllmBackend(_config(path), copy.deepcopy(policy), copy.deepcopy(draft), PROBE, max_rows=16)
     print(f"self-check with the fixed kernel: {b.verdict}")
     return b
+
+
+@pytest.fixture(scope="module")
+def dflash(tiny):
+    """A backend over a random DFlash draft (block of 4: γ = 3) with a learned MASK vector, on its default tap."""
+    path, policy, _ = tiny
+    torch.manual_seed(2)
+    draft = build_draft("dflash", policy.config, gamma=3)
+    draft.bind_target(policy.embed_tokens.weight, policy.head_weight)
+    return VllmBackend(_config(path, kind="dflash"), copy.deepcopy(policy), draft, PROBE, max_rows=16)
+
+
+def _draft_logits(backend) -> torch.Tensor:
+    """Every logit vLLM's drafter computes while the speculative engine decodes PROMPTS greedily."""
+    drafter = backend.spec.worker.model_runner.drafter.model
+    seen, real = [], drafter.compute_logits
+    drafter.compute_logits = lambda hidden: seen.append(real(hidden)) or seen[-1]
+    try:
+        backend.engine.generate(PROMPTS, 12, temperature=0.0, eos_id=[])
+    finally:
+        del drafter.compute_logits
+    return torch.cat(seen).float()
 
 
 def test_the_self_check_fails_on_vllms_expand_kernel_and_passes_on_the_fix(tiny, backend):
@@ -75,10 +99,10 @@ def test_the_self_check_fails_on_vllms_expand_kernel_and_passes_on_the_fix(tiny,
     assert expand_fix.installed()
 
 
-def test_greedy_speculative_tokens_are_codrafts_plain_greedy_tokens(tiny, backend):
+def test_greedy_speculative_tokens_are_codrafts_plain_greedy_tokens(backend):
     """An independent oracle: codraft's engine over the same fp32 weights; the logprobs are the raw
     log_softmax at greedy, in both."""
-    _, policy, _ = tiny
+    policy = backend.policy  # (the weights the engine holds: other tests update them)
     ours = Engine(policy).generate(PROMPTS, 24, temperature=0.0, eos_id=[])
     theirs = backend.engine.generate(PROMPTS, 24, temperature=0.0, eos_id=[])
     assert [o.tokens for o in theirs] == [o.tokens for o in ours]
@@ -88,10 +112,47 @@ def test_greedy_speculative_tokens_are_codrafts_plain_greedy_tokens(tiny, backen
     assert s.row_rounds > 0 and s.drafted == 3 * s.row_rounds and len(s.acceptance_per_position) == 3
 
 
-def test_sampled_logprobs_follow_codrafts_convention(tiny, backend):
+def test_dflash_greedy_speculative_tokens_are_codrafts_and_sampling_passes_the_self_check(tiny, dflash):
+    """DFlash through vLLM: its learned MASK vector is served (mask_embedding.pt), the greedy tokens are codraft's
+    plain ones and the start-up chi-square self-check passes."""
+    _, policy, _ = tiny
+    ours = Engine(policy).generate(PROMPTS, 24, temperature=0.0, eos_id=[])
+    theirs = dflash.engine.generate(PROMPTS, 24, temperature=0.0, eos_id=[])
+    assert [o.tokens for o in theirs] == [o.tokens for o in ours]
+    s = dflash.engine.stats
+    assert s.row_rounds > 0 and s.drafted == 3 * s.row_rounds
+    assert dflash.verdict.lossless and dflash.verdict.p_value > 1e-3, dflash.verdict
+    drafter = dflash.spec.worker.model_runner.drafter.model
+    assert drafter.model.has_separate_mask_embedding
+    assert torch.equal(drafter.model.mask_embedding.float(), dflash.draft.mask_embedding.detach())
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "dflash"])
+def test_a_refit_drafter_drafts_as_one_built_from_the_same_weights(request, tiny, kind):
+    """After an update of policy and draft and its refit, vLLM's drafter computes the logits (to 1e-4) that
+    an engine built from the updated weights computes: every tensor of the draft arrived, derived copies
+    included (DFlash's context K/V weights, its MASK vector). Before the refit they differ."""
+    b = request.getfixturevalue("backend" if kind == "eagle3" else "dflash")
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for p in [*b.policy.parameters(), *b.draft.parameters()]:
+            p.add_(0.05 * torch.randn_like(p))
+    stale = _draft_logits(b)
+    b.refit(b.draft)
+    assert b.check("the refit") < 1e-4
+    got = _draft_logits(b)
+    fresh = VllmBackend(_config(tiny[0], "rollout.temperature=0", kind=kind), b.policy, b.draft, PROBE,
+                        max_rows=16, announce=False)
+    want = _draft_logits(fresh)
+    del fresh
+    assert got.shape == want.shape and torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+    assert stale.shape != want.shape or not torch.allclose(stale, want, atol=1e-2)
+
+
+def test_sampled_logprobs_follow_codrafts_convention(backend):
     """At T > 0 the logprob of each sampled token is log_softmax(logits / T), as the trainer computes it;
     a seed repeats the rollout; EOS ends a row and is kept."""
-    _, policy, _ = tiny
+    policy = backend.policy
     out = backend.engine.generate(PROMPTS, 16, temperature=0.7, seed=5, eos_id=[])
     assert [o.tokens for o in backend.engine.generate(PROMPTS, 16, temperature=0.7, seed=5, eos_id=[])] == \
         [o.tokens for o in out]
@@ -122,24 +183,50 @@ def test_a_stale_refit_fails_the_probe_check(backend, monkeypatch):
     assert backend.check("step 8") < 1e-4
 
 
-def test_a_tiny_run_trains_and_resumes(tmp_path, tiny, varied_reward):
-    """4 steps through vLLM (reward, τ, the refit's and its check's times, the speedup probe, validation); a run
-    of 2 steps resumed to 4 from its checkpoint continues (its first 2 steps are the uninterrupted run's)."""
+def test_a_tiny_run_trains_a_dflash_draft_through_vllm(tmp_path, tiny, varied_reward):
+    """2 steps with a co-trained DFlash draft (learned MASK) decoded by vLLM: the draft trains and every step's
+    refit passes its probe check."""
+    extra = [VLLM[0], "log.speedup_every=0", "log.val_every=0", "log.checkpoint_every=0"]
+    Trainer(run_config(tiny[0], tmp_path / "run", 2, kind="dflash", extra=extra), progress=False).fit()
+    rows = step_rows(tmp_path / "run")
+    assert sorted(rows) == [1, 2]
+    for row in rows.values():
+        assert row["acceptance_length"] >= 1.0 and row["time_refit"] > 0 and "time_refit_check" in row
+        assert row["draft/grad_norm"] > 0 and row["draft/loss"] > 0
+
+
+def test_a_tiny_run_trains_and_a_resumed_run_repeats_it(tmp_path, tiny, varied_reward, monkeypatch):
+    """4 steps through vLLM (reward, τ, the refit's and its check's times, the speedup probe, validation); the
+    same run interrupted after its step-2 checkpoint and resumed repeats it exactly (timings aside), as
+    codraft's engine does: the engines are rebuilt from the checkpoint's weights and refit.
+
+    (A run of steps=2 resumed to 4 is another run: the lr cosine spans ``steps``, so its step 2 moves every
+    weight by another amount: 3.2e-4 here.)"""
     path = tiny[0]
     extra = [*VLLM, "log.speedup_every=2", "log.val_every=2"]
-    whole = Trainer(run_config(path, tmp_path / "whole", 4, kind="eagle3", extra=extra), progress=False)
-    whole.fit()
+    Trainer(run_config(path, tmp_path / "whole", 4, kind="eagle3", extra=extra), progress=False).fit()
     rows = step_rows(tmp_path / "whole")
     assert sorted(rows) == [1, 2, 3, 4]
     for row in rows.values():
         assert row["acceptance_length"] >= 1.0 and "reward_mean" in row and row["time_refit"] > 0
         assert "time_refit_check" in row
     assert "rollout_speedup" in rows[1]
-    first = Trainer(run_config(path, tmp_path / "resumed", 2, kind="eagle3", extra=extra), progress=False)
-    first.fit()
-    cfg = run_config(path, tmp_path / "resumed", 4, kind="eagle3", extra=extra)
-    Trainer(cfg, resume=str(tmp_path / "resumed"), progress=False).fit()
-    resumed = step_rows(tmp_path / "resumed")
-    assert sorted(resumed) == [1, 2, 3, 4] and all(resumed[s]["time_refit"] > 0 for s in (3, 4))
-    # the steps before the resume repeat the uninterrupted run's; after it they do not, yet (docs/vllm.md)
-    assert_same_steps({s: resumed[s] for s in (1, 2)}, rows)
+
+    real_step = Trainer.step
+
+    def interrupted_at_3(self, step):
+        if step == 2:  # (0-based: the third step) after the step-2 checkpoint
+            raise KeyboardInterrupt
+        return real_step(self, step)
+
+    monkeypatch.setattr(Trainer, "step", interrupted_at_3)
+    with pytest.raises(KeyboardInterrupt):
+        Trainer(run_config(path, tmp_path / "cut", 4, kind="eagle3", extra=extra), progress=False).fit()
+    monkeypatch.setattr(Trainer, "step", real_step)
+    assert sorted(step_rows(tmp_path / "cut")) == [1, 2]
+    Trainer(run_config(path, tmp_path / "cut", 4, kind="eagle3", extra=extra), resume=str(tmp_path / "cut"),
+            progress=False).fit()
+    full, cut = read_metrics(tmp_path / "whole"), read_metrics(tmp_path / "cut")
+    assert [r["step"] for r in cut] == [r["step"] for r in full] == [0, 1, 2, 3, 4]
+    assert all(r["time_refit"] > 0 for r in cut if r["step"] in (3, 4))
+    assert comparable(full) == comparable(cut)

@@ -23,7 +23,6 @@ VLLM = ["rollout.backend=vllm", "draft.kind=eagle3"]
     (["parallel.cp=2"], "parallel.cp", "whole policy"),
     (["parallel.pp=2"], "parallel.pp", "whole policy"),
     (["draft.kind=dspark"], "draft.kind", "Model Runner V1 does not support: dspark"),
-    (["draft.kind=dflash"], "draft.kind", "does not refit them"),
     (["draft.kind=ngram"], "draft.kind", "no counterpart"),
     (["rollout.draft_length=auto"], "rollout.draft_length", "num_speculative_tokens"),
     (["grpo.routing_replay=true"], "grpo.routing_replay", "experts"),
@@ -38,7 +37,7 @@ def test_what_the_vllm_backend_refuses(extra, key, why):
 
 
 def test_what_it_takes():
-    for extra in ([], ["draft.mode=none", "draft.kind=dflash"], ["parallel.dp=2", "rollout.prompts_per_step=8"],
+    for extra in ([], ["draft.mode=none", "draft.kind=dflash"], ["draft.kind=dflash"], ["parallel.dp=2", "rollout.prompts_per_step=8"],
                   ["rollout.dtype=bfloat16"], ["rollout.vllm_fix_expand=false"]):
         load_config(None, [*VLLM, *extra]).validate()
     load_config(None, ["draft.kind=dspark"]).validate()  # (the codraft backend: everything as before)
