@@ -77,3 +77,16 @@ def tiny_tools_policy(tmp_path_factory):
     with lock:
         return warm_start(SFTConfig(steps=150, val_size=40), cache_dir=root / "policy", progress=False,
                           name="tiny-tools")
+
+
+@pytest.fixture(scope="module")
+def vllm_restored():
+    """What a vLLM engine built in this process changes for good, put back after the module: its CPU worker
+    replaces ``torch.set_num_threads`` with a no-op, sets the thread count and pins this thread to one core
+    (its OpenMP binding). Left so, every later test of this worker would run pinned beside the other worker
+    (and the ranks it forks would inherit it)."""
+    set_num_threads, threads, cores = torch.set_num_threads, torch.get_num_threads(), os.sched_getaffinity(0)
+    yield
+    torch.set_num_threads = set_num_threads
+    torch.set_num_threads(threads)
+    os.sched_setaffinity(0, cores)

@@ -33,6 +33,7 @@ if importlib.util.find_spec("vllm") is None:
 from codraft.vllm import expand_fix, refit  # noqa: E402
 from codraft.vllm.backend import NotLossless, VllmBackend  # noqa: E402
 
+pytestmark = pytest.mark.usefixtures("vllm_restored")  # (after the skip: a module without vLLM never gets here)
 VLLM = ["rollout.backend=vllm", "draft.taps=0,1,2"]
 PROMPTS = [[1, 5, 6, 7, 8, 9], [1, 10, 11, 12], [1, 20, 21, 22, 23, 24, 25, 26]]
 PROBE = [1, 5, 6, 7, 8, 9, 10, 11, 12, 13]
