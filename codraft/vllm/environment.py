@@ -11,7 +11,8 @@ them first, with ``os.environ.setdefault``: a value you exported wins. Measured 
     VLLM_CPU_OMP_THREADS_BIND=<cores> every core this process may use (its affinity), not vLLM's default of
     VLLM_CPU_NUM_OF_RESERVED_CPU=0    all but one (on 2 cores: the model on one)
     VLLM_LOGGING_LEVEL=ERROR          vLLM's INFO lines and warnings (e.g. a traceback for the chat template
-                                      it cannot warm up without a tokenizer) would bury the run's progress
+                                      it cannot warm up without a tokenizer) would bury the run's progress;
+                                      its FutureWarnings are filtered for the same reason
 
 ``LD_PRELOAD`` of the venv's libiomp5 (intel-openmp) cannot be set once the process runs: without it vLLM
 warns of "significant performance loss" in speculative decoding, so codraft says once how to start with it.
@@ -49,6 +50,8 @@ def prepare(kv_cache_gb: int) -> None:
     os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", cores())
     os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+    # its own deprecations (torch.distributed.reduce_op, read by its kernel dispatcher at every engine start)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm(\.|$)")
     iomp = Path(sys.prefix) / "lib" / "libiomp5.so"
     if iomp.is_file() and "libiomp5" not in os.environ.get("LD_PRELOAD", "") and "iomp" not in _warned:
         _warned.add("iomp")
