@@ -76,6 +76,7 @@ def bench_commands(sub):
     b.add_argument("overrides", nargs="*", metavar="key=value", help="extra codraft config overrides")
     _bench_experiment_parsers(bench)
     _bench_measure_parsers(bench)
+    _bench_rollout_parser(bench)
 
 
 def _bench_measure_parsers(bench):
@@ -178,6 +179,25 @@ def _bench_dp_parser(bench):
                    help="step: config overrides of the tiny preset, both sides (e.g. parallel.dp_shard=ddp)")
 
 
+def _bench_rollout_parser(bench):
+    b = bench.add_parser("rollout", help="rollouts through codraft's engine vs vLLM (rollout.backend), plain and "
+                                          "speculative: tokens/s, τ, the refit, peak memory")
+    b.add_argument("--backends", default="codraft,vllm", help="comma list of codraft (the baseline) and vllm")
+    b.add_argument("--policy", default="tiny-sft", help="tiny-sft, smollm2-135m or an HF-format folder")
+    b.add_argument("--draft", default="offline", help="the EAGLE-3 draft: offline (cached offline training, built "
+                                                      "on first use), random (untrained) or a saved draft's folder")
+    b.add_argument("--batches", default="1,8", help="prompts per call, comma list")
+    b.add_argument("--max-new-tokens", type=int, default=64, help="tokens a row decodes (EOS off)")
+    b.add_argument("--temperature", type=float, default=1.0)
+    b.add_argument("--greedy", action="store_true", help="temperature 0 (and the spec = plain token check)")
+    b.add_argument("--gamma", type=int, default=4, help="tokens drafted per round")
+    b.add_argument("--repeats", type=int, default=3, help="timed calls per row after a warm-up (median reported)")
+    b.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                   help="rollout weights (rollout.dtype), both backends")
+    b.add_argument("--kv-cache-gb", type=int, default=1, help="vLLM's KV cache per engine (rollout.vllm_kv_cache_gb)")
+    b.add_argument("--json", metavar="FILE")
+
+
 def _bench_tap_parser(bench):
     b = bench.add_parser("tap", help="TapChannel fan-in of tapped features to the last stage: shared memory vs "
                                       "point-to-point vs host staging vs relay (gloo, 1 thread per process)")
@@ -261,6 +281,12 @@ def _cmd_bench(args):
             repeats=args.repeats, draft_init=args.draft_init, hf=not args.no_hf, json_path=args.json,
             gammas=parse_gammas(args.gammas) if args.gammas else None, dtypes=_csv(args.dtypes),
             t1_rows=args.t1_rows)
+    elif args.bench == "rollout":
+        from codraft.bench.rollout import run
+        run(backends=_csv(args.backends), policy=args.policy, draft=args.draft,
+            batches=[int(b) for b in _csv(args.batches)], max_new_tokens=args.max_new_tokens,
+            temperature=0.0 if args.greedy else args.temperature, gamma=args.gamma, repeats=args.repeats,
+            dtype=args.dtype, kv_cache_gb=args.kv_cache_gb, json_path=args.json)
     elif args.bench == "draft-length":
         from codraft.bench.draft_length import run
         run(model_name=args.model, draft=args.draft, draft_init=args.draft_init, dtype=args.dtype, batch=args.batch,

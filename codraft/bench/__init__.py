@@ -7,9 +7,11 @@ which is what makes timings on a shared host noisy).
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import platform
 import statistics
+from pathlib import Path
 
 import torch
 
@@ -114,3 +116,10 @@ def _fmt(x) -> str:
     if isinstance(x, float):
         return f"{x:.3g}" if abs(x) < 10 else f"{x:.1f}"
     return str(x)
+
+
+def write_json(result: dict, path, log=print) -> None:
+    """A bench's result as JSON at ``path`` (its folder made), and a line saying so."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(result, indent=2))
+    log(f"\nwrote {path}")

@@ -34,8 +34,6 @@ to codraft's and HF's plain decode time per step at batch 1.
 from __future__ import annotations
 
 import dataclasses
-
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -44,7 +42,7 @@ from typing import Callable
 
 import torch
 
-from codraft.bench import CpuMeter, format_table, machine_info, median
+from codraft.bench import CpuMeter, format_table, machine_info, median, write_json
 from codraft.bench.bandwidth import decode_bound_s, measure_bandwidth, weight_bytes
 from codraft.policy import load_policy
 from codraft.rollout import Engine, load_or_calibrate
@@ -395,7 +393,5 @@ def run(models=("tiny", "smollm2"), batches=(1, 4, 16), max_new_tokens=128, draf
     result["machine"]["loadavg"] = os.getloadavg()
     print_report(result, log)
     if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(result, indent=2))
-        log(f"\nwrote {json_path}")
+        write_json(result, json_path, log)
     return result

@@ -401,7 +401,10 @@ class Trainer:
 
     def _close_run(self):
         """Close the metrics and plot the run; a full disk leaves a warning instead of plots (the run's own
-        error, if any, is the one raised)."""
+        error, if any, is the one raised). vLLM's engines (rollout.backend=vllm) are shut down: their memory
+        is freed only so."""
+        if self.vllm is not None:
+            self.vllm.close()
         try:
             self.logger.close()
             if self.is_main:

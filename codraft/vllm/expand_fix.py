@@ -39,15 +39,22 @@ def expand(output: torch.Tensor, input_val: torch.Tensor, cu_num_tokens: torch.T
     output[:expanded.numel()].copy_(expanded.to(output.dtype))
 
 
-def install(fixed: bool) -> None:
-    """The expand kernel every vLLM engine of this process runs: this module's ``expand`` or (False) vLLM's own."""
+def install(fixed: bool) -> bool:
+    """The expand kernel every vLLM engine of this process runs: this module's ``expand`` or (False) vLLM's own.
+    Only vLLM's CPU platform has the bug (elsewhere Triton's kernel runs): nothing is replaced there. Returns
+    whether the replacement is installed."""
+    from vllm.platforms import current_platform
     from vllm.triton_utils.dispatcher import register_kernels
     from vllm.utils import cpu_triton_utils
+
+    if not current_platform.is_cpu():
+        return False
 
     _shipped.setdefault("impl", cpu_triton_utils._expand_kernel_impl)
     impl = expand if fixed else _shipped["impl"]
     cpu_triton_utils._expand_kernel_impl = impl  # what the next engine's worker registers
     register_kernels({KERNEL: impl})  # and every engine already built
+    return fixed
 
 
 def installed() -> bool:

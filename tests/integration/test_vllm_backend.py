@@ -61,7 +61,8 @@ def backend(tiny):
     path, policy, draft = tiny
     b = VllmBackend(_config(path), copy.deepcopy(policy), copy.deepcopy(draft), PROBE, max_rows=16)
     print(f"self-check with the fixed kernel: {b.verdict}")
-    return b
+    yield b
+    b.close()
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +72,9 @@ def dflash(tiny):
     torch.manual_seed(2)
     draft = build_draft("dflash", policy.config, gamma=3)
     draft.bind_target(policy.embed_tokens.weight, policy.head_weight)
-    return VllmBackend(_config(path, kind="dflash"), copy.deepcopy(policy), draft, PROBE, max_rows=16)
+    b = VllmBackend(_config(path, kind="dflash"), copy.deepcopy(policy), draft, PROBE, max_rows=16)
+    yield b
+    b.close()
 
 
 def _draft_logits(backend) -> torch.Tensor:
@@ -145,7 +148,7 @@ def test_a_refit_drafter_drafts_as_one_built_from_the_same_weights(request, tiny
     fresh = VllmBackend(_config(tiny[0], "rollout.temperature=0", kind=kind), b.policy, b.draft, PROBE,
                         max_rows=16, announce=False)
     want = _draft_logits(fresh)
-    del fresh
+    fresh.close()
     assert got.shape == want.shape and torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
     assert stale.shape != want.shape or not torch.allclose(stale, want, atol=1e-2)
 

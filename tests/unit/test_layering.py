@@ -32,7 +32,7 @@ ALLOWED = {
     "rl": {"models", "kernels", "attention", "drafts", "rollout", "tasks", "policy", "train", "config", "atomic",
            "parallel", "envs", "data", "rewards", "eval", "vllm"},
     "bench": {"models", "kernels", "drafts", "rollout", "tasks", "policy", "train", "rl", "config", "tokenizer",
-              "attention", "spec", "parallel"},
+              "attention", "spec", "parallel", "vllm"},
     "export": {"models", "kernels", "drafts", "train", "policy", "atomic"},
     "eval": {"atomic", "config", "data", "drafts", "envs", "export", "policy", "rewards", "rollout", "train"},
     "cli_bench": {"bench", "config"},
