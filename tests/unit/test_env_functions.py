@@ -52,7 +52,7 @@ def weather(city: str, unit: Literal["c", "f"] = "c", days: Optional[int] = None
     Args:
         city: The city's name, e.g. Paris,
             in any case.
-        unit (str): Celsius or Fahrenheit
+        unit: Celsius or Fahrenheit
         days: How many days ahead
 
     Returns:

@@ -47,7 +47,9 @@ PROMPTS = [[5, 17, 3, 88, 41, 9, 60, 2, 33], [9, 40, 2, 33, 7, 1, 12, 60], [4, 7
 
 def _hf(family: str, layers: int = 2, **override):
     cfg_name, model_name, extra = FAMILIES[family]
-    cfg = getattr(transformers, cfg_name)(**COMMON, num_hidden_layers=layers, **{**extra, **override})
+    # eager: transformers' reference attention (its SDPA path skips Gemma 2's logit soft-capping in some releases)
+    cfg = getattr(transformers, cfg_name)(**COMMON, num_hidden_layers=layers, attn_implementation="eager",
+                                          **{**extra, **override})
     torch.manual_seed(0)
     model = getattr(transformers, model_name)(cfg).eval()
     with torch.no_grad():  # HF initialises norms (Gemma's to 0) and biases to constants: random everywhere
@@ -126,7 +128,8 @@ def test_codraft_save_loads_in_transformers(family, folders, tmp_path):
     save_pretrained(ours, tmp_path / "ours")
     cfg = json.loads((tmp_path / "ours" / "config.json").read_text())
     assert cfg["architectures"] == [FAMILIES[family][1]]
-    again = getattr(transformers, FAMILIES[family][1]).from_pretrained(tmp_path / "ours").eval()
+    again = getattr(transformers, FAMILIES[family][1]).from_pretrained(tmp_path / "ours",
+                                                                       attn_implementation="eager").eval()
     assert type(again.config) is type(hf.config)
     ids = torch.randint(0, V, (2, 20), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
