@@ -122,24 +122,31 @@ class Engine:
         gen = torch.Generator(device=self.device)
         gen.manual_seed(int(torch.randint(2**62, (1,))) if seed is None else seed)
         sampler = Sampler(temperature, top_p, top_k, gen)
-        eos = self.model.config.eos_token_id if eos_id is None else eos_id
-        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        eos = token_ids(self.model.config.eos_token_id if eos_id is None else eos_id)
         return (kind or Rollout)(self, [list(p) for p in prompts], max_new_tokens, sampler, eos, list(stop))
 
     def _check(self, prompts, max_new_tokens):
-        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        if len(prompts) == 0:
-            raise ValueError("prompts is empty: nothing to generate")
-        vocab = self.model.config.vocab_size
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty (at least one token is needed)")
-            if len(p) + max_new_tokens > self.max_len:
-                raise ValueError(f"prompt {i} has {len(p)} tokens + max_new_tokens={max_new_tokens} "
-                                 f"> max_len={self.max_len}")
-            if min(p) < 0 or max(p) >= vocab:
-                raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
+        validate_prompts(prompts, max_new_tokens, self.max_len, self.model.config.vocab_size)
+
+
+def validate_prompts(prompts, max_new_tokens, max_len: int, vocab_size: int) -> None:
+    """A generate call's refusals, one line each (every engine's: codraft's and codraft.vllm's)."""
+    if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    if len(prompts) == 0:
+        raise ValueError("prompts is empty: nothing to generate")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty (at least one token is needed)")
+        if len(p) + max_new_tokens > max_len:
+            raise ValueError(f"prompt {i} has {len(p)} tokens + max_new_tokens={max_new_tokens} > max_len={max_len}")
+        if min(p) < 0 or max(p) >= vocab_size:
+            raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size})")
+
+
+def token_ids(ids: int | list[int] | None) -> list[int]:
+    """An id, a list of them or None (a config's eos_token_id, an eos_id argument) as a list."""
+    return [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
 
 
 SHARED_PREFILL_MIN = 32  # prompt tokens a shared prefix must save: its forward streams the weights once more

@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from codraft.rollout.engine import GenerationResult
+from codraft.rollout.engine import GenerationResult, token_ids, validate_prompts
 from codraft.rollout.stats import SpecStats
 from codraft.vllm.serving import Served
 
@@ -46,12 +46,12 @@ class VllmEngine:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        self._check(prompts, max_new_tokens)
+        # codraft's engine's refusals, before vLLM's own (which are less plain)
+        validate_prompts(prompts, max_new_tokens, self.served.max_len, self.served.vocab_size)
         if self.sync is not None:
             self.sync(self.served)
         base = int(torch.randint(2**62, (1,))) if seed is None else seed
-        eos = self.served.eos_id if eos_id is None else eos_id
-        eos = [] if eos is None else [eos] if isinstance(eos, int) else list(eos)
+        eos = token_ids(self.served.eos_id if eos_id is None else eos_id)
         # the stop tokens are exactly eos (ignore_eos: not also the one vLLM reads from the model's config)
         params = [SamplingParams(temperature=temperature, top_p=top_p, top_k=top_k, max_tokens=max_new_tokens,
                                  seed=(base + i * _PHI) % 2**63, logprobs=0, stop_token_ids=eos, ignore_eos=True,
@@ -66,22 +66,6 @@ class VllmEngine:
         if progress is not None:
             progress(len(prompts))
         return results
-
-    def _check(self, prompts, max_new_tokens):
-        """codraft's engine's refusals (before vLLM's own, which are less plain)."""
-        if not isinstance(max_new_tokens, int) or max_new_tokens <= 0:
-            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        if len(prompts) == 0:
-            raise ValueError("prompts is empty: nothing to generate")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty (at least one token is needed)")
-            if len(p) + max_new_tokens > self.served.max_len:
-                raise ValueError(f"prompt {i} has {len(p)} tokens + max_new_tokens={max_new_tokens} "
-                                 f"> max_len={self.served.max_len}")
-            if min(p) < 0 or max(p) >= self.served.vocab_size:
-                raise ValueError(f"prompt {i} has token ids outside [0, {self.served.vocab_size})")
-
 
 def _result(c) -> GenerationResult:
     """A vLLM completion as codraft's result: "stop" is a stop token (EOS), which vLLM keeps in token_ids."""

@@ -28,6 +28,7 @@ import torch
 from codraft.export.source import EXPORT_MARK
 from codraft.export.write import export_draft
 from codraft.models import save_pretrained
+from codraft.rollout.engine import token_ids
 
 
 @dataclass
@@ -68,10 +69,8 @@ def mask_token(config) -> int:
     last vocabulary row. vLLM's DFlash substitutes the vector for every draft input of that id, so a real token
     of that id drafts worse (never wrongly: the target verifies every draft): a token the policy rarely emits
     is best."""
-    eos = config.eos_token_id
-    eos = set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
     pad = config.pad_token_id
-    return pad if pad is not None and pad not in eos else config.vocab_size - 1
+    return pad if pad is not None and pad not in token_ids(config.eos_token_id) else config.vocab_size - 1
 
 
 def method(draft) -> str:
