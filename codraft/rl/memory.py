@@ -40,6 +40,7 @@ import torch
 
 from codraft.data import build_task
 from codraft.errors import CodraftError
+from codraft.eval.evaluate import problem_ids
 from codraft.models import ModelConfig
 from codraft.parallel.mesh import Layout
 from codraft.policy.resolve import policy_config
@@ -331,15 +332,13 @@ def check_run(cfg) -> None:
     r = cfg.rollout
     if cfg.data.train:
         task = build_task(cfg, tok, m.max_position_embeddings)
-        train = max(len(p.prompt_ids) for p in task.train)
-        val = max(len(p.prompt_ids) for p in task.sample("val", cfg.log.val_size, seed=cfg.seed)) \
-            if cfg.log.val_every else 0
+        train_problems = task.train
     else:
         task = make_task(cfg.task.name, max_chars=cfg.task.max_chars, format_reward=cfg.task.format_reward)
-        train = max(len(tok.prompt_ids(p.prompt))
-                    for p in itertools.islice(task.stream("train", seed=cfg.seed), r.prompts_per_step))
-        val = max(len(tok.prompt_ids(p.prompt)) for p in task.sample("val", cfg.log.val_size, seed=cfg.seed)) \
-            if cfg.log.val_every else 0
+        train_problems = itertools.islice(task.stream("train", seed=cfg.seed), r.prompts_per_step)
+    train = max(len(problem_ids(tok, p)) for p in train_problems)
+    val = max(len(problem_ids(tok, p)) for p in task.sample("val", cfg.log.val_size, seed=cfg.seed)) \
+        if cfg.log.val_every else 0
     check_prompts(task.name, max(train, val), r.max_new_tokens, m.max_position_embeddings, cfg.policy.init)
     if cfg.memory_check:
         check_memory(cfg, m, train, val)
