@@ -141,7 +141,8 @@ def _tokenizer_files(policy_dir: Path) -> dict[str, str]:
 def resume_from(tr: Trainer, found) -> None:
     """Continue from checkpoint ``found``: the draft, optimisers and schedulers, the step and prompt
     counters, the acceptance estimates (a "spec_pays" of checkpoints from before draft_length is
-    ignored). (The policy's weights: loaded from ``found`` before the layout was applied.)"""
+    ignored); the rollout engines' copies refreshed (vLLM's pushed and checked). (The policy's weights: loaded
+    from ``found`` before the layout was applied.)"""
     optimizers, draft = tr._optimizers(), tr.draft
     sharded = found.path / ckpt.SHARDS
     if sharded.is_dir():  # a run of several ranks: this rank's part, resharded to this layout
@@ -157,6 +158,9 @@ def resume_from(tr: Trainer, found) -> None:
             draft = None  # (the other stages' whole draft, for their engines: from draft.pt)
     state = ckpt.restore(found, draft=draft, optimizers=optimizers)
     tr.rollout_weights.refresh()  # the engines' draft copies were made from the draft before this
+    if tr.vllm is not None:  # rollout.backend=vllm: the checkpoint's weights into vLLM, checked
+        tr.vllm.refit(tr.draft)
+        tr.vllm.check(f"resume from {found.path}")
     tr.start_step, tr.prompts_used = state["step"], state["prompts_used"]
     estimates = tr._estimates()  # (log.frozen_probe_every may have changed: no frozen probe now)
     for name, saved in state.get("acceptance", {}).items():

@@ -75,6 +75,7 @@ from codraft.rl.update_phase import Update, adamw
 from codraft.rollout import Engine, load_or_calibrate
 from codraft.rollout.weights import RolloutWeights
 from codraft.envs import make_env
+from codraft.eval import evaluate
 from codraft.data import build_task
 from codraft.rewards import build_rewards
 from codraft.train import checkpoint as ckpt
@@ -86,7 +87,6 @@ from codraft.train.precision import resolve as resolve_precision
 from codraft.train.schedule import warmup, warmup_cosine
 from codraft.train.seeding import step_seed
 from codraft.vllm.backend import VllmBackend
-from codraft.eval import evaluate
 
 
 class Trainer:
@@ -160,17 +160,9 @@ class Trainer:
                     trains_draft=self.trains_draft)
         self._make_optimizers(cfg)
         self.start_step, self.prompts_used, self._stream = 0, 0, None
-        # the rollout engine; validation (greedy) has its own, so its rounds stay out of the rollouts'
-        # acceptance estimate (draft_length=auto), which checkpoints carry
-        replay = cfg.grpo.routing_replay  # (the plain rollout of the speedup probe records as the rollout does)
-        self.engine, self.val_engine, self.plain_engine = (self.vllm.engine, self.vllm.val_engine, self.vllm.plain_engine) \
-            if self.vllm is not None else (self._engine(self.draft, replay), self._engine(self.draft),
-                                           self._engine(None, replay))
+        self.engine, self.val_engine, self.plain_engine = self._rollout_engines(cfg)
         if found is not None:
             checkpointing.resume_from(self, found)
-            if self.vllm is not None:  # the checkpoint's weights into vLLM, checked
-                self.vllm.refit(self.draft)
-                self.vllm.check(f"resume from {found.path}")
         # steps_done/_done_prompts/_done_acceptance: the last step whose update is fully applied (what
         # Ctrl-C saves); _saved: the last step on disk; nonfinite_streak: skipped updates in a row
         self.steps_done, self._done_prompts, self._saved = self.start_step, self.prompts_used, self.start_step
@@ -261,6 +253,15 @@ class Trainer:
         if self.cost_model is None:
             return Engine(policy, draft, self.cfg.draft.gamma, record_routes=routes)
         return Engine(policy, draft, "auto", cost_model=self.cost_model, record_routes=routes)
+
+    def _rollout_engines(self, cfg: RunConfig) -> tuple:
+        """(rollout, validation, plain) engines: vLLM's (rollout.backend=vllm) or codraft's. Validation (greedy)
+        has its own, so its rounds stay out of the rollouts' acceptance estimate (draft_length=auto), which
+        checkpoints carry; the plain one (the speedup probe's rollout) records routes as the rollout does."""
+        if self.vllm is not None:
+            return self.vllm.engine, self.vllm.val_engine, self.vllm.plain_engine
+        replay = cfg.grpo.routing_replay
+        return self._engine(self.draft, replay), self._engine(self.draft), self._engine(None, replay)
 
     def _probe(self) -> list[int]:
         """The sequence the vLLM refit check scores: the prompt of the first validation problem."""
