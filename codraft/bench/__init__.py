@@ -24,7 +24,8 @@ def machine_info(kernels: bool = True) -> dict:
     (which builds and tunes them on first use on a machine: a few seconds, for the benches that decode)."""
     info = {"date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
             "platform": platform.platform(), "python": platform.python_version(),
-            "processor": _cpu_model(), "cpu_count": os.cpu_count(), "torch": torch.__version__,
+            "processor": _cpu_model(), "cpu_flags": cpu_flags(), "cpu_count": os.cpu_count(),
+            "torch": torch.__version__,
             "torch_threads": torch.get_num_threads(), "cpu_capability": torch.backends.cpu.get_cpu_capability()}
     if kernels:
         info["gemv_tuning"] = gemv_kernel.current(cbuild.library()) if gemv_kernel.kernel() is not None else "off"
@@ -44,6 +45,19 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")  # what the kernels and torch dispatch on
+
+
+def cpu_flags() -> dict[str, bool]:
+    """Which of ``CPU_FLAGS`` this CPU has (/proc/cpuinfo; all False where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        flags = []
+    return {f: f in flags for f in CPU_FLAGS}
 
 
 class CpuMeter:

@@ -47,7 +47,6 @@ from codraft.vllm.environment import INSTALL
 
 BACKENDS = ("codraft", "vllm")
 DTYPES = ("float32", "bfloat16")
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16")
 REPO = Path(__file__).resolve().parents[2]
 
 
@@ -124,15 +123,6 @@ def _versions() -> dict:
     return out
 
 
-def _cpu_flags() -> dict:
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
-    except OSError:
-        flags = []
-    return {f: f in flags for f in CPU_FLAGS}
-
-
 def print_report(result: dict, log=print) -> None:
     s, per = result["settings"], result["backends"]
     table = [[r["backend"], r["mode"], r["batch"], r["tokens_per_s"], r["vs_codraft_plain"], r["tau"],
@@ -184,7 +174,7 @@ def run(*, backends=BACKENDS, policy: str = "tiny-sft", draft: str = "offline", 
                "batches": list(batches), "max_new_tokens": max_new_tokens, "temperature": temperature,
                "repeats": repeats, "dtype": dtype, "kv_cache_gb": kv_cache_gb, "seed": 0,
                "prompts": _prompts(tok, max(batches))}
-        result = {"machine": dict(machine_info(kernels=False), cpu_flags=_cpu_flags(), **_versions()),
+        result = {"machine": dict(machine_info(kernels=False), **_versions()),
                   "settings": {"backends": list(backends), "policy": policy, "policy_dir": str(policy_dir),
                                "draft": draft, "draft_dir": str(draft_dir), "taps": taps, "gamma": gamma,
                                "batches": list(batches), "max_new_tokens": max_new_tokens,

@@ -13,6 +13,8 @@ def test_machine_info_records_the_kernels_tuning_only_for_benches_that_decode(mo
     info = bench.machine_info(kernels=False)
     assert "gemv_tuning" not in info
     assert info["cpu_count"] >= 1 and info["processor"] and info["torch"]
+    flags = open("/proc/cpuinfo").read().split("flags", 1)[1].split("\n", 1)[0].split()  # (the first CPU's)
+    assert info["cpu_flags"] == {f: f in flags for f in bench.CPU_FLAGS} and info["cpu_flags"]["avx2"]
     with pytest.raises(AssertionError, match="built or tuned"):
         bench.machine_info()  # the default asks the kernels for their tuning
 
