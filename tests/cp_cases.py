@@ -8,7 +8,7 @@ import torch
 from codraft.attention import PackedCausal, branch_local_part, dense_branch_reference, merge_lse
 from codraft.attention.merge import attention_with_lse
 from codraft.parallel.baselines import METHODS
-from codraft.parallel.comm import CPGroup
+from codraft.parallel.comm import Group
 
 
 def inputs(lengths, seed, h=4, hkv=2, d=8):
@@ -38,7 +38,7 @@ def main_case(rank, world, lengths, seed, method="zigzag", plan_opts=None, prefi
     if method == "zigzag":  # RoPE positions of the real rows are the layout's
         assert torch.equal(shard.positions()[real], plan.shard(layout.positions()[None], rank)[0, real])
     ql, kl, vl = (plan.shard(x, rank, dim=2).requires_grad_() for x in (q, k, v))
-    o, lse = m.attention(ql, kl, vl, shard, CPGroup.world(timeout=60))
+    o, lse = m.attention(ql, kl, vl, shard, Group.world(timeout=60))
     ((o * plan.shard(do, rank, dim=2)).sum() + (lse * plan.shard(dlse, rank, dim=2)).sum()).backward()
     errs = {
         "o": (o - plan.shard(o_ref.detach(), rank, dim=2))[:, :, real].abs().max(),
@@ -77,7 +77,7 @@ def branch_case(rank, world, method, lengths, seed, gq, local, include_anchor) -
     mine = (local_of[anchors] >= 0).nonzero()[:, 0]
     q_l, kb_l, vb_l = (x[:, :, mine].clone().requires_grad_() for x in (qb, kb, vb))
     km, vm = (plan.shard(x, rank, dim=2).requires_grad_() for x in (k_main, v_main))
-    om, lm = m.branch(q_l, km, vm, local_of[anchors[mine]], shard, CPGroup.world(timeout=60),
+    om, lm = m.branch(q_l, km, vm, local_of[anchors[mine]], shard, Group.world(timeout=60),
                       include_anchor=include_anchor)
     ob, lb = branch_local_part(q_l, kb_l, vb_l, local=local)
     o, _ = merge_lse(om, lm, ob, lb)

@@ -41,7 +41,7 @@ Figures per (method, C, length, branch):
   interpreter. glibc's mmap threshold is pinned to 64 KiB in the workers (``mallopt``), so freed
   tensors leave the RSS and each repeat's peak is its own. Max over repeats.
 * ``sent_bytes`` / ``sent_fwd_bytes``: bytes each rank sent (max over ranks), forward + backward
-  and forward only: ``CPGroup.sent_bytes`` (the ring's point-to-point) plus the collectives'
+  and forward only: ``Group.sent_bytes`` (the ring's point-to-point) plus the collectives'
   bytes as ``baselines`` counts them. ``formula_fwd_bytes`` (ring methods): passes·2(C−1)·N/C·
   d_kv·b with N/C the padded local rows, d_kv = Hkv·D, b = 4 bytes, passes = ring calls per step.
 * ``efficiency``: T_single(1) / (C·T(C)); ``speedup_vs_usp``: T_usp(C) / T(C); ``mem_vs_c1``:
@@ -68,7 +68,7 @@ from codraft.attention import branch_local_part, merge_lse
 from codraft.bench import CpuMeter, format_table, machine_info
 from codraft.parallel.baselines import (METHODS, ContiguousPlan, ContiguousShard, comm_bytes, plain_ring_attention,
                                         plain_ring_branch_attention, reset_comm_bytes)
-from codraft.parallel.comm import CPGroup
+from codraft.parallel.comm import Group
 from codraft.parallel.spawn import raise_errors, spawn_ranks
 from codraft.rl.memory import proc_status, reset_resident_peak
 
@@ -142,7 +142,7 @@ def _inputs(s: _Setup, branch: str, gen: torch.Generator) -> dict:
     return x
 
 
-def _forward(s: _Setup, branch: str, x: dict, comm: CPGroup) -> list[torch.Tensor]:
+def _forward(s: _Setup, branch: str, x: dict, comm: Group) -> list[torch.Tensor]:
     o, _ = s.attention(x["q"], x["k"], x["v"], s.shard, comm)
     outs = [o]
     if branch == "eagle3":
@@ -157,7 +157,7 @@ def _forward(s: _Setup, branch: str, x: dict, comm: CPGroup) -> list[torch.Tenso
     return outs
 
 
-def _measure(s: _Setup, branch: str, comm: CPGroup, gen: torch.Generator) -> dict:
+def _measure(s: _Setup, branch: str, comm: Group, gen: torch.Generator) -> dict:
     gc.collect()
     dist.barrier()
     exact = reset_resident_peak()
@@ -183,7 +183,7 @@ def _measure(s: _Setup, branch: str, comm: CPGroup, gen: torch.Generator) -> dic
 
 
 def _rank_main(rank: int, world: int, cfg: dict) -> list[dict]:
-    comm = CPGroup.world(timeout=cfg["timeout"])
+    comm = Group.world(timeout=cfg["timeout"])
     gen = torch.Generator().manual_seed(1000 + rank)
     records = []
     specs = cfg["c1_methods"] if world == 1 else cfg["methods"]

@@ -1,9 +1,10 @@
-"""The context-parallel process group and its ring exchange, with timeouts that name who hangs.
+"""A process group whose collectives and ring exchange time out with errors that name who hangs.
 
-``CPGroup`` wraps a torch.distributed group (gloo on CPU, NCCL on GPU: the backend is chosen
-from the device when the group is created, see ``init_cp``). A ring step sends the tensor it
+``Group`` wraps a torch.distributed group (the world, or one of the mesh's: gloo on CPU, NCCL on GPU,
+the backend chosen from the device when the world is joined, see ``join_world``). Its collectives
+fail with ``PeerError`` naming this rank's place in the mesh and what was exchanged. A ring step sends the tensor it
 holds to the next rank and receives the previous rank's: ``exchange`` posts both at once and
-returns a handle; ``wait`` blocks at most ``timeout`` seconds and then raises ``CPError`` naming
+returns a handle; ``wait`` blocks at most ``timeout`` seconds and then raises ``PeerError`` naming
 this rank, the ring step, what it was waiting for and from which rank. A dead peer (closed
 connection) is reported the same way. One send and one receive per purpose (K/V, dK/dV) are in
 flight at a time, each purpose with its own tag: gloo may hang with several outstanding
@@ -23,12 +24,12 @@ import torch.distributed as dist
 from codraft.errors import CodraftError
 
 
-class CPError(CodraftError, RuntimeError):
-    """A context-parallel peer did not deliver in time (or died)."""
+class PeerError(CodraftError, RuntimeError):
+    """A peer rank (of any parallel dimension) did not deliver in time, or died."""
 
 
 @dataclass
-class CPGroup:
+class Group:
     group: dist.ProcessGroup | None  # None: the default (world) group
     rank: int
     size: int
@@ -41,7 +42,7 @@ class CPGroup:
         return self.where or f"CP rank {self.rank}/{self.size}"
 
     @classmethod
-    def world(cls, timeout: float = 300.0) -> "CPGroup":
+    def world(cls, timeout: float = 300.0) -> "Group":
         return cls(None, dist.get_rank(), dist.get_world_size(), timeout)
 
     def global_rank(self, r: int) -> int:
@@ -74,7 +75,7 @@ class CPGroup:
         try:
             dist.all_reduce(x, group=self.group)
         except RuntimeError as e:
-            raise CPError(f"{self.who}: all-reduce of {what} failed: {e}") from e
+            raise PeerError(f"{self.who}: all-reduce of {what} failed: {e}") from e
         return x
 
     def all_gather(self, x: torch.Tensor, what: str) -> list[torch.Tensor]:
@@ -85,7 +86,7 @@ class CPGroup:
         try:
             dist.all_gather(out, x, group=self.group)
         except RuntimeError as e:
-            raise CPError(f"{self.who}: all-gather of {what} failed: {e}") from e
+            raise PeerError(f"{self.who}: all-gather of {what} failed: {e}") from e
         return out
 
     def all_gather_object(self, obj, what: str) -> list:
@@ -97,13 +98,13 @@ class CPGroup:
         try:
             dist.all_gather_object(out, on_host(obj), group=self.group)
         except RuntimeError as e:
-            raise CPError(f"{self.who}: all-gather of {what} failed: {e}") from e
+            raise PeerError(f"{self.who}: all-gather of {what} failed: {e}") from e
         return out
 
 
 @dataclass
 class Pending:
-    comm: CPGroup
+    comm: Group
     works: list
     what: str
     step: int
@@ -118,8 +119,8 @@ class Pending:
         try:
             yield
         except RuntimeError as e:
-            raise CPError(f"{c.who}: ring step {self.step + 1} of {c.size} got no {self.what} from CP rank {c.prev} "
-                          f"(or could not send to CP rank {c.next}) within {c.timeout:g} s: {e}") from e
+            raise PeerError(f"{c.who}: ring step {self.step + 1} of {c.size} got no {self.what} from CP rank {c.prev} "
+                            f"(or could not send to CP rank {c.next}) within {c.timeout:g} s: {e}") from e
 
 
 def on_host(obj):
@@ -159,24 +160,24 @@ def leave_process_group() -> None:
         dist.destroy_process_group()
 
 
-def init_cp(device: torch.device | str = "cpu", timeout: float = 300.0, needs: str = "parallel.cp=C",
-            nproc: int | str = "C") -> CPGroup:
-    """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT) once; the
-    whole world is the CP group. Without torchrun: a CPError saying how to launch ``nproc`` processes
+def join_world(device: torch.device | str = "cpu", timeout: float = 300.0, needs: str = "parallel.cp=C",
+               nproc: int | str = "C") -> Group:
+    """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT) once and return the
+    world (every layout's mesh is built on it: ``codraft.parallel.mesh``). Without torchrun: a PeerError saying how to launch ``nproc`` processes
     for the keys ``needs`` (as the user wrote them)."""
     if not dist.is_initialized():
         if "RANK" not in os.environ:
-            raise CPError(f"{needs} needs torchrun, one process per rank: torchrun --standalone --nproc-per-node "
-                          f"{nproc} -m codraft train [...] {needs}")
+            raise PeerError(f"{needs} needs torchrun, one process per rank: torchrun --standalone --nproc-per-node "
+                            f"{nproc} -m codraft train [...] {needs}")
         d, bound = torch.device(device), {}
         if d.type == "cuda":  # one GPU per rank: "cuda" means this rank's (LOCAL_RANK)
             if d.index is not None and int(os.environ.get("WORLD_SIZE", 1)) > 1:
-                raise CPError(f"device={device} would put every rank on GPU {d.index}: give device=cuda, and each "
-                              "rank takes the GPU of its LOCAL_RANK")
+                raise PeerError(f"device={device} would put every rank on GPU {d.index}: give device=cuda, and each "
+                                "rank takes the GPU of its LOCAL_RANK")
             gpu = d.index if d.index is not None else int(os.environ.get("LOCAL_RANK", 0))
             torch.cuda.set_device(gpu)
             # bound to this rank's GPU, NCCL sets up each group's communicator when the group is made: a batched
             # send to a subset of a group (a pipeline stage's) as its first call is otherwise undefined
             bound = {"device_id": torch.device("cuda", gpu)}
         dist.init_process_group(backend_for(device), timeout=datetime.timedelta(seconds=timeout), **bound)
-    return CPGroup.world(timeout)
+    return Group.world(timeout)

@@ -25,12 +25,12 @@ import torch
 
 from codraft.attention import PackedCausal
 from codraft.attention.context import MainAttention
-from codraft.parallel.comm import CPError, CPGroup
+from codraft.parallel.comm import PeerError, Group
 from codraft.parallel.ring import RingAttention, ring_attention, ring_branch_attention
 from codraft.parallel.zigzag import ZigzagPlan, ZigzagShard
 
 
-def sum_across(x: torch.Tensor, comm: CPGroup, what: str = "a loss term") -> torch.Tensor:
+def sum_across(x: torch.Tensor, comm: Group, what: str = "a loss term") -> torch.Tensor:
     """Σ_ranks x with the gradient flowing to the local x only (value equal on every rank)."""
     total = comm.all_reduce(x.detach().clone(), what)
     return x + (total - x.detach())
@@ -39,7 +39,7 @@ def sum_across(x: torch.Tensor, comm: CPGroup, what: str = "a loss term") -> tor
 class RingMain(MainAttention):
     """The drafts' main attention over a zigzag shard: causal and branch parts travel the ring."""
 
-    def __init__(self, shard: ZigzagShard, comm: CPGroup, cu_seqlens: torch.Tensor):
+    def __init__(self, shard: ZigzagShard, comm: Group, cu_seqlens: torch.Tensor):
         super().__init__(cu_seqlens, shard.plan.total)
         self.shard, self.comm = shard, comm
         self.rows = shard.index
@@ -75,7 +75,7 @@ class ShardedRow:
     single-process step expands them. Without shared prompts both use one plan and nothing moves.
     """
 
-    def __init__(self, batch, comm: CPGroup):
+    def __init__(self, batch, comm: Group):
         self.comm, self.batch = comm, batch
         t, sh, dev = batch.input_ids.shape[1], batch.shared, batch.input_ids.device
         layout = sh.layout if sh is not None else PackedCausal.of(batch.cu_seqlens, t)
@@ -147,21 +147,21 @@ def _local_index(index: torch.Tensor, total: int) -> torch.Tensor:
     return out
 
 
-def _check_same_row(plan: ZigzagPlan, input_ids: torch.Tensor, comm: CPGroup) -> None:
+def _check_same_row(plan: ZigzagPlan, input_ids: torch.Tensor, comm: Group) -> None:
     """Every rank must shard the same row: a mismatch is an error naming the ranks, not a hang or
     silently wrong attention."""
     digest = hashlib.sha256(input_ids.detach().cpu().numpy().tobytes()).hexdigest()[:16]
     seen = comm.all_gather_object((plan.bounds, digest), "the packed row's cu_seqlens")
     for r, (bounds, d) in enumerate(seen):
         if bounds != plan.bounds:
-            raise CPError(f"CP rank {comm.rank}: CP rank {r} packed a different row: cu_seqlens {list(bounds)} "
-                          f"vs {list(plan.bounds)} here; every CP rank must train on the same batch")
+            raise PeerError(f"CP rank {comm.rank}: CP rank {r} packed a different row: cu_seqlens {list(bounds)} "
+                            f"vs {list(plan.bounds)} here; every CP rank must train on the same batch")
         if d != digest:
-            raise CPError(f"CP rank {comm.rank}: CP rank {r} packed different tokens (same cu_seqlens); every "
-                          f"CP rank must train on the same batch")
+            raise PeerError(f"CP rank {comm.rank}: CP rank {r} packed different tokens (same cu_seqlens); every "
+                            f"CP rank must train on the same batch")
 
 
-def sync_gradients(params, comm: CPGroup, what: str) -> None:
+def sync_gradients(params, comm: Group, what: str) -> None:
     """Sum every parameter's gradient over the CP group (missing gradients count as zero)."""
     params = [p for p in params if p.requires_grad]
     if comm.size == 1 or not params:

@@ -45,7 +45,7 @@ from torch.distributed.tensor import DTensor
 from codraft.errors import CodraftError
 from codraft.models import Transformer
 from codraft.models.shard_files import ShardPlanner, ShardReader
-from codraft.parallel.comm import CPError
+from codraft.parallel.comm import PeerError
 from codraft.parallel.mesh import Mesh
 
 try:  # FSDP2's DDP (torch >= 2.8); private path, public behaviour
@@ -130,8 +130,8 @@ def named_collectives(mesh: Mesh, what: str):
     except RuntimeError as e:
         if isinstance(e, CodraftError) or not (isinstance(e, dist.DistBackendError) or "gloo" in str(e)):
             raise
-        raise CPError(f"{mesh.where()}: {what} failed: a data-parallel peer died or did not answer within "
-                      f"parallel.timeout: {str(e).splitlines()[0]}") from e
+        raise PeerError(f"{mesh.where()}: {what} failed: a data-parallel peer died or did not answer within "
+                        f"parallel.timeout: {str(e).splitlines()[0]}") from e
 
 
 # parts: name -> (module, its optimiser, the names of the module's tensors this rank holds, or None: all)

@@ -29,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.distributed_c10d import _set_pg_timeout  # (private; public in no release yet)
 
 from codraft.errors import CodraftError
-from codraft.parallel.comm import CPGroup
+from codraft.parallel.comm import Group
 
 
 class LayoutError(CodraftError, ValueError):
@@ -92,11 +92,11 @@ class Mesh:
     stage: int
     dp_rank: int
     cp_rank: int
-    world: CPGroup
-    dp_group: CPGroup | None             # None when dp == 1
+    world: Group
+    dp_group: Group | None             # None when dp == 1
     data_mesh: DeviceMesh | None         # dp (× cp): None when dp == 1
-    data_group: CPGroup | None           # its group: None when dp == 1
-    cp_group: CPGroup | None             # None when cp == 1
+    data_group: Group | None           # its group: None when dp == 1
+    cp_group: Group | None             # None when cp == 1
     pp_group: dist.ProcessGroup | None   # None when pp == 1
     embedding: dist.ProcessGroup | None  # None when pp == 1
 
@@ -135,19 +135,19 @@ class Mesh:
 
 def build_mesh(layout: Layout, device: str = "cpu", timeout: float = 300.0) -> Mesh:
     """This rank's place in the initialised world and its groups (see the module doc); collective."""
-    world = CPGroup.world(timeout)
+    world = Group.world(timeout)
     layout.check(world.size)
     dm = init_device_mesh(torch.device(device).type, (layout.pp, layout.dp, layout.cp),
                           mesh_dim_names=("pp", "dp", "cp"))
     stage, dp_rank, cp_rank = (dm.get_local_rank(n) for n in ("pp", "dp", "cp"))
 
-    def group(name: str, size: int, rank: int) -> CPGroup | None:
-        return CPGroup(dm.get_group(name), rank, size, timeout) if size > 1 else None
+    def group(name: str, size: int, rank: int) -> Group | None:
+        return Group(dm.get_group(name), rank, size, timeout) if size > 1 else None
 
     data_mesh = data_group = None
     if layout.dp > 1:
         data_mesh = dm["dp"] if layout.cp == 1 else dm["dp", "cp"]._flatten("dp_cp")
-        data_group = CPGroup(data_mesh.get_group(), data_mesh.get_local_rank(), data_mesh.size(), timeout)
+        data_group = Group(data_mesh.get_group(), data_mesh.get_local_rank(), data_mesh.size(), timeout)
     td = datetime.timedelta(seconds=timeout)
     # the mesh's own groups are made with the backend's default timeout (30 min for gloo), not the world's;
     # FSDP and the pipeline use them directly, so a dead peer must surface after parallel.timeout there too

@@ -31,7 +31,7 @@ from typing import Callable, NamedTuple
 import torch
 
 from codraft.parallel.blocks import block_backward, block_forward
-from codraft.parallel.comm import CPGroup
+from codraft.parallel.comm import Group
 from codraft.parallel.zigzag import ZigzagShard
 
 TAG_KV, TAG_DKV = 11, 12
@@ -104,7 +104,7 @@ class _Ring(torch.autograd.Function):
     sent while the other receives, so no step allocates a shard-sized tensor."""
 
     @staticmethod
-    def forward(ctx, q, k, v, rule: Rule, comm: CPGroup, scale: float, what: str):
+    def forward(ctx, q, k, v, rule: Rule, comm: Group, scale: float, what: str):
         ctx.set_materialize_grads(False)  # an unused ℓ (the model's attention) gets no dℓ work
         b, h, tq, d = q.shape
         o = q.new_zeros(b, h, tq, d, dtype=torch.float32)
@@ -226,7 +226,7 @@ def branch_rule(shard: ZigzagShard, anchors: torch.Tensor, gq: int, include_anch
 # ---- entry points -----------------------------------------------------------------------------
 
 
-def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: ZigzagShard, comm: CPGroup,
+def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: ZigzagShard, comm: Group,
                    scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Causal attention of the local rows over the whole sharded row: q (B,H,T_l,D), k/v
     (B,Hkv,T_l,D) -> O (B,H,T_l,D), ℓ (B,H,T_l), fp32."""
@@ -236,7 +236,7 @@ def ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, shard: Zig
 
 
 def ring_branch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, anchors: torch.Tensor,
-                          shard: ZigzagShard, comm: CPGroup, *, include_anchor: bool,
+                          shard: ZigzagShard, comm: Group, *, include_anchor: bool,
                           scale: float | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Branch main part: q (B,H,N,Gq,D) with anchors (N,) local row indices, over the main k/v
     (B,Hkv,T_l,D) of every rank -> O (B,H,N,Gq,D), ℓ (B,H,N,Gq), fp32."""
@@ -248,7 +248,7 @@ def ring_branch_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, anc
     return o.reshape(b, h, n, gq, d), lse.reshape(b, h, n, gq)
 
 
-def _check(shard: ZigzagShard, comm: CPGroup, t: int) -> None:
+def _check(shard: ZigzagShard, comm: Group, t: int) -> None:
     if shard.plan.world != comm.size or shard.rank != comm.rank:
         raise ValueError(f"shard is rank {shard.rank} of {shard.plan.world}, the CP group is rank {comm.rank} "
                          f"of {comm.size}")
@@ -260,7 +260,7 @@ class RingAttention:
     """The model's attention function under CP: ``Transformer(config, attention=RingAttention(comm))``
     or ``model(ids, layout=shard, attention=...)``; the layout (a ``ZigzagShard``) is the mask."""
 
-    def __init__(self, comm: CPGroup):
+    def __init__(self, comm: Group):
         self.comm = comm
 
     def __call__(self, q, k, v, mask) -> torch.Tensor:

@@ -35,7 +35,7 @@ import torch
 from codraft.drafts.batch import DraftBatch
 from codraft.models.bf16 import products
 from codraft.models.moe import Routing, load_balancing_loss
-from codraft.parallel.comm import CPGroup
+from codraft.parallel.comm import Group
 from codraft.parallel.context import ShardedRow
 from codraft.rl.grpo import entropy_from_logits, grpo_loss, token_logprobs
 from codraft.train.packing import Packed
@@ -84,7 +84,7 @@ class PackedRow:
         return m
 
 
-def packed_row(batch: Packed, cp: CPGroup | None):
+def packed_row(batch: Packed, cp: Group | None):
     """This rank's view of the batch: all of it, or its zigzag rows under context parallelism."""
     return ShardedRow(batch, cp) if cp is not None and cp.size > 1 else PackedRow(batch)
 
@@ -109,7 +109,7 @@ def draft_taps(draft, train_draft: bool = True) -> tuple[int, ...] | None:
 
 def cotrain_loss(policy, draft, batch: Packed, advantages: torch.Tensor, *, temperature: float, lam: float,
                  eps_low: float, eps_high: float, norm: str, kl_coef: float = 0.0, reference=None,
-                 tis_cap: float | None = None, train_draft: bool = True, phase=None, cp: CPGroup | None = None,
+                 tis_cap: float | None = None, train_draft: bool = True, phase=None, cp: Group | None = None,
                  totals=None, policy_dtype: torch.dtype = torch.float32,
                  draft_dtype: torch.dtype = torch.float32, draft_seed: int | None = None,
                  replay: torch.Tensor | None = None, router_aux_coef: float = 0.0) -> tuple[torch.Tensor, dict]:

@@ -60,7 +60,7 @@ from tqdm import tqdm
 from codraft import kernels
 from codraft.config import RunConfig, check_policy
 from codraft.errors import CodraftError, NonFiniteError
-from codraft.parallel.comm import init_cp, leave_process_group
+from codraft.parallel.comm import join_world, leave_process_group
 from codraft.parallel.mesh import Layout, build_mesh
 from codraft.parallel.parallelize import parallelize
 from codraft.parallel.pipeline import stage_parameters
@@ -235,7 +235,7 @@ class Trainer:
         checkpoints, progress)."""
         par = cfg.parallel
         self.layout = Layout.of(par)
-        self.world = init_cp(cfg.device, par.timeout, self.layout.keys(), self.layout.world) \
+        self.world = join_world(cfg.device, par.timeout, self.layout.keys(), self.layout.world) \
             if self.layout.world > 1 else None
         self.mesh = build_mesh(self.layout, cfg.device, par.timeout) if self.world is not None else None
         self.cp = None if self.mesh is None else self.mesh.cp_group

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from codraft.parallel.baselines import METHODS, ContiguousPlan, UspPlan, comm_bytes, reset_comm_bytes, usp_heads
-from codraft.parallel.comm import CPGroup
+from codraft.parallel.comm import Group
 from cp_cases import branch_case, inputs, main_case
 from dist_harness import run_ranks
 
@@ -30,10 +30,10 @@ VARIANTS = [
 
 
 def _bytes_case(rank, world):
-    """Forward bytes of the zigzag ring (CPGroup counter) and the all-gather (added by the baseline)
+    """Forward bytes of the zigzag ring (Group counter) and the all-gather (added by the baseline)
     equal the formula (C−1)·2·T_l·Hkv·D·4."""
     cu, t, q, k, v, _, _ = inputs(PACKINGS[0], 0)
-    comm = CPGroup.world(timeout=60)
+    comm = Group.world(timeout=60)
     out = {}
     for name in ("zigzag", "allgather", "usp"):
         m = METHODS[name]

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import codraft
-from codraft.parallel.comm import CPError, CPGroup, init_cp, on_host
+from codraft.parallel.comm import PeerError, Group, join_world, on_host
 from codraft.parallel.context import ShardedRow
 from codraft.parallel.mesh import Layout, build_mesh
 from codraft.parallel.ring import ring_attention
@@ -41,8 +41,8 @@ def _faulty_peer(rank, world, fault):
         return "idle"
     t0 = time.monotonic()
     try:
-        ring_attention(q, k, v, shard, CPGroup.world(timeout=TIMEOUT))
-    except CPError as e:
+        ring_attention(q, k, v, shard, Group.world(timeout=TIMEOUT))
+    except PeerError as e:
         return str(e), time.monotonic() - t0
     return "no error", time.monotonic() - t0
 
@@ -58,7 +58,7 @@ def _silent_peer_in_a_mesh(rank, world):
     q, k, v, shard = _ring_inputs(mesh.cp_rank, 2)
     try:
         ring_attention(q, k, v, shard, mesh.cp_group)
-    except CPError as e:
+    except PeerError as e:
         return str(e)
     return "no error"
 
@@ -67,8 +67,8 @@ def _mismatched_rows(rank, world):
     cu = torch.tensor([0, 5, 12] if rank == 0 else [0, 6, 12])
     try:
         ShardedRow(SimpleNamespace(input_ids=torch.zeros(1, 12, dtype=torch.long), cu_seqlens=cu, shared=None),
-                   CPGroup.world(timeout=TIMEOUT))
-    except CPError as e:
+                   Group.world(timeout=TIMEOUT))
+    except PeerError as e:
         return str(e)
     return "no error"
 
@@ -108,8 +108,8 @@ def test_torchrun_ranks_do_not_all_take_one_gpu(monkeypatch):
     refused before any process group or GPU is touched."""
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(CPError, match=r"device=cuda:1 would put every rank on GPU 1: give device=cuda"):
-        init_cp("cuda:1")
+    with pytest.raises(PeerError, match=r"device=cuda:1 would put every rank on GPU 1: give device=cuda"):
+        join_world("cuda:1")
 
 
 @pytest.mark.parametrize("keys", [["parallel.cp=2"], ["parallel.pp=2"], ["parallel.pp=2", "parallel.cp=2"],

@@ -10,7 +10,7 @@ import torch
 
 from codraft.drafts import init_draft
 from codraft.models import Transformer
-from codraft.parallel.comm import CPGroup
+from codraft.parallel.comm import Group
 from codraft.parallel.context import sync_gradients
 from codraft.policy.warmstart import tiny_model_config
 from codraft.rl.cotrain import cotrain_loss
@@ -83,7 +83,7 @@ def _rel(a, b):
 
 
 def _compare(rank, world, kinds, long=False):
-    comm = CPGroup.world(timeout=60)
+    comm = Group.world(timeout=60)
     out = {}
     for kind in kinds:
         for kl in ((0.0,) if long else (0.0, 0.05)):
@@ -126,7 +126,7 @@ def bf16_gap(ref32, ref16, got16) -> dict:
 
 
 def _compare_bf16(rank, world, kind):
-    comm = CPGroup.world(timeout=60)
+    comm = Group.world(timeout=60)
     policy, draft = _models(kind)
     batch, adv = _batch(seed=3)
     ref32 = _step(policy, draft, batch, adv, None, None, 0.0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from types import SimpleNamespace
 
-from codraft.parallel.comm import CPGroup
+from codraft.parallel.comm import Group
 from codraft.rewards.calling import Result
 from codraft.rewards.reward_set import RewardFn, RewardSet
 from codraft.rl import scoring
@@ -26,7 +26,7 @@ def _rank(rank, world, calls):
     out = [SimpleNamespace(tokens=[i, 1], mask=None) for i in range(4)]
     tr = SimpleNamespace(
         cfg=SimpleNamespace(rollout=SimpleNamespace(group_size=2), grpo=SimpleNamespace(leave_one_out=False)),
-        env=None, world=CPGroup.world(60.0), rewards=RewardSet([RewardFn("by_process", 1.0, by_process)]),
+        env=None, world=Group.world(60.0), rewards=RewardSet([RewardFn("by_process", 1.0, by_process)]),
         tok=SimpleNamespace(decode=lambda ids: " ".join(map(str, ids))))
     s = scoring.score(tr, 0, Rollout(group, [[0]] * 4, out, None, 0.0, 0))
     return s.rewards.tolist(), s.advantages.tolist(), os.getpid()

@@ -151,7 +151,7 @@ def test_cp_ranks_beside_a_refused_rank_0_fail_within_the_timeout(tmp_path, tiny
     (e0, msg0, _), (e1, msg1, seconds1) = out
     assert (e0, msg0) == ("RunDirError", f"run_dir={run} is in use by another codraft run (pid {os.getpid()}); "
                                          "wait for it to end or stop it, or use another run_dir=")
-    assert e1 == "CPError" and "the run folder (rank 0 may have refused it: see its error)" in msg1
+    assert e1 == "PeerError" and "the run folder (rank 0 may have refused it: see its error)" in msg1
     assert seconds1 < 20 + 10
 
 

@@ -28,7 +28,7 @@ the zigzag ring does: square causal diagonals and unmasked blocks as ``Block(...
 (PyTorch's CPU flash kernel), masked branch blocks by the explicit form. So the methods differ in
 layout, schedule and communication only.
 
-Communicated bytes: the ring's point-to-point bytes are counted by ``CPGroup.sent_bytes``; the
+Communicated bytes: the ring's point-to-point bytes are counted by ``Group.sent_bytes``; the
 collectives here add what a bandwidth-optimal algorithm sends per rank (all-gather and
 reduce-scatter: (C−1)·local bytes; all-to-all: (U−1)/U of the input) to the same counter.
 ``comm_bytes(comm)`` also adds the ring subgroups USP creates.

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from codraft.parallel.baselines.common import _branch_groups, _branch_mask, _causal, _check, _count, _scale
-from codraft.parallel.comm import CPGroup
+from codraft.parallel.comm import Group
 from codraft.parallel.ring import Block, add_block_grads, attend_blocks, block_grads
 from codraft.parallel.zigzag import ZigzagShard
 
@@ -37,7 +37,7 @@ def _gather_order(shard: ZigzagShard) -> tuple[torch.Tensor, list[int]]:
     return order.to(shard.device), starts
 
 
-def _all_gather_kv(k: torch.Tensor, v: torch.Tensor, comm: CPGroup, order: torch.Tensor) -> torch.Tensor:
+def _all_gather_kv(k: torch.Tensor, v: torch.Tensor, comm: Group, order: torch.Tensor) -> torch.Tensor:
     """(2,B,Hkv,T_l,D) local -> (2,B,Hkv,C·T_l,D) every rank's K/V, in sequence order."""
     kv = torch.stack([k, v]).contiguous()
     if comm.size == 1:
@@ -49,7 +49,7 @@ def _all_gather_kv(k: torch.Tensor, v: torch.Tensor, comm: CPGroup, order: torch
     return full.index_select(3, order)
 
 
-def _reduce_scatter_kv(dkv: torch.Tensor, comm: CPGroup, order: torch.Tensor) -> torch.Tensor:
+def _reduce_scatter_kv(dkv: torch.Tensor, comm: Group, order: torch.Tensor) -> torch.Tensor:
     """Inverse of ``_all_gather_kv`` for gradients: (2,B,Hkv,C·T_l,D) in sequence order -> the sum
     over ranks of this rank's (2,B,Hkv,T_l,D)."""
     if comm.size == 1:
@@ -114,7 +114,7 @@ def allgather_causal_blocks(shard: ZigzagShard, starts: list[int]) -> list[Block
     return out
 
 
-def allgather_attention(q, k, v, shard: ZigzagShard, comm: CPGroup, scale: float | None = None):
+def allgather_attention(q, k, v, shard: ZigzagShard, comm: Group, scale: float | None = None):
     """Causal attention of zigzag-sharded rows against all-gathered K/V: see the module docstring."""
     _check(shard, comm, k.shape[2], ZigzagShard)
     _no_prefix(shard)
@@ -123,7 +123,7 @@ def allgather_attention(q, k, v, shard: ZigzagShard, comm: CPGroup, scale: float
     return _AllGatherAttention.apply(q, k, v, blocks, order, comm, _scale(q, scale))
 
 
-def allgather_branch_attention(q, k, v, anchors, shard: ZigzagShard, comm: CPGroup, *, include_anchor: bool,
+def allgather_branch_attention(q, k, v, anchors, shard: ZigzagShard, comm: Group, *, include_anchor: bool,
                                scale: float | None = None):
     """``ring_branch_attention``'s contract with all-gathered K/V: each sequence's branches against
     its whole gathered sequence, masked by anchor position."""

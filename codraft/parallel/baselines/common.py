@@ -6,7 +6,7 @@ import math
 
 import torch
 
-from codraft.parallel.comm import CPGroup
+from codraft.parallel.comm import Group
 from codraft.parallel.ring import Block
 
 
@@ -34,7 +34,7 @@ def _branch_mask(kpos: torch.Tensor, qpos: torch.Tensor, n: int, include_anchor:
     return before & (kpos < n)[None]
 
 
-def _check(shard, comm: CPGroup, t: int, kind) -> None:
+def _check(shard, comm: Group, t: int, kind) -> None:
     if not isinstance(shard, kind):
         raise TypeError(f"this attention needs a {kind.__name__}, got {type(shard).__name__}")
     if shard.plan.world != comm.size or shard.rank != comm.rank:
@@ -48,5 +48,5 @@ def _scale(q: torch.Tensor, scale: float | None) -> float:
     return 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
 
 
-def _count(comm: CPGroup, nbytes: float) -> None:
+def _count(comm: Group, nbytes: float) -> None:
     comm.sent_bytes += int(nbytes)

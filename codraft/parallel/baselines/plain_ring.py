@@ -12,7 +12,7 @@ import torch
 
 from codraft.parallel.baselines.common import _branch_groups, _branch_mask, _causal, _check, _scale
 from codraft.parallel.baselines.plans import ContiguousShard
-from codraft.parallel.comm import CPGroup
+from codraft.parallel.comm import Group
 from codraft.parallel.ring import Block, Rule, _Ring
 
 
@@ -41,13 +41,13 @@ def contiguous_branch_rule(shard: ContiguousShard, anchors: torch.Tensor, gq: in
     return rule
 
 
-def plain_ring_attention(q, k, v, shard: ContiguousShard, comm: CPGroup, scale: float | None = None):
+def plain_ring_attention(q, k, v, shard: ContiguousShard, comm: Group, scale: float | None = None):
     """Causal attention over a contiguous sharding, plain (imbalanced) ring: see the module docstring."""
     _check(shard, comm, k.shape[2], ContiguousShard)
     return _Ring.apply(q, k, v, contiguous_rule(shard), comm, _scale(q, scale), "main")
 
 
-def plain_ring_branch_attention(q, k, v, anchors, shard: ContiguousShard, comm: CPGroup, *, include_anchor: bool,
+def plain_ring_branch_attention(q, k, v, anchors, shard: ContiguousShard, comm: Group, *, include_anchor: bool,
                                 scale: float | None = None):
     """``ring_branch_attention`` over a contiguous sharding: q (B,H,N,Gq,D), anchors (N,) local rows."""
     _check(shard, comm, k.shape[2], ContiguousShard)

@@ -28,13 +28,13 @@ import torch.distributed as dist
 
 from codraft.parallel.baselines.common import _check, _count, _scale
 from codraft.parallel.baselines.plans import UspShard
-from codraft.parallel.comm import CPGroup
+from codraft.parallel.comm import Group
 from codraft.parallel.ring import ring_attention
 
 _A2A_FALLBACK: list[bool] = []  # [True] once all_to_all_single was found missing
 
 
-def _all_to_all(x: torch.Tensor, comm: CPGroup) -> torch.Tensor:
+def _all_to_all(x: torch.Tensor, comm: Group) -> torch.Tensor:
     """x (U, ...) contiguous: piece j goes to rank j; returns (U, ...) with piece j from rank j."""
     out = torch.empty_like(x)
     if not _A2A_FALLBACK:
@@ -52,7 +52,7 @@ def _all_to_all(x: torch.Tensor, comm: CPGroup) -> torch.Tensor:
     return buf[:, comm.rank].contiguous()
 
 
-def _seq_to_heads(x: torch.Tensor, comm: CPGroup) -> torch.Tensor:
+def _seq_to_heads(x: torch.Tensor, comm: Group) -> torch.Tensor:
     """(B,H,T,*) with all heads of T local rows -> (B,H/U,U·T,*): H/U heads of the group's rows."""
     u = comm.size
     if u == 1:
@@ -64,7 +64,7 @@ def _seq_to_heads(x: torch.Tensor, comm: CPGroup) -> torch.Tensor:
     return got.permute(1, 2, 0, *range(3, got.dim())).reshape(b, h // u, u * t, *rest)
 
 
-def _heads_to_seq(x: torch.Tensor, comm: CPGroup) -> torch.Tensor:
+def _heads_to_seq(x: torch.Tensor, comm: Group) -> torch.Tensor:
     """Inverse of ``_seq_to_heads``: (B,H/U,U·T,*) -> (B,H,T,*)."""
     u = comm.size
     if u == 1:
@@ -89,18 +89,18 @@ class _Relayout(torch.autograd.Function):
         return ctx.back(g.contiguous(), ctx.comm), None, None, None
 
 
-_USP_GROUPS: dict = {}  # (id(group), size, U) -> (Ulysses CPGroup, ring CPGroup) made by dist.new_group
+_USP_GROUPS: dict = {}  # (id(group), size, U) -> (Ulysses Group, ring Group) made by dist.new_group
 
 
-def _usp_groups(comm: CPGroup, u: int) -> tuple[CPGroup, CPGroup]:
+def _usp_groups(comm: Group, u: int) -> tuple[Group, Group]:
     """(Ulysses group, ring group) of this rank. U = C or U = 1 reuse ``comm`` (the other one is a
     group of one, which never communicates); otherwise the subgroups are created once per
     (group, U), by all ranks together (every rank creates every group, in the same order)."""
     c = comm.size
     if u == c:
-        return comm, CPGroup(None, 0, 1, comm.timeout)
+        return comm, Group(None, 0, 1, comm.timeout)
     if u == 1:
-        return CPGroup(None, 0, 1, comm.timeout), comm
+        return Group(None, 0, 1, comm.timeout), comm
     key = (id(comm.group), c, u)
     if key not in _USP_GROUPS:
         r, td = c // u, datetime.timedelta(seconds=comm.timeout)  # (gloo's default would be 30 min)
@@ -108,25 +108,25 @@ def _usp_groups(comm: CPGroup, u: int) -> tuple[CPGroup, CPGroup]:
         for rho in range(r):
             g = dist.new_group([comm.global_rank(rho * u + j) for j in range(u)], timeout=td)
             if comm.rank // u == rho:
-                ug = CPGroup(g, comm.rank % u, u, comm.timeout)
+                ug = Group(g, comm.rank % u, u, comm.timeout)
         for j in range(u):
             g = dist.new_group([comm.global_rank(rho * u + j) for rho in range(r)], timeout=td)
             if comm.rank % u == j:
-                rg = CPGroup(g, comm.rank // u, r, comm.timeout)
+                rg = Group(g, comm.rank // u, r, comm.timeout)
         _USP_GROUPS[key] = (ug, rg)
     return _USP_GROUPS[key]
 
 
-def _subgroups(comm: CPGroup) -> list[CPGroup]:
+def _subgroups(comm: Group) -> list[Group]:
     return [g for key, groups in _USP_GROUPS.items() if key[:2] == (id(comm.group), comm.size) for g in groups]
 
 
-def comm_bytes(comm: CPGroup) -> int:
+def comm_bytes(comm: Group) -> int:
     """Bytes this rank sent through ``comm`` and the USP subgroups made from its group."""
     return comm.sent_bytes + sum(g.sent_bytes for g in _subgroups(comm))
 
 
-def reset_comm_bytes(comm: CPGroup) -> None:
+def reset_comm_bytes(comm: Group) -> None:
     for g in [comm, *_subgroups(comm)]:
         g.sent_bytes = 0
 
@@ -146,7 +146,7 @@ def usp_heads(h: int, hkv: int, u: int) -> tuple[int, int]:
     return hkv_p * (h // hkv), hkv_p
 
 
-def usp_attention(q, k, v, shard: UspShard, comm: CPGroup, scale: float | None = None):
+def usp_attention(q, k, v, shard: UspShard, comm: Group, scale: float | None = None):
     """Causal attention by USP (Ulysses all-to-all over heads + zigzag ring): module docstring."""
     _check(shard, comm, k.shape[2], UspShard)
     plan = shard.plan
