@@ -214,7 +214,7 @@ RULES: dict[str, Range | OneOf | Text | AnyText | Device | Flag | Taps | RewardF
     "rollout.max_new_tokens": COUNT,
     "rollout.temperature": Range(0, note="0 = greedy"),
     "rollout.top_p": Range(0, 1, lo_open=True, note="1 = off"),
-    "rollout.shards": Range(0, note="0 = one per rank (parallel.dp × parallel.pp × parallel.cp)"),
+    "rollout.shards": Range(0, note="0 = one per rank (parallel.dp × parallel.pp × parallel.cp × parallel.tp)"),
     "rollout.dtype": OneOf(("policy", "float32", "bfloat16")),
     "rollout.draft_length": OneOf(("fixed", "auto")),
     "rollout.backend": OneOf(("codraft", "vllm")),
@@ -258,6 +258,7 @@ RULES: dict[str, Range | OneOf | Text | AnyText | Device | Flag | Taps | RewardF
     "parallel.dp_shard": OneOf(("fsdp", "ddp")),
     "parallel.cp": Range(1, note="ranks that split each packed row (zigzag ring); > 1 needs torchrun"),
     "parallel.pp": Range(1, note="pipeline stages, at most the policy's layers; > 1 needs torchrun"),
+    "parallel.tp": Range(1, note="tensor-parallel ranks, dividing the policy's heads; > 1 needs torchrun"),
     "parallel.microbatches": Range(1, note="at most rollout.prompts_per_step (whole groups)"),
     "parallel.taps": OneOf(("shm", "p2p", "staging", "relay")),
     "parallel.tap_tokens": Range(0, note="0 = sized from the first step"),
@@ -289,14 +290,14 @@ def _draft_folder_exists(c: RunConfig) -> str | None:
 
 def _every_rank_has_work(c: RunConfig) -> str | None:
     par = c.parallel
-    ranks = par.dp * par.cp * par.pp
+    ranks = par.dp * par.cp * par.pp * par.tp
     shards = c.rollout.shards or ranks
     if shards % ranks:
         return f"config key 'rollout.shards' must be 0 or a multiple of the ranks, parallel.dp × parallel.pp × " \
-               f"parallel.cp = {ranks} (each rank decodes as many shards), got {c.rollout.shards}"
+               f"parallel.cp × parallel.tp = {ranks} (each rank decodes as many shards), got {c.rollout.shards}"
     if c.rollout.prompts_per_step < shards:
         return f"config key 'rollout.prompts_per_step' must be >= the rollout shards ({shards}: rollout.shards, " \
-               f"or parallel.dp × parallel.pp × parallel.cp), so that every shard has a prompt group; got " \
+               f"or parallel.dp × parallel.pp × parallel.cp × parallel.tp), so that every shard has a prompt group; got " \
                f"{c.rollout.prompts_per_step}"
     if c.rollout.prompts_per_step % par.dp:
         return f"config key 'rollout.prompts_per_step' must be a multiple of parallel.dp={par.dp} (each data-" \
@@ -322,6 +323,18 @@ def _aux_loss_in_one_batch(c: RunConfig) -> str | None:
     if split and c.grpo.router_aux_coef > 0:
         return f"config key 'grpo.router_aux_coef' must be 0 with parallel.dp, cp, pp or microbatches > 1 (the " \
                f"load-balancing loss is a product of batch means: split, it is another loss), got {c.grpo.router_aux_coef}"
+    return None
+
+
+def _tensor_parallel_layouts(c: RunConfig) -> str | None:
+    """parallel.tp > 1: the layouts its equivalence with one process is tested at (docs/tensor-parallel.md)."""
+    par = c.parallel
+    if par.tp > 1 and par.pp > 1:
+        return f"config key 'parallel.pp' must be 1 with parallel.tp > 1 (a pipeline stage splits whole layers; " \
+               f"stages of tensor-parallel layers are not built), got {par.pp}"
+    if par.tp > 1 and par.microbatches > 1 and par.dp == 1:
+        return f"config key 'parallel.microbatches' must be 1 with parallel.tp > 1 and parallel.dp=1 (one process's " \
+               f"micro-batches run the pipeline schedule, which has no tensor-parallel stages), got {par.microbatches}"
     return None
 
 
@@ -417,4 +430,4 @@ CROSS_RULES: tuple[Callable[[RunConfig], str | None], ...] = (_auto_needs_a_draf
                                                                _tools_are_an_environment, _aux_loss_in_one_batch,
                                                                _taps_reach_the_device, _taps_fit,
                                                                _data_files_exist, _data_has_rewards, _reward_files_exist,
-                                                               _vllm_serves_it)
+                                                               _vllm_serves_it, _tensor_parallel_layouts)

@@ -136,8 +136,9 @@ class LogConfig:
 class ParallelConfig:
     dp: int = 1                     # data-parallel ranks: each rolls out and trains its share of the prompt groups
     dp_shard: str = "fsdp"          # dp > 1: fsdp (FSDP2: parameters, gradients, AdamW state sharded) or ddp (replicated)
-    cp: int = 1                     # context-parallel ranks (launch with torchrun --nproc-per-node dp·pp·cp)
+    cp: int = 1                     # context-parallel ranks (launch with torchrun --nproc-per-node dp·pp·cp·tp)
     pp: int = 1                     # pipeline stages (the policy's decoder layers split over them)
+    tp: int = 1                     # tensor-parallel ranks: each of the policy's products split over them
     microbatches: int = 1           # micro-batches of whole groups per update (1F1B under pp; else accumulation)
     taps: str = "shm"               # how the taps reach the last stage: shm, p2p, or the baselines staging, relay
     tap_tokens: int = 0             # TapChannel slot size in tokens (0 = from the first step's batch, with headroom)

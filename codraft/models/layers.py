@@ -1,5 +1,6 @@
 """Building blocks shared by the policy decoder and the drafts: RMSNorm (and Gemma's (1 + w) form), RoPE
-(with Llama-3 frequency scaling), the gated MLP (SwiGLU, or GeGLU for Gemma), and the product ``linear``.
+(with Llama-3 frequency scaling), the gated MLP (SwiGLU, or GeGLU for Gemma), the product ``linear`` and
+``Linear``, the projection module that runs it.
 
 The plain reference, torch ops only. The CPU decode fast path (C kernels for few-row products
 and norms) is not here: ``codraft.kernels.enable(module)`` installs it on a module tree."""
@@ -10,6 +11,7 @@ import math
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor, Replicate
 
 from codraft.models.config import ModelConfig
 
@@ -73,11 +75,24 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """``F.linear(x, w)`` (no bias), always as one 2-D product: F.linear on a non-contiguous 3-D
     input (e.g. a slice of a block's slots) runs a bmm against a broadcast copy of ``w``, several
     times slower for an LM head. A weight stored in a narrower dtype than x (bf16 rollout weights,
-    ``codraft.rollout.weights``) is widened, exactly, so the product runs in x's dtype."""
+    ``codraft.rollout.weights``) is widened, exactly, so the product runs in x's dtype. A weight split over
+    ranks (a DTensor: a vocabulary-parallel LM head, ``codraft.parallel.tp``) takes a plain x as the same
+    on every rank, and the product is split as the weight is."""
+    if isinstance(w, DTensor) and not isinstance(x, DTensor):
+        x = DTensor.from_local(x, w.device_mesh, [Replicate()] * w.device_mesh.ndim)
     if w.dtype != x.dtype:
         w = w.to(x.dtype)
     y = F.linear(x.reshape(-1, x.shape[-1]), w)
     return y.view(*x.shape[:-1], w.shape[0])
+
+
+class Linear(nn.Linear):
+    """``nn.Linear`` running ``linear``. The models call their projections as modules, so that a
+    tensor-parallel plan's hooks (``codraft.parallel.tp``) run around them."""
+
+    def forward(self, x):
+        y = linear(x, self.weight)
+        return y if self.bias is None else y + self.bias
 
 
 def activate(x: torch.Tensor, gelu: bool) -> torch.Tensor:
@@ -93,10 +108,9 @@ class MLP(nn.Module):
         super().__init__()
         size = size or c.intermediate_size
         self.gelu = c.activation == "gelu_pytorch_tanh"
-        self.gate_proj = nn.Linear(c.hidden_size, size, bias=False)
-        self.up_proj = nn.Linear(c.hidden_size, size, bias=False)
-        self.down_proj = nn.Linear(size, c.hidden_size, bias=False)
+        self.gate_proj = Linear(c.hidden_size, size, bias=False)
+        self.up_proj = Linear(c.hidden_size, size, bias=False)
+        self.down_proj = Linear(size, c.hidden_size, bias=False)
 
     def forward(self, x):
-        return linear(activate(linear(x, self.gate_proj.weight), self.gelu) * linear(x, self.up_proj.weight),
-                      self.down_proj.weight)
+        return self.down_proj(activate(self.gate_proj(x), self.gelu) * self.up_proj(x))

@@ -39,7 +39,7 @@ import torch.nn as nn
 from codraft.attention import (PackedCausal, cache_causal_mask, sdpa, sliding_causal_mask, softcapped_attention,
                                varlen_attention)
 from codraft.models.config import ModelConfig
-from codraft.models.layers import MLP, GemmaRMSNorm, RMSNorm, apply_rope, linear, rope_cos_sin, rope_inv_freq
+from codraft.models.layers import MLP, GemmaRMSNorm, Linear, RMSNorm, apply_rope, linear, rope_cos_sin, rope_inv_freq
 from codraft.models.kv_cache import KVCache
 from codraft.models.moe import SparseMoE
 
@@ -54,10 +54,10 @@ class Attention(nn.Module):
     def __init__(self, c: ModelConfig, index: int = 0):
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = c.num_attention_heads, c.num_key_value_heads, c.head_dim
-        self.q_proj = nn.Linear(c.hidden_size, self.n_heads * self.head_dim, bias=c.qkv_biased)
-        self.k_proj = nn.Linear(c.hidden_size, self.n_kv * self.head_dim, bias=c.qkv_biased)
-        self.v_proj = nn.Linear(c.hidden_size, self.n_kv * self.head_dim, bias=c.qkv_biased)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, c.hidden_size, bias=False)
+        self.q_proj = Linear(c.hidden_size, self.n_heads * self.head_dim, bias=c.qkv_biased)
+        self.k_proj = Linear(c.hidden_size, self.n_kv * self.head_dim, bias=c.qkv_biased)
+        self.v_proj = Linear(c.hidden_size, self.n_kv * self.head_dim, bias=c.qkv_biased)
+        self.o_proj = Linear(self.n_heads * self.head_dim, c.hidden_size, bias=False)
         if c.qk_norm:
             self.q_norm = _norm(c)(self.head_dim, c.rms_norm_eps)
             self.k_norm = _norm(c)(self.head_dim, c.rms_norm_eps)
@@ -70,19 +70,23 @@ class Attention(nn.Module):
             for proj in (self.q_proj, self.k_proj, self.v_proj):
                 nn.init.zeros_(proj.bias)
 
-    def project(self, x, product=linear):
-        """x (B,T,·) -> the q, k, v projections (with Qwen2's biases); ``product``: x @ wᵀ."""
+    def project(self, x, product=None):
+        """x (B,T,·) -> the q, k, v projections (with Qwen2's biases); ``product``: x @ wᵀ, or None: the
+        projection modules (a tensor-parallel plan's hooks run: each rank gets its heads' columns)."""
+        if product is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
         q, k, v = product(x, self.q_proj.weight), product(x, self.k_proj.weight), product(x, self.v_proj.weight)
         if self.q_proj.bias is not None:
             q, k, v = q + self.q_proj.bias, k + self.k_proj.bias, v + self.v_proj.bias
         return q, k, v
 
     def heads(self, q, k, v):
-        """Projections (B,T,·) -> q (B,T,H,D), k, v (B,T,Hkv,D), with the q/k norms (Qwen3)."""
+        """Projections (B,T,·) -> q (B,T,H,D), k, v (B,T,Hkv,D), with the q/k norms (Qwen3). H, Hkv: the heads
+        this rank holds (all, or its share under tensor parallelism)."""
         b, t, _ = q.shape
-        q = q.view(b, t, self.n_heads, self.head_dim)
-        k = k.view(b, t, self.n_kv, self.head_dim)
-        v = v.view(b, t, self.n_kv, self.head_dim)
+        q = q.view(b, t, -1, self.head_dim)
+        k = k.view(b, t, -1, self.head_dim)
+        v = v.view(b, t, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         return q, k, v
@@ -104,7 +108,7 @@ class Attention(nn.Module):
         b, t, _ = x.shape
         q, k, v = self.heads(*self.project(x))
         o = self.attend(q, k, v, cos, sin, attn, mask, cache, layer, positions, span)
-        return linear(o.reshape(b, t, -1), self.o_proj.weight)
+        return self.o_proj(o.reshape(b, t, -1))
 
 
 class DecoderLayer(nn.Module):

@@ -25,7 +25,8 @@ import torch
 
 from codraft.attention import PackedCausal
 from codraft.attention.context import MainAttention
-from codraft.parallel.comm import PeerError, Group
+from codraft.parallel.comm import Group, PeerError
+from codraft.parallel.data_parallel import local
 from codraft.parallel.ring import RingAttention, ring_attention, ring_branch_attention
 from codraft.parallel.zigzag import ZigzagPlan, ZigzagShard
 
@@ -166,10 +167,13 @@ def sync_gradients(params, comm: Group, what: str) -> None:
     params = [p for p in params if p.requires_grad]
     if comm.size == 1 or not params:
         return
-    flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).float() for p in params])
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    grads = [local(p.grad) for p in params]  # (tensor parallelism: this rank's shard, the same one over cp)
+    flat = torch.cat([g.reshape(-1).float() for g in grads])
     comm.all_reduce(flat, f"{what} gradients")
     o = 0
-    for p in params:
-        n = p.numel()
-        p.grad = flat[o:o + n].view_as(p).to(p.dtype).clone()
-        o += n
+    for g in grads:
+        g.copy_(flat[o:o + g.numel()].view_as(g))
+        o += g.numel()

@@ -1,21 +1,25 @@
 """How a run is laid out over its ranks: ``Layout`` (the degrees) and ``Mesh`` (this rank's place and groups).
 
-``Layout(dp, cp, pp, ...)`` says how many ranks split the work each way (and how a step runs:
-``sharded``, ``pipelined``); ``dp × cp × pp`` must be the world
+``Layout(dp, cp, pp, ..., tp)`` says how many ranks split the work each way (and how a step runs:
+``sharded``, ``pipelined``); ``dp × cp × pp × tp`` must be the world
 size (``Layout.check``). ``build_mesh`` builds one ``torch.distributed.device_mesh.DeviceMesh`` of shape
-(pp, dp, cp) with those dimension names, and every group the run uses comes from it:
+(pp, dp, cp, tp) with those dimension names (tp innermost: its ranks talk most, on one host's
+fastest links), and every group and rank the run uses comes from it:
 
 * ``world``: every rank (the rollout shards, the metrics);
-* ``dp``: the ranks with the same stage and CP rank (their prompt groups differ: the metrics of the
+* ``dp``: the ranks with the same stage, CP and TP rank (their prompt groups differ: the metrics of the
   update); ``data_group`` / ``data_mesh``: dp flattened with cp when CP is on, the ranks holding
   gradient shares of one parameter (FSDP's shards and gradient sum, torchtitan's ``dp_shard_cp``);
 * ``cp``: the C ranks that split one packed row (the ring, the CP gradient sum);
+* ``tp``: the ranks that split each product of the policy (``tp_mesh``: what ``codraft.parallel.tp``'s
+  plans are applied over);
 * ``pp``: the P stages of one (dp, cp) column (stage-to-stage activations; rank in it = stage);
 * ``embedding``: stage 0 and stage P−1 of one column, which both hold the tied embedding / LM head
   weight and sum its two gradient shares (Megatron's embedding group): not a mesh dimension, so
   made with ``dist.new_group``, by every rank in one order.
 
-Global rank = (stage · D + d) · C + c, the mesh's row-major order. Every group gets the world's timeout
+A rank's coordinates and the rank at given coordinates are read from the DeviceMesh (row-major: global
+rank = ((stage · D + d) · C + c) · T + t). Every group gets the world's timeout
 (``parallel.timeout``), so a collective that waits on a dead or silent peer fails instead of hanging.
 """
 from __future__ import annotations
@@ -43,11 +47,12 @@ class Layout:
     pp: int = 1
     microbatches: int = 1   # per DP rank
     dp_shard: str = "fsdp"  # fsdp or ddp
+    tp: int = 1
 
     @classmethod
     def of(cls, parallel) -> "Layout":
         """From the run config's ``parallel`` section."""
-        return cls(parallel.dp, parallel.cp, parallel.pp, parallel.microbatches, parallel.dp_shard)
+        return cls(parallel.dp, parallel.cp, parallel.pp, parallel.microbatches, parallel.dp_shard, parallel.tp)
 
     @property
     def sharded(self) -> bool:
@@ -62,7 +67,7 @@ class Layout:
     @property
     def gathers(self) -> bool:
         """The rollout engine decodes a whole copy gathered from the trainer's shards after every update."""
-        return self.sharded or self.sharded_stages
+        return self.sharded or self.sharded_stages or self.tp > 1
 
     @property
     def pipelined(self) -> bool:
@@ -71,17 +76,18 @@ class Layout:
 
     @property
     def world(self) -> int:
-        return self.dp * self.cp * self.pp
+        return self.dp * self.cp * self.pp * self.tp
 
     def keys(self) -> str:
         """The keys as a user writes them, those > 1 only (for messages)."""
-        return " ".join(f"parallel.{k}={n}" for k, n in (("dp", self.dp), ("pp", self.pp), ("cp", self.cp))
+        return " ".join(f"parallel.{k}={n}" for k, n in (("dp", self.dp), ("pp", self.pp), ("cp", self.cp),
+                                                                ("tp", self.tp))
                         if n > 1)
 
     def check(self, world: int) -> None:
         if world != self.world:
-            raise LayoutError(f"parallel.dp={self.dp} × parallel.pp={self.pp} × parallel.cp={self.cp} = {self.world} "
-                              f"ranks, but torchrun started {world} processes; launch with torchrun "
+            raise LayoutError(f"parallel.dp={self.dp} × parallel.pp={self.pp} × parallel.cp={self.cp} × "
+                              f"parallel.tp={self.tp} = {self.world} ranks, but torchrun started {world} processes; launch with torchrun "
                               f"--nproc-per-node {self.world}")
 
 
@@ -92,6 +98,7 @@ class Mesh:
     stage: int
     dp_rank: int
     cp_rank: int
+    tp_rank: int
     world: Group
     dp_group: Group | None             # None when dp == 1
     data_mesh: DeviceMesh | None         # dp (× cp): None when dp == 1
@@ -99,6 +106,7 @@ class Mesh:
     cp_group: Group | None             # None when cp == 1
     pp_group: dist.ProcessGroup | None   # None when pp == 1
     embedding: dist.ProcessGroup | None  # None when pp == 1
+    tp_mesh: DeviceMesh | None           # None when tp == 1
 
     @property
     def pp(self) -> int:
@@ -113,6 +121,10 @@ class Mesh:
         return self.layout.dp
 
     @property
+    def tp(self) -> int:
+        return self.layout.tp
+
+    @property
     def first(self) -> bool:
         return self.stage == 0
 
@@ -121,8 +133,10 @@ class Mesh:
         return self.stage == self.pp - 1
 
     def rank_of(self, stage: int, cp_rank: int = 0, dp_rank: int | None = None) -> int:
-        """The global rank of (stage, cp_rank) in data-parallel replica ``dp_rank`` (None: this rank's)."""
-        return (stage * self.dp + (self.dp_rank if dp_rank is None else dp_rank)) * self.cp + cp_rank
+        """The global rank of (stage, cp_rank) in data-parallel replica ``dp_rank`` (None: this rank's), at this
+        rank's TP rank."""
+        d = self.dp_rank if dp_rank is None else dp_rank
+        return int(self.device_mesh.mesh[stage, d, cp_rank, self.tp_rank])
 
     def column(self, cp_rank: int, dp_rank: int | None = None) -> list[int]:
         """The global ranks of stages 0..P−1 at CP rank ``cp_rank`` of replica ``dp_rank`` (None: this one's)."""
@@ -130,16 +144,17 @@ class Mesh:
 
     def where(self) -> str:
         dp = f", DP rank {self.dp_rank}/{self.dp}" if self.dp > 1 else ""
-        return f"rank {self.world.rank} (pipeline stage {self.stage}/{self.pp}, CP rank {self.cp_rank}/{self.cp}{dp})"
+        tp = f", TP rank {self.tp_rank}/{self.tp}" if self.tp > 1 else ""
+        return f"rank {self.world.rank} (pipeline stage {self.stage}/{self.pp}, CP rank {self.cp_rank}/{self.cp}{dp}{tp})"
 
 
 def build_mesh(layout: Layout, device: str = "cpu", timeout: float = 300.0) -> Mesh:
     """This rank's place in the initialised world and its groups (see the module doc); collective."""
     world = Group.world(timeout)
     layout.check(world.size)
-    dm = init_device_mesh(torch.device(device).type, (layout.pp, layout.dp, layout.cp),
-                          mesh_dim_names=("pp", "dp", "cp"))
-    stage, dp_rank, cp_rank = (dm.get_local_rank(n) for n in ("pp", "dp", "cp"))
+    dm = init_device_mesh(torch.device(device).type, (layout.pp, layout.dp, layout.cp, layout.tp),
+                          mesh_dim_names=("pp", "dp", "cp", "tp"))
+    stage, dp_rank, cp_rank, tp_rank = (dm.get_local_rank(n) for n in ("pp", "dp", "cp", "tp"))
 
     def group(name: str, size: int, rank: int) -> Group | None:
         return Group(dm.get_group(name), rank, size, timeout) if size > 1 else None
@@ -151,17 +166,19 @@ def build_mesh(layout: Layout, device: str = "cpu", timeout: float = 300.0) -> M
     td = datetime.timedelta(seconds=timeout)
     # the mesh's own groups are made with the backend's default timeout (30 min for gloo), not the world's;
     # FSDP and the pipeline use them directly, so a dead peer must surface after parallel.timeout there too
-    for g in [dm.get_group(n) for n in ("pp", "dp", "cp")] + ([data_mesh.get_group()] if data_mesh else []):
+    for g in [dm.get_group(n) for n in ("pp", "dp", "cp", "tp")] + ([data_mesh.get_group()] if data_mesh else []):
         _set_pg_timeout(td, g)
     embedding = None
     if layout.pp > 1:  # every rank makes every pair, in one order (new_group is collective over the world)
-        for column in range(layout.dp * layout.cp):
-            first, last = column, (layout.pp - 1) * layout.dp * layout.cp + column
+        columns = dm.mesh.reshape(layout.pp, -1)  # a column: one (dp, cp, tp) coordinate's stages
+        for column in range(columns.shape[1]):
+            first, last = int(columns[0, column]), int(columns[-1, column])
             g = dist.new_group([first, last], timeout=td, group_desc=f"embedding-column{column}")
-            if column == dp_rank * layout.cp + cp_rank:
+            if (columns[:, column] == world.rank).any():
                 embedding = g
-    mesh = Mesh(layout, dm, stage, dp_rank, cp_rank, world, group("dp", layout.dp, dp_rank), data_mesh, data_group,
-                group("cp", layout.cp, cp_rank), dm.get_group("pp") if layout.pp > 1 else None, embedding)
+    mesh = Mesh(layout, dm, stage, dp_rank, cp_rank, tp_rank, world, group("dp", layout.dp, dp_rank), data_mesh,
+                data_group, group("cp", layout.cp, cp_rank), dm.get_group("pp") if layout.pp > 1 else None,
+                embedding, dm["tp"] if layout.tp > 1 else None)
     for g in (world, mesh.dp_group, mesh.data_group, mesh.cp_group):  # their errors name this rank's place in the mesh
         if g is not None:
             g.where = mesh.where()

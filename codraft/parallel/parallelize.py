@@ -22,6 +22,7 @@ from __future__ import annotations
 from codraft.parallel.data_parallel import parallelize_draft, parallelize_policy
 from codraft.parallel.mesh import Layout, Mesh
 from codraft.parallel.sharded_stages import StageRefit, shard_stage
+from codraft.parallel.tp import parallelize_tp
 
 
 def parallelize(policy, draft, layout: Layout, mesh: Mesh | None, rollout_weights, *, trains_draft: bool) -> None:
@@ -29,12 +30,14 @@ def parallelize(policy, draft, layout: Layout, mesh: Mesh | None, rollout_weight
     if not layout.gathers:
         return
     rollout_weights.draft_for(draft)  # the engine's whole copy of the draft, made before it is sharded
+    if layout.tp > 1:  # first: FSDP then shards the tensor-parallel pieces over dp (2-D parameters)
+        parallelize_tp(policy, mesh.tp_mesh)
     if layout.sharded_stages:
         rollout_weights.refit = StageRefit(mesh, policy, draft, trains_draft=trains_draft)  # (names: before)
         shard_stage(policy, mesh)
-    else:
+    elif layout.sharded:
         parallelize_policy(policy, mesh, layout.dp_shard)
     if draft is not None:  # the target's parts, whole: the engine's refreshed copy
         draft.bind_target(*rollout_weights.target_parts())
-    if trains_draft and (layout.sharded or mesh.last):  # (under stages: the last one trains the draft)
+    if trains_draft and (layout.sharded or layout.sharded_stages and mesh.last):  # (stages: the last trains it)
         parallelize_draft(draft, mesh, layout.dp_shard)

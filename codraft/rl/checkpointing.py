@@ -114,8 +114,8 @@ def _parts(tr: Trainer) -> dict:
 
 def _whole(tr: Trainer) -> tuple:
     """The policy and draft as one process holds them, on rank 0 (collective: sharded layouts gather)."""
-    if tr.layout.sharded:
-        return full_policy(tr.policy), full_state(tr.draft) if tr.trains_draft else tr.draft
+    if tr.layout.sharded or tr.layout.tp > 1:
+        return full_policy(tr.policy), full_state(tr.draft) if tr.trains_draft and tr.layout.sharded else tr.draft
     if tr.layout.sharded_stages:
         weights, trained = tr.rollout_weights.refit.whole(tr.policy)
         if not tr.is_main:

@@ -31,11 +31,13 @@ from __future__ import annotations
 import contextlib
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from codraft.drafts.batch import DraftBatch
 from codraft.models.bf16 import products
 from codraft.models.moe import Routing, load_balancing_loss
 from codraft.parallel.comm import Group
+from codraft.parallel import tp
 from codraft.parallel.context import ShardedRow
 from codraft.rl.grpo import entropy_from_logits, grpo_loss, token_logprobs
 from codraft.train.packing import Packed
@@ -172,7 +174,7 @@ def loss_from_hidden(policy, draft, batch: Packed, row, hidden: torch.Tensor, fe
         logits = policy.logits(hidden[0, here])                # (R_l,V)
     ids = batch.input_ids[0, targets]
     ids_here = ids if live is None else ids[live]
-    logp = _unflatten(row.assemble(token_logprobs(logits / t, ids_here), live), batch.index_mask)  # (N,L)
+    logp = _unflatten(row.assemble(_logprobs(logits / t, ids_here), live), batch.index_mask)  # (N,L)
     ref_logp = None
     if reference is not None:
         with torch.no_grad(), products(policy_dtype):  # the policy's own arithmetic: the KL compares models only
@@ -189,12 +191,13 @@ def loss_from_hidden(policy, draft, batch: Packed, row, hidden: torch.Tensor, fe
     if isinstance(row, ShardedRow):  # padding rows over real tokens, all ranks (zigzag pads to 2·cp)
         metrics["cp/padding_ratio"] = row.plan.padding_ratio
     with torch.no_grad():
-        entropy = entropy_from_logits(logits.detach()[None], torch.ones_like(ids_here)[None], temperature=t)
+        entropy = tp.mean_entropy(logits.detach() / t) if isinstance(logits, DTensor) else \
+            entropy_from_logits(logits.detach()[None], torch.ones_like(ids_here)[None], temperature=t)
         metrics["policy/entropy"] = row.mean(entropy, ids_here.shape[0])
     loss = rl_loss
     if draft is not None and train_draft:
         db = DraftBatch(input_ids=batch.input_ids, cu_seqlens=batch.cu_seqlens, loss_mask=batch.completion,
-                        features=feats, teacher_logits=row.assemble(logits.detach(), live), teacher_rows=rows,
+                        features=feats, teacher_logits=row.assemble(tp.whole(logits.detach()), live), teacher_rows=rows,
                         main=row.main, seeds=_draft_seeds(batch, draft_seed, 0 if totals is None else totals.first))
         norm = None if totals is None else totals.draft_norm  # the step's: this micro-batch's share of its loss
         with phase("draft_loss") if phase is not None else contextlib.nullcontext(), products(draft_dtype):
@@ -203,6 +206,11 @@ def loss_from_hidden(policy, draft, batch: Packed, row, hidden: torch.Tensor, fe
         metrics["draft/loss"] = draft_loss.detach()
         loss = loss + lam * (draft_loss if totals is None or norm is not None else totals.draft_weight * draft_loss)
     return loss, metrics
+
+
+def _logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Each row's logprob of its id; from vocabulary-split logits (tensor parallelism) without gathering them."""
+    return tp.token_logprobs(logits, ids) if isinstance(logits, DTensor) else token_logprobs(logits, ids)
 
 
 def draft_normaliser(draft, batch: Packed, *, draft_seed: int | None, first: int = 0) -> torch.Tensor | None:

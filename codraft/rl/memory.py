@@ -194,19 +194,20 @@ def estimate(cfg, m: ModelConfig, prompt_len: int, val_prompt_len: int = 0) -> E
     r, par, g = cfg.rollout, cfg.parallel, cfg.grpo
     e = 2 if cfg.policy.dtype == "bfloat16" else F32
     G, P, M = r.group_size, r.prompts_per_step, r.max_new_tokens
-    ranks = par.dp * par.cp * par.pp
+    ranks = par.dp * par.cp * par.pp * par.tp
     draft = _draft(cfg, m, prompt_len)
     gamma = cfg.draft.gamma if draft is not None else 0
     trains = draft is not None and cfg.draft.mode == "cotrain" and draft.params > 0
 
     n = _params(m)
     # the weights, their gradients and Adam moments: a stage's, or (FSDP) a 1/(dp·cp) shard of them (of the
-    # stage's under pp) plus the gathered layer; then the rollout engine decodes from a whole copy (the refit)
-    gathered = Layout.of(par).gathers  # the trainer's models wrapped by FSDP2, the engine's a whole copy
+    # stage's under pp) plus the gathered layer, each split over tp (taken as all of them: MoE experts and
+    # the norms are not); then the rollout engine decodes from a whole copy (the refit)
+    gathered = Layout.of(par).gathers  # the trainer's models wrapped by FSDP2 or split, the engine's a whole copy
     if gathered and par.dp_shard == "fsdp":
-        weights = (n * e + 3 * n * F32) // (par.pp * par.dp * par.cp) + _layer_params(m) * e
+        weights = (n * e + 3 * n * F32) // (par.pp * par.dp * par.cp * par.tp) + _layer_params(m) * e // par.tp
     else:
-        weights = n * e + 3 * n * F32 // par.pp
+        weights = (n * e + 3 * n * F32 // par.pp) // par.tp
     weights += n * e if g.kl_coef > 0 else 0
     weights += n * (2 if r.dtype == "bfloat16" else e) if gathered else \
         (n * 2 if r.dtype == "bfloat16" and e == F32 else 0)
@@ -227,7 +228,8 @@ def estimate(cfg, m: ModelConfig, prompt_len: int, val_prompt_len: int = 0) -> E
     layers = math.ceil(m.num_hidden_layers / par.pp) + 1  # + the layer whose backward runs
     a = _layer_floats(m)
     train = in_flight * row * (layers * a + 5 * m.hidden_size) * e
-    train += 4 * completions * m.vocab_size * F32  # logits, scaled, and their gradients
+    # logits, scaled, and their gradients (split over tp), and the draft's whole teacher rows
+    train += (3 / par.tp + 1) * completions * m.vocab_size * F32
     if g.kl_coef > 0:  # the reference's forward: one layer at a time, and its logits
         train += row * a * e + 2 * completions * m.vocab_size * F32
     if trains:

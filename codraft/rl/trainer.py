@@ -58,10 +58,11 @@ import torch
 from tqdm import tqdm
 
 from codraft import kernels
-from codraft.config import RunConfig, check_policy
+from codraft.config import ConfigError, RunConfig, check_policy
 from codraft.errors import CodraftError, NonFiniteError
 from codraft.parallel.comm import join_world, leave_process_group
 from codraft.parallel.mesh import Layout, build_mesh
+from codraft.parallel import tp
 from codraft.parallel.parallelize import parallelize
 from codraft.parallel.pipeline import stage_parameters
 from codraft.policy import load_policy
@@ -113,6 +114,8 @@ class Trainer:
         random.seed(cfg.seed)
         self.policy, self.tok, self.policy_dir = load_policy(cfg.policy.init, dtype)
         check_policy(cfg, self.policy.config)  # what depends on the policy: known from here
+        if self.layout.tp > 1 and tp.check(self.policy.config, self.layout.tp):
+            raise ConfigError(tp.check(self.policy.config, self.layout.tp))
         # the prompts (a built-in task's generator, or your data files) and the reward functions that score them
         self.task = build_task(cfg, self.tok, self.policy.config.max_position_embeddings)
         self.rewards = build_rewards(cfg, self.task)

@@ -29,11 +29,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from codraft.config import RunConfig
 from codraft.parallel.context import sync_gradients
 from codraft.parallel.data_parallel import named_collectives
-from codraft.rollout.weights import full
+from codraft.parallel.grad_norm import clip_grad_norm
 from codraft.rl.cotrain import cotrain_loss, replay_routes
 from codraft.rl.interrupt import hold_signals
 from codraft.rl.memory import PeakMemory
@@ -50,8 +51,11 @@ if TYPE_CHECKING:
 
 def adamw(params, **kw) -> torch.optim.AdamW:
     """AdamW, with the fused kernel on CPU/CUDA: several times faster than foreach on CPU
-    (docs/bench-e2e.md has the figures)."""
+    (docs/bench-e2e.md has the figures). Parameters of several kinds (tensor parallelism: plain norms beside
+    DTensor products, or DTensors of two meshes), which one fused call refuses: one parameter at a time."""
     params = list(params)
+    if len({p.device_mesh if isinstance(p, DTensor) else None for p in params}) > 1:
+        return torch.optim.AdamW(params, foreach=False, **kw)
     return torch.optim.AdamW(params, fused=all(p.device.type in ("cpu", "cuda") for p in params) or None, **kw)
 
 
@@ -140,9 +144,9 @@ def _one_batch_backward(tr: Trainer, step: int, rollout: Rollout, scored: Scored
             sync_gradients(tr.policy.parameters(), tr.cp, "policy")
             if tr.trains_draft:
                 sync_gradients(tr.draft.trainable_parameters(), tr.cp, "draft")
-        policy_norm = torch.nn.utils.clip_grad_norm_(tr.policy.parameters(), g.grad_clip)
-        draft_norm = None if tr.draft_opt is None else torch.nn.utils.clip_grad_norm_(
-            tr.draft.trainable_parameters(), cfg.draft.grad_clip)
+        policy_norm = clip_grad_norm(tr.policy.parameters(), g.grad_clip)
+        draft_norm = None if tr.draft_opt is None else clip_grad_norm(tr.draft.trainable_parameters(),
+                                                                      cfg.draft.grad_clip)
     return loss, lm, policy_norm, draft_norm
 
 
@@ -192,9 +196,9 @@ def _data_parallel_backward(tr: Trainer, step: int, rollout: Rollout, scored: Sc
         losses.append(loss.detach())
         metrics.append(lm)
     with timer("backward"):
-        policy_norm = full(torch.nn.utils.clip_grad_norm_(tr.policy.parameters(), cfg.grpo.grad_clip))
-        draft_norm = None if tr.draft_opt is None else full(torch.nn.utils.clip_grad_norm_(
-            tr.draft.trainable_parameters(), cfg.draft.grad_clip))
+        policy_norm = clip_grad_norm(tr.policy.parameters(), cfg.grpo.grad_clip)
+        draft_norm = None if tr.draft_opt is None else clip_grad_norm(tr.draft.trainable_parameters(),
+                                                                      cfg.draft.grad_clip)
     loss, parts = _over_replicas(tr, torch.stack(losses).sum(), metrics)
     return loss, merge_metrics(parts, mbs), policy_norm, draft_norm
 

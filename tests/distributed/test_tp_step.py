@@ -1,0 +1,123 @@
+"""One co-training step under tensor parallelism (``parallel.tp``, ``codraft.parallel.tp``) equals the
+single-process step on real gloo groups: the loss, every metric, both clipped gradient norms and every
+gradient of the policy (gathered from its shards) and of the draft, for each draft kind, a dense and a MoE
+policy, with and without the KL reference; tp = 2 alone and tp = 2 × cp = 2 (4 ranks). The single-process
+step runs in each rank as the reference. Also: the products really split (each rank holds its share of
+every planned weight, and the logits stay split on the vocabulary), and bf16 products run on the shards."""
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+from codraft.models import Transformer
+from codraft.parallel.context import sync_gradients
+from codraft.parallel.grad_norm import clip_grad_norm
+from codraft.parallel.mesh import Layout, build_mesh
+from codraft.parallel.tp import parallelize_tp, plan
+from codraft.rl.cotrain import cotrain_loss
+from codraft.rollout.weights import full
+from dist_harness import run_ranks
+from precision_probe import Products
+from test_cp_step import RTOL, _batch, _models, _rel
+
+
+def _step(policy, draft, batch, adv, mesh, reference, kl, dtype=torch.float32):
+    """One step's loss, metrics, whole gradients and clipped norms (``mesh``: the layout's, or None)."""
+    policy.zero_grad(set_to_none=True)
+    draft.zero_grad(set_to_none=True)
+    cp = None if mesh is None else mesh.cp_group
+    loss, m = cotrain_loss(policy, draft, batch, adv, temperature=0.9, lam=0.7, eps_low=0.2, eps_high=0.28,
+                           norm="token" if kl == 0 else "sequence", kl_coef=kl, reference=reference, cp=cp,
+                           policy_dtype=dtype, draft_dtype=dtype, draft_seed=5)
+    loss.backward()
+    dparams = list(draft.trainable_parameters())
+    if cp is not None:
+        sync_gradients(policy.parameters(), cp, "policy")
+        sync_gradients(dparams, cp, "draft")
+    norms = {"policy": float(clip_grad_norm(policy.parameters(), 0.5)), "draft": float(clip_grad_norm(dparams, 0.5))}
+    grads = {f"policy.{n}": full(p.grad).clone() for n, p in policy.named_parameters()}  # (clipped)
+    grads.update({f"draft.{i}": p.grad.clone() for i, p in enumerate(dparams)})
+    return float(loss), {k: float(v) for k, v in m.items() if torch.is_tensor(v) and v.numel() == 1}, grads, norms
+
+
+def _errors(got, ref) -> dict:
+    assert set(got[1]) == set(ref[1]) and set(got[2]) == set(ref[2])
+    errs = {"loss": _rel(got[0], ref[0])}
+    errs.update({f"metric {k}": _rel(got[1][k], v) for k, v in ref[1].items()})
+    errs.update({f"grad {k}": _rel(got[2][k], v) for k, v in ref[2].items()})
+    errs.update({f"norm {k}": _rel(got[3][k], v) for k, v in ref[3].items()})
+    return errs
+
+
+def _split(policy, mesh):
+    """Each planned weight's local rows or columns against its whole size, and whether the logits stay split."""
+    shares = {}
+    for name in plan(policy):
+        w = policy.get_submodule(name).weight
+        shares[name] = (w.to_local().numel(), w.numel())
+    h = torch.randn(3, policy.config.hidden_size)
+    logits = policy.logits(h)
+    return shares, isinstance(logits, DTensor) and logits.to_local().shape[-1] < logits.shape[-1]
+
+
+def _compare(rank, world, layout, cases):
+    mesh = build_mesh(layout, timeout=60)
+    out = {}
+    for kind, moe, kl in cases:
+        policy, draft = _models(kind, moe=moe)
+        reference = None
+        if kl:
+            torch.manual_seed(9)
+            reference = Transformer(policy.config).requires_grad_(False)
+        batch, adv = _batch(seed=3)
+        ref = _step(policy, draft, batch, adv, None, reference, kl)
+        policy_tp = parallelize_tp(copy.deepcopy(policy), mesh.tp_mesh)  # (the draft reads the whole copy's head)
+        got = _step(policy_tp, draft, batch, adv, mesh, reference, kl)
+        out[(kind, moe, kl)] = _errors(got, ref), _split(policy_tp, mesh)
+    return out
+
+
+CASES = [("eagle3", False, 0.0), ("dflash", False, 0.05), ("dspark", False, 0.0), ("model", False, 0.0),
+         ("dspark", True, 0.0), ("eagle3", True, 0.05)]
+
+
+@pytest.mark.parametrize("layout,cases", [(Layout(tp=2), CASES),
+                                          (Layout(tp=2, cp=2), [("eagle3", False, 0.0), ("dspark", True, 0.05)])],
+                         ids=["tp2", "tp2xcp2"])
+def test_tp_step_equals_single_process(layout, cases):
+    for rank, res in enumerate(run_ranks(_compare, layout.world, layout, cases, timeout=400)):
+        for case, (errs, (shares, logits_split)) in res.items():
+            bad = {k: e for k, e in errs.items() if not e <= RTOL}
+            assert not bad, f"{layout} rank {rank} {case}: relative differences above {RTOL}: {bad}"
+            assert logits_split, (rank, case)
+            # every planned weight: this rank holds its share (the vocabulary's may be uneven)
+            assert all(abs(local / whole - 1 / layout.tp) < 0.02 for local, whole in shares.values()), shares
+
+
+def _compare_bf16(rank, world, kind):
+    mesh = build_mesh(Layout(tp=2), timeout=60)
+    policy, draft = _models(kind)
+    batch, adv = _batch(seed=3)
+    ref32 = _step(policy, draft, batch, adv, None, None, 0.0)
+    ref16 = _step(policy, draft, batch, adv, None, None, 0.0, torch.bfloat16)
+    policy_tp = parallelize_tp(copy.deepcopy(policy), mesh.tp_mesh)
+    with Products() as seen:
+        got16 = _step(policy_tp, draft, batch, adv, mesh, None, 0.0, torch.bfloat16)
+    def flat(step):
+        return torch.cat([g.flatten() for _, g in sorted(step[2].items())])
+    move = (flat(ref16) - flat(ref32)).norm()  # how far bf16 moves the single-process gradients
+    return {"to bf16": float((flat(got16) - flat(ref16)).norm() / move),
+            "to fp32": float((flat(got16) - flat(ref32)).norm() / move), "loss": _rel(got16[0], ref16[0])}, seen.dtypes
+
+
+def test_tp_step_in_bf16_products_is_the_single_process_bf16_step():
+    """grpo.precision=bfloat16 under tp: the products on the shards run in bf16, and the step is nearer the
+    single-process bf16 step than bf16 itself moves it from fp32: each rank rounds its partial sums of the
+    row-wise products, so they differ by about two thirds of that move; a split that ran the products in fp32
+    would be 1 move from the bf16 step and 0 from the fp32 one."""
+    for rank, (gap, dtypes) in enumerate(run_ranks(_compare_bf16, 2, "dspark", timeout=300)):
+        assert dtypes == {torch.bfloat16}, f"rank {rank}: products in {dtypes}"
+        assert gap["to bf16"] < 0.8 < gap["to fp32"] and gap["loss"] < 1e-3, f"rank {rank}: {gap}"
