@@ -59,12 +59,22 @@ def parallelize_tp(policy: nn.Module, mesh: DeviceMesh) -> nn.Module:
     why = check(policy.config, mesh.size())
     if why:
         raise ValueError(why)
+    _reference_forwards(policy)
     parallelize_module(policy, mesh, plan(policy))
     for layer in policy.layers:  # q/k norms (Qwen3, Gemma 3) run on this rank's heads: their gradients are shares
         for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
             if norm is not None:
                 norm.weight.register_hook(_summed_over(mesh.get_group()))
     return policy
+
+
+def _reference_forwards(policy: nn.Module) -> None:
+    """The split policy runs the models' own forwards: the CPU decode path (``codraft.kernels``, installed as
+    subclasses) reads weights whole and bypasses the projection modules; the engine decodes from its own
+    whole copy (``codraft.rollout.weights``)."""
+    for m in policy.modules():
+        if type(m).__module__.startswith("codraft.kernels"):
+            m.__class__ = type(m).__mro__[1]
 
 
 def _summed_over(group):

@@ -1,0 +1,48 @@
+"""Trainer steps with tensor parallelism (``parallel.tp``) against the single-process step, on real gloo groups:
+tp = 2 for every draft kind, a MoE policy replaying its rollout's routes and an untied head with a bf16 engine
+copy; dp = 2 × tp = 2 (FSDP2 over dp of the tensor-parallel pieces, and replicated) and tp = 2 × cp = 2 (4 ranks).
+Each compares the loss, both gradient norms, every gradient and every updated weight (gathered), the engine's
+whole copy refreshed from the shards (the refit), and each rank's bytes of policy parameters, gradients and
+AdamW moments (about half at tp = 2, a quarter at dp = 2 × tp = 2 under FSDP)."""
+from __future__ import annotations
+
+import pytest
+
+from codraft.parallel.data_parallel import local_bytes
+from dist_harness import run_ranks
+from test_dp_step import FOUR, KINDS, _policy, _rank, _same_step, _step
+
+
+def _shares(single, got) -> list[float]:
+    """This rank's parameter, gradient and moment bytes as shares of the single process's."""
+    whole = local_bytes(single[2][k] for k in single[2] if k.startswith("policy."))
+    params, grads, moments, _ = got[4]
+    return [params / whole, grads / whole, moments / (2 * whole)]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_tp2_step_equals_single_process(tmp_path, tiny_policy_dir, varied_reward, kind):
+    single = _step(tiny_policy_dir, tmp_path / "one", kind, FOUR)
+    for got in run_ranks(_rank, 2, tiny_policy_dir, tmp_path / "tp", kind, ["parallel.tp=2", *FOUR]):
+        _same_step(got, single)
+        assert all(0.45 < s < 0.6 for s in _shares(single, got)), _shares(single, got)  # (the norms: whole)
+
+
+@pytest.mark.parametrize("which,extra", [("moe", ["grpo.routing_replay=true"]),
+                                         ("untied", ["rollout.dtype=bfloat16"])])
+def test_tp2_moe_and_untied_policies_equal_single_process(tmp_path, tiny_policy_dir, varied_reward, which, extra):
+    """MoE layers run whole on both ranks (their attention split); an untied head split on the vocabulary."""
+    policy = _policy(tmp_path, tiny_policy_dir, which)
+    single = _step(policy, tmp_path / "one", "dflash", [*FOUR, *extra])
+    for got in run_ranks(_rank, 2, policy, tmp_path / "tp", "dflash", ["parallel.tp=2", *FOUR, *extra], timeout=300):
+        _same_step(got, single)
+
+
+@pytest.mark.parametrize("extra,share", [(["parallel.dp=2"], 0.25), (["parallel.dp=2", "parallel.dp_shard=ddp"], 0.5),
+                                         (["parallel.cp=2"], 0.5)], ids=["dp2-fsdp", "dp2-ddp", "cp2"])
+def test_tp2_with_dp_or_cp_equals_single_process(tmp_path, tiny_policy_dir, varied_reward, extra, share):
+    single = _step(tiny_policy_dir, tmp_path / "one", "dspark", FOUR)
+    for got in run_ranks(_rank, 4, tiny_policy_dir, tmp_path / "tp", "dspark", ["parallel.tp=2", *extra, *FOUR],
+                         timeout=300):
+        _same_step(got, single)
+        assert all(0.9 * share < s < 1.2 * share for s in _shares(single, got)), _shares(single, got)
