@@ -42,6 +42,7 @@ def bench_commands(sub):
 
     _bench_tap_parser(bench)
     _bench_dp_parser(bench)
+    _bench_tp_parser(bench)
 
     b = bench.add_parser("gemv", help="the measured fast-path table, and few-row products by path: the C "
                                       "kernel, torch's two forms, the chosen one")
@@ -179,6 +180,24 @@ def _bench_dp_parser(bench):
                    help="step: config overrides of the tiny preset, both sides (e.g. parallel.dp_shard=ddp)")
 
 
+def _bench_tp_parser(bench):
+    b = bench.add_parser("tp", help="tensor parallelism at tp=1 vs tp=2 and dp=2 × tp=2 (gloo, 1 thread per rank): "
+                                     "per-rank bytes of parameters, gradients and AdamW state, a forward + backward, "
+                                     "a trainer step")
+    b.add_argument("--model", default="tiny", help="memory part: tiny, smollm2 or an HF-format folder (its heads, KV "
+                                                    "heads and MLP must divide by --tp)")
+    b.add_argument("--parts", default="memory,step", help="comma list of memory, step")
+    b.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks compared with one process")
+    b.add_argument("--tokens", type=int, default=256, help="memory: tokens of the packed row (4 sequences)")
+    b.add_argument("--repeats", type=int, default=3, help="memory: timed forward + backward calls (median reported)")
+    b.add_argument("--steps", type=int, default=3, help="step: timed trainer steps after one warm-up (median)")
+    b.add_argument("--prompts", type=int, default=8, help="step: rollout.prompts_per_step, both sides (strong scaling)")
+    b.add_argument("--threads", type=int, default=1, help="intra-op threads per rank")
+    b.add_argument("--json", metavar="FILE")
+    b.add_argument("overrides", nargs="*", metavar="key=value", help="step: config overrides of the tiny preset, "
+                                                                      "both sides")
+
+
 def _bench_rollout_parser(bench):
     b = bench.add_parser("rollout", help="rollouts through codraft's engine vs vLLM (rollout.backend), plain and "
                                           "speculative: tokens/s, τ, the refit, peak memory")
@@ -257,6 +276,11 @@ def _cmd_bench(args):
         from codraft.bench.dp import run
         run(model_name=args.model, parts=_csv(args.parts), repeats=args.repeats, steps=args.steps,
             prompts=args.prompts, threads=args.threads, overrides=args.overrides, json_path=args.json)
+    elif args.bench == "tp":
+        from codraft.bench.tp import run
+        run(model_name=args.model, parts=_csv(args.parts), tp=args.tp, tokens=args.tokens, repeats=args.repeats,
+            steps=args.steps, prompts=args.prompts, threads=args.threads, overrides=args.overrides,
+            json_path=args.json)
     elif args.bench == "tap" and args.step:
         from codraft.bench.tap_step import run
         layers, hidden = (int(x) for x in args.shape.lower().split("x"))

@@ -92,23 +92,25 @@ def _layout_run(rank: int, world: int, mode: str | None, cfg: dict) -> dict:
     ids = torch.randint(policy.config.vocab_size, (1, TOKENS), generator=torch.Generator().manual_seed(rank))
     policy(ids).float().mean().backward()
     opt.step()
-    out = _held(policy, opt)
+    out = held(policy, opt)
     if rw is not None:
-        runs = _timed(world, rw.refresh, cfg["repeats"])
+        runs = timed(world, rw.refresh, cfg["repeats"])
         rw.check("bench dp refit")
         out.update(refit_runs_s=runs, copy_bytes=sum(t.nbytes for t in rw.policy.state_dict().values()))
     del policy, opt, rw
     return out
 
 
-def _held(policy, opt) -> dict:
+def held(policy, opt) -> dict:
+    """Bytes this rank holds of the policy's parameters, gradients and ``opt``'s state (every state tensor)."""
     return {"param_bytes": local_bytes(policy.parameters()),
             "grad_bytes": local_bytes(p.grad for p in policy.parameters()),
             "optim_bytes": local_bytes(v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)),
             "parameters": sum(p.numel() for p in policy.parameters())}
 
 
-def _timed(world: int, fn, repeats: int) -> list[float]:
+def timed(world: int, fn, repeats: int) -> list[float]:
+    """Seconds of ``repeats`` calls of ``fn`` on this rank, each after a barrier, after one untimed call."""
     fn()  # untimed: first calls
     runs = []
     for _ in range(repeats):
@@ -136,34 +138,42 @@ def _stages_run(rank: int, world: int, mode: str, cfg: dict) -> dict:
     pipe = Pipeline(mesh, layers, "shm", link=None)
     reduce_gradients(pipe, policy, [])  # (ddp: the stage's data ranks' sum; both: the tied weight's two shares)
     opt.step()
-    held = _held(policy, opt)
+    out = held(policy, opt)
     if rw is not None:
-        runs, copy = _timed(world, rw.refresh, cfg["repeats"]), rw.policy
+        runs, copy = timed(world, rw.refresh, cfg["repeats"]), rw.policy
         rw.check("bench dp stages refit")
     else:
-        runs, copy = _timed(world, lambda: sync_weights(pipe, policy, []), cfg["repeats"]), policy
-    held.update(refit_runs_s=runs, copy_bytes=sum(t.nbytes for t in copy.state_dict().values()))
-    return held
+        runs, copy = timed(world, lambda: sync_weights(pipe, policy, []), cfg["repeats"]), policy
+    out.update(refit_runs_s=runs, copy_bytes=sum(t.nbytes for t in copy.state_dict().values()))
+    return out
 
 
-def _step_run(rank: int, world: int, cfg: dict) -> dict | None:
-    """The weak-scaling part on this rank: rank 0's metrics rows (the slowest rank's times), None elsewhere."""
-
-    prompts = cfg["prompts"] * world
-    overrides = [f"steps={cfg['steps'] + 1}", f"run_dir={os.path.join(cfg['tmp'], f'dp{world}')}",
+def trainer_steps(rank: int, cfg: dict, label: str, overrides: list[str]) -> tuple:
+    """``cfg["steps"]`` + 1 steps of the tiny preset (validation, speedup probes, checkpoints off) with
+    ``overrides`` then ``cfg["overrides"]``: the run's config and each step's ``time_*`` metrics and
+    completion_len after the warm-up step."""
+    overrides = [f"steps={cfg['steps'] + 1}", f"run_dir={os.path.join(cfg['tmp'], label.replace('=', ''))}",
                  "log.val_every=0", "log.speedup_every=0", "log.checkpoint_every=0", "memory_check=false",
-                 f"parallel.dp={world}", f"parallel.timeout={cfg['timeout']}",
-                 f"rollout.prompts_per_step={prompts}", *cfg["overrides"]]
+                 f"parallel.timeout={cfg['timeout']}", *overrides, *cfg["overrides"]]
     tr = Trainer(load_config(None, overrides), progress=False)
     rows = []
     for step in range(cfg["steps"] + 1):  # step 0: warm-up (first calls, lazy set-up)
         m = tr.step(step)
         rows.append({k: float(v) for k, v in m.items() if k.startswith("time_") or k == "completion_len"})
         if rank == 0 and cfg["verbose"]:
-            print(f"  dp={world} step {step}: {m['time_step']:.2f} s", flush=True)
-    shard = tr.cfg.parallel.dp_shard if world > 1 else None
+            print(f"  {label} step {step}: {m['time_step']:.2f} s", flush=True)
     tr._unlock()
-    return {"rows": rows[1:], "prompts_per_step": prompts, "shard": shard} if rank == 0 else None
+    return tr.cfg, rows[1:]
+
+
+def _step_run(rank: int, world: int, cfg: dict) -> dict | None:
+    """The weak-scaling part on this rank: rank 0's metrics rows (the slowest rank's times), None elsewhere."""
+
+    prompts = cfg["prompts"] * world
+    run_cfg, rows = trainer_steps(rank, cfg, f"dp={world}", [f"parallel.dp={world}",
+                                                             f"rollout.prompts_per_step={prompts}"])
+    shard = run_cfg.parallel.dp_shard if world > 1 else None
+    return {"rows": rows, "prompts_per_step": prompts, "shard": shard} if rank == 0 else None
 
 
 def _rank_main(rank: int, world: int, cfg: dict) -> dict:

@@ -68,7 +68,7 @@ class RingMain(MainAttention):
 
 class ShardedRow:
     """One packed batch (``codraft.train.packing.Packed``: ids, cu_seqlens, optional shared-prompt
-    layout) split over the CP group.
+    layout) split over the CP group: the context-parallel ``codraft.rl.cotrain.Row``.
 
     The policy runs on the shared-prompt layout when there is one (``batch.shared``: each group's
     prompt once, zigzag.py), the drafts on the per-sequence layout they train on: their taps are

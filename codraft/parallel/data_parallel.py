@@ -121,16 +121,16 @@ def plain_policy(config, weights: dict) -> nn.Module:
 
 
 @contextlib.contextmanager
-def named_collectives(mesh: Mesh, what: str):
-    """FSDP's all-gathers and reduce-scatters are plain torch.distributed calls: a peer that died or hung
-    surfaces as the backend's error after parallel.timeout; say whose and what (other errors, and ours,
-    which name their peer already, pass)."""
+def named_collectives(mesh: Mesh, what: str, peer: str = "data-parallel"):
+    """FSDP's all-gathers and reduce-scatters (and tensor parallelism's all-reduces) are plain torch.distributed
+    calls: a peer that died or hung surfaces as the backend's error after parallel.timeout; say whose and what
+    (other errors, and ours, which name their peer already, pass)."""
     try:
         yield
     except RuntimeError as e:
         if isinstance(e, CodraftError) or not (isinstance(e, dist.DistBackendError) or "gloo" in str(e)):
             raise
-        raise PeerError(f"{mesh.where()}: {what} failed: a data-parallel peer died or did not answer within "
+        raise PeerError(f"{mesh.where()}: {what} failed: a {peer} peer died or did not answer within "
                         f"parallel.timeout: {str(e).splitlines()[0]}") from e
 
 
@@ -159,7 +159,8 @@ def load_shards(parts: dict[str, tuple], folder: Path) -> None:
         raise next((exc for exc, _ in e.failures.values() if isinstance(exc, CodraftError)), e) from None
     for name, (module, opt, held) in parts.items():
         set_model_state_dict(module, state[name], options=StateDictOptions(strict=held is None))
-        set_optimizer_state_dict(module, opt, state[f"{name}_optim"], options=options[name])
+        with _same_kernel(opt):
+            set_optimizer_state_dict(module, opt, state[f"{name}_optim"], options=options[name])
 
 
 def _state(parts: dict, options: dict | None = None) -> dict:
@@ -184,7 +185,18 @@ def load_full_state(module: nn.Module, opt: torch.optim.Optimizer, weights: dict
     by_name = {"state": {names[i]: v for i, v in sd["state"].items() if names[i] in held},
                "param_groups": [{**g, "params": [names[i] for i in g["params"] if names[i] in held]}
                                 for g in sd["param_groups"]]}
-    set_optimizer_state_dict(module, opt, by_name, options=full)
+    with _same_kernel(opt):
+        set_optimizer_state_dict(module, opt, by_name, options=full)
+
+
+@contextlib.contextmanager
+def _same_kernel(opt: torch.optim.Optimizer):
+    """Loading a state takes the saved param groups' ``fused``/``foreach``: keep this layout's choice (a fused
+    AdamW refuses tensor parallelism's mix of plain and DTensor parameters, ``update_phase.adamw``)."""
+    kept = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in opt.param_groups]
+    yield
+    for g, k in zip(opt.param_groups, kept):
+        g.update(k)
 
 
 def full_state(module: nn.Module) -> dict:

@@ -29,6 +29,7 @@ same loss and metrics, and the ranks' summed gradients are the single-process gr
 from __future__ import annotations
 
 import contextlib
+from typing import Protocol
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -44,16 +45,43 @@ from codraft.train.packing import Packed
 from codraft.train.seeding import sequence_seeds
 
 
+class Row(Protocol):
+    """One packed batch as this rank runs it: ``PackedRow`` (all of it) or, under context parallelism,
+    ``codraft.parallel.context.ShardedRow`` (this rank's zigzag rows). The losses are written against this."""
+    main: object  # the drafts' MainAttention (None: their default)
+
+    def model_inputs(self) -> tuple[torch.Tensor, dict]:
+        """The ids the policy runs on and the layout keywords of its forward / ``layer_inputs``."""
+
+    def draft_features(self, feats: dict) -> dict:
+        """Taps in the policy's layout -> detached, in the drafts' per-sequence layout."""
+
+    def forward(self, model, taps: tuple[int, ...] | None) -> tuple[torch.Tensor, dict]:
+        """The model's last-layer output on the policy's layout and its taps in the drafts'."""
+
+    def select(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Rows of the drafts' layout -> (their indices in this rank's hidden states, which of them are held
+        here: None for all)."""
+
+    def local(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """A tensor over the policy layout's tokens (along ``dim``) at the rows this rank runs."""
+
+    def assemble(self, x: torch.Tensor, live: torch.Tensor | None) -> torch.Tensor:
+        """Values of the rows held here (``select``'s) -> over every row, differentiable at this rank's."""
+
+    def mean(self, m: torch.Tensor, n: int) -> torch.Tensor:
+        """This rank's mean ``m`` of ``n`` values -> the mean over every rank's."""
+
+
 class PackedRow:
-    """The single-process view of the packed row (``ShardedRow`` is the context-parallel one):
-    the policy runs on the shared-prompt layout when there is one, every row is held here."""
+    """The single-process ``Row``: the policy runs on the shared-prompt layout when there is one, every row
+    is held here."""
     main = None  # the drafts' default MainAttention
 
     def __init__(self, batch: Packed):
         self.batch, self.sh = batch, batch.shared
 
     def model_inputs(self) -> tuple[torch.Tensor, dict]:
-        """The ids the policy runs on and the layout keywords of its forward / ``layer_inputs``."""
         if self.sh is None:
             return self.batch.input_ids, {"cu_seqlens": self.batch.cu_seqlens}
         return self.sh.input_ids, {"layout": self.sh.layout}
@@ -66,7 +94,6 @@ class PackedRow:
         return {l: f.detach()[:, self.sh.gather] for l, f in feats.items()}
 
     def forward(self, model, taps):
-        """The model's last-layer output on the policy's layout and its taps in the drafts'."""
         ids, kw = self.model_inputs()
         out = model(ids, taps=taps, head=False, **kw)
         hidden, feats = out if taps is not None else (out, {})
@@ -76,7 +103,6 @@ class PackedRow:
         return (rows if self.sh is None else self.sh.gather[rows]), None
 
     def local(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """A tensor over the policy layout's tokens (along ``dim``) at the rows this rank runs: all of them."""
         return x
 
     def assemble(self, x: torch.Tensor, live) -> torch.Tensor:
@@ -86,7 +112,7 @@ class PackedRow:
         return m
 
 
-def packed_row(batch: Packed, cp: Group | None):
+def packed_row(batch: Packed, cp: Group | None) -> Row:
     """This rank's view of the batch: all of it, or its zigzag rows under context parallelism."""
     return ShardedRow(batch, cp) if cp is not None and cp.size > 1 else PackedRow(batch)
 
@@ -152,7 +178,7 @@ def cotrain_loss(policy, draft, batch: Packed, advantages: torch.Tensor, *, temp
     return loss, m
 
 
-def loss_from_hidden(policy, draft, batch: Packed, row, hidden: torch.Tensor, feats: dict, advantages: torch.Tensor,
+def loss_from_hidden(policy, draft, batch: Packed, row: Row, hidden: torch.Tensor, feats: dict, advantages: torch.Tensor,
                      *, temperature: float, lam: float, eps_low: float, eps_high: float, norm: str,
                      kl_coef: float = 0.0, reference=None, tis_cap: float | None = None, train_draft: bool = True,
                      phase=None, totals=None, policy_dtype: torch.dtype = torch.float32,

@@ -134,11 +134,12 @@ def _one_batch_backward(tr: Trainer, step: int, rollout: Rollout, scored: Scored
     batch = pack(rollout.prompts, [o.tokens for o in rollout.out], [o.logprobs for o in rollout.out],
                  device=cfg.device, masks=[o.mask for o in rollout.out])
     replay = replay_routes(batch, [o.routes for o in rollout.out]) if g.routing_replay else None
-    with timer("loss_forward"):
+    split = tr.layout.tp > 1  # the products' collectives: a peer that hangs is named
+    with timer("loss_forward"), _named(tr, "the policy's forward (tensor-parallel all-reduces)", split):
         loss, lm = cotrain_loss(tr.policy, tr.draft, batch, scored.advantages.to(cfg.device), cp=tr.cp,
                                 replay=replay, router_aux_coef=g.router_aux_coef, **loss_kw)
     _zero_grad(tr)
-    with timer("backward"):
+    with timer("backward"), _named(tr, "the backward (tensor-parallel all-reduces)", split):
         loss.backward()
         if tr.cp is not None:  # each rank holds its share of the gradient: the sum is the gradient
             sync_gradients(tr.policy.parameters(), tr.cp, "policy")
@@ -148,6 +149,10 @@ def _one_batch_backward(tr: Trainer, step: int, rollout: Rollout, scored: Scored
         draft_norm = None if tr.draft_opt is None else clip_grad_norm(tr.draft.trainable_parameters(),
                                                                       cfg.draft.grad_clip)
     return loss, lm, policy_norm, draft_norm
+
+
+def _named(tr: Trainer, what: str, on: bool):
+    return named_collectives(tr.mesh, what, "tensor-parallel") if on else contextlib.nullcontext()
 
 
 def _pipelined_backward(tr: Trainer, step: int, rollout: Rollout, scored: Scored, timer: PhaseTimer,

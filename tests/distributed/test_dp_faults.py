@@ -1,5 +1,6 @@
-"""A data-parallel rank that hangs or dies in the update: the other fails within parallel.timeout with one
-error naming itself, its place in the layout and what it waited for (FSDP's collectives), never a hang."""
+"""A data-parallel or tensor-parallel rank that hangs or dies in the update: the other fails within
+parallel.timeout with one error naming itself, its place in the layout and what it waited for (FSDP's
+collectives, the split products' all-reduces), never a hang."""
 from __future__ import annotations
 
 import os
@@ -71,3 +72,20 @@ def test_a_rank_of_a_sharded_stage_that_hangs_is_reported(tmp_path, tiny_policy_
                                   "activations of micro-batch 0 from stage 0"), (rank, message)
     assert all("\n" not in results[r][0] for r in (0, 2, 3))
     assert seconds < 4 * TIMEOUT
+
+
+def _tp_rank(rank, world, policy_dir, run_dir):
+    tr = Trainer(run_config(policy_dir, run_dir, 1, extra=["parallel.tp=2", f"parallel.timeout={TIMEOUT}"]),
+                 progress=False)
+    return _faulty_step(tr, 0, rank, "hang")
+
+
+def test_a_tensor_parallel_rank_that_hangs_is_reported(tmp_path, tiny_policy_dir):
+    """parallel.tp=2: rank 1 never joins the update; rank 0 waits in the split products' first all-reduce."""
+    results, _ = run_ranks(_tp_rank, 2, tiny_policy_dir, tmp_path / "run", pg_timeout=TIMEOUT, timeout=120,
+                           expect_failure=True)
+    message, seconds = results[0]
+    assert message.startswith("rank 0 (pipeline stage 0/1, CP rank 0/1, TP rank 0/2): the policy's forward "
+                              "(tensor-parallel all-reduces) failed: a tensor-parallel peer died or did not answer "
+                              "within parallel.timeout"), message
+    assert "\n" not in message and seconds < 4 * TIMEOUT
