@@ -1,4 +1,4 @@
-"""`codraft train parallel.dp=2 rollout.backend=vllm` under torchrun: each rank builds its own vLLM engines in
+"""`codraft train parallel.dp=2 rollout.backend=vllm` (and parallel.tp=2) under torchrun: each rank builds its own vLLM engines in
 its process and decodes its rollout shards; the run's metrics per step equal the one-process vLLM run's over
 the same shards (rollout.shards=2), and both ranks exit cleanly (vLLM's process groups, made over the
 trainer's ranks, are released before the trainer's: codraft/vllm/world.py).
@@ -47,15 +47,17 @@ def _rows(run_dir):
     return {r["step"]: r for r in rows if "policy/loss" in r}
 
 
-def test_torchrun_dp2_with_vllm_equals_the_one_process_vllm_run(tmp_path):
+def test_torchrun_dp2_and_tp2_with_vllm_equal_the_one_process_vllm_run(tmp_path):
+    """(tp=2: each rank's engine holds the whole policy, refit from the trainer's tensor-parallel shards.)"""
     _codraft(1, f"run_dir={tmp_path / 'one'}", *ARGS)
     want = _rows(tmp_path / "one")
     assert max(want[s]["policy/grad_norm"] for s in (1, 2)) > 1e-3  # the policy really trains
-    done = _codraft(2, f"run_dir={tmp_path / 'dp2'}", "parallel.dp=2", *ARGS)
-    got = _rows(tmp_path / "dp2")
-    assert sorted(got) == sorted(want) == [1, 2, 3]
-    for step in (1, 2, 3):
-        for key in KEYS:
-            assert got[step][key] == pytest.approx(want[step][key], rel=1e-4, abs=1e-6), (step, key)
-        assert got[step]["time_refit"] > 0 and "time_refit_check" in got[step]
-    assert "Traceback" not in done.stderr, done.stderr[-4000:]  # (vLLM's teardown at exit, before world.py)
+    for layout in ("parallel.dp=2", "parallel.tp=2"):
+        done = _codraft(2, f"run_dir={tmp_path / layout}", layout, *ARGS)
+        got = _rows(tmp_path / layout)
+        assert sorted(got) == sorted(want) == [1, 2, 3]
+        for step in (1, 2, 3):
+            for key in KEYS:
+                assert got[step][key] == pytest.approx(want[step][key], rel=1e-4, abs=1e-6), (layout, step, key)
+            assert got[step]["time_refit"] > 0 and "time_refit_check" in got[step]
+        assert "Traceback" not in done.stderr, done.stderr[-4000:]  # (vLLM's teardown at exit, before world.py)

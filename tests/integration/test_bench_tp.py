@@ -43,5 +43,5 @@ def test_bench_tp_rows(tmp_path):
 
 
 def test_bench_tp_refuses_a_policy_that_does_not_split():
-    with pytest.raises(ValueError, match="does not split over --tp 3"):
+    with pytest.raises(SystemExit, match=r"--model tiny \(tiny-sft\) does not split over --tp 3: .*heads=4"):
         main(["bench", "tp", "--parts", "memory", "--tp", "3"])
