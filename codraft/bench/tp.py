@@ -196,7 +196,7 @@ def _refuse(parts, tp: int, model: str, overrides) -> None:
     for what, init in inits.items():
         why = tensor_parallel.check(policy_config(init)[0], tp)
         if why:
-            raise ValueError(f"bench tp: {what} ({init}) does not split over --tp {tp}: {why}")
+            raise ValueError(f"{what} ({init}) does not split over --tp {tp}: {why}")
 
 
 def run(model_name: str = "tiny", parts=PARTS, tp: int = 2, tokens: int = 256, repeats: int = 3, steps: int = 3,

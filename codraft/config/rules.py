@@ -329,12 +329,9 @@ def _aux_loss_in_one_batch(c: RunConfig) -> str | None:
 def _tensor_parallel_layouts(c: RunConfig) -> str | None:
     """parallel.tp > 1: the layouts its equivalence with one process is tested at (docs/tensor-parallel.md)."""
     par = c.parallel
-    if par.tp > 1 and par.pp > 1:
-        return f"config key 'parallel.pp' must be 1 with parallel.tp > 1 (a pipeline stage splits whole layers; " \
-               f"stages of tensor-parallel layers are not built), got {par.pp}"
-    if par.tp > 1 and par.microbatches > 1 and par.dp == 1:
-        return f"config key 'parallel.microbatches' must be 1 with parallel.tp > 1 and parallel.dp=1 (one process's " \
-               f"micro-batches run the pipeline schedule, which has no tensor-parallel stages), got {par.microbatches}"
+    if par.tp > 1 and par.pp > 1 and par.dp > 1 and par.dp_shard == "fsdp":
+        return "config key 'parallel.dp_shard' must be ddp with parallel.tp, parallel.pp and parallel.dp > 1 " \
+               "(FSDP2-sharded stages of tensor-parallel layers are not built), got 'fsdp'"
     return None
 
 

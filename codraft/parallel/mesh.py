@@ -12,7 +12,7 @@ fastest links), and every group and rank the run uses comes from it:
   gradient shares of one parameter (FSDP's shards and gradient sum, torchtitan's ``dp_shard_cp``);
 * ``cp``: the C ranks that split one packed row (the ring, the CP gradient sum);
 * ``tp``: the ranks that split each product of the policy (``tp_mesh``: what ``codraft.parallel.tp``'s
-  plans are applied over);
+  plans are applied over); ``same_tp``: the ranks holding the same shards (a stage's weight sync);
 * ``pp``: the P stages of one (dp, cp) column (stage-to-stage activations; rank in it = stage);
 * ``embedding``: stage 0 and stage P−1 of one column, which both hold the tied embedding / LM head
   weight and sum its two gradient shares (Megatron's embedding group): not a mesh dimension, so
@@ -107,6 +107,8 @@ class Mesh:
     pp_group: dist.ProcessGroup | None   # None when pp == 1
     embedding: dist.ProcessGroup | None  # None when pp == 1
     tp_mesh: DeviceMesh | None           # None when tp == 1
+    same_tp: dist.ProcessGroup | None    # the ranks with this TP rank (every stage, replica, CP rank): None when
+    #                                      tp == 1 (the world); what a stage's weights are broadcast over
 
     @property
     def pp(self) -> int:
@@ -132,15 +134,16 @@ class Mesh:
     def last(self) -> bool:
         return self.stage == self.pp - 1
 
-    def rank_of(self, stage: int, cp_rank: int = 0, dp_rank: int | None = None) -> int:
-        """The global rank of (stage, cp_rank) in data-parallel replica ``dp_rank`` (None: this rank's), at this
-        rank's TP rank."""
+    def rank_of(self, stage: int, cp_rank: int = 0, dp_rank: int | None = None, tp_rank: int | None = None) -> int:
+        """The global rank of (stage, cp_rank) in data-parallel replica ``dp_rank`` at TP rank ``tp_rank`` (None:
+        this rank's)."""
         d = self.dp_rank if dp_rank is None else dp_rank
-        return int(self.device_mesh.mesh[stage, d, cp_rank, self.tp_rank])
+        return int(self.device_mesh.mesh[stage, d, cp_rank, self.tp_rank if tp_rank is None else tp_rank])
 
-    def column(self, cp_rank: int, dp_rank: int | None = None) -> list[int]:
-        """The global ranks of stages 0..P−1 at CP rank ``cp_rank`` of replica ``dp_rank`` (None: this one's)."""
-        return [self.rank_of(s, cp_rank, dp_rank) for s in range(self.pp)]
+    def column(self, cp_rank: int, dp_rank: int | None = None, tp_rank: int | None = None) -> list[int]:
+        """The global ranks of stages 0..P−1 at CP rank ``cp_rank`` of replica ``dp_rank`` and TP rank ``tp_rank``
+        (None: this rank's)."""
+        return [self.rank_of(s, cp_rank, dp_rank, tp_rank) for s in range(self.pp)]
 
     def where(self) -> str:
         dp = f", DP rank {self.dp_rank}/{self.dp}" if self.dp > 1 else ""
@@ -166,7 +169,9 @@ def build_mesh(layout: Layout, device: str = "cpu", timeout: float = 300.0) -> M
     td = datetime.timedelta(seconds=timeout)
     # the mesh's own groups are made with the backend's default timeout (30 min for gloo), not the world's;
     # FSDP and the pipeline use them directly, so a dead peer must surface after parallel.timeout there too
-    for g in [dm.get_group(n) for n in ("pp", "dp", "cp", "tp")] + ([data_mesh.get_group()] if data_mesh else []):
+    same_tp = dm["pp", "dp", "cp"]._flatten("pp_dp_cp").get_group() if layout.tp > 1 else None
+    for g in [dm.get_group(n) for n in ("pp", "dp", "cp", "tp")] + ([data_mesh.get_group()] if data_mesh else []) \
+            + ([same_tp] if same_tp is not None else []):
         _set_pg_timeout(td, g)
     embedding = None
     if layout.pp > 1:  # every rank makes every pair, in one order (new_group is collective over the world)
@@ -178,7 +183,8 @@ def build_mesh(layout: Layout, device: str = "cpu", timeout: float = 300.0) -> M
                 embedding = g
     mesh = Mesh(layout, dm, stage, dp_rank, cp_rank, tp_rank, world, group("dp", layout.dp, dp_rank), data_mesh,
                 data_group, group("cp", layout.cp, cp_rank), dm.get_group("pp") if layout.pp > 1 else None,
-                embedding, dm["tp"] if layout.tp > 1 else None)
+                embedding, dm["tp"] if layout.tp > 1 else None,
+                same_tp)
     for g in (world, mesh.dp_group, mesh.data_group, mesh.cp_group):  # their errors name this rank's place in the mesh
         if g is not None:
             g.where = mesh.where()

@@ -68,6 +68,21 @@ def parallelize_tp(policy: nn.Module, mesh: DeviceMesh) -> nn.Module:
     return policy
 
 
+def split_over_tp(t: torch.Tensor) -> bool:
+    """Whether ``t`` (a parameter or its gradient) is sharded over a ``tp`` mesh dimension: its local squares
+    are a share of its norm's."""
+    return isinstance(t, DTensor) and any(
+        name == "tp" and p.is_shard() for name, p in zip(t.device_mesh.mesh_dim_names or (), t.placements))
+
+
+def grads_as_params(params) -> None:
+    """Each DTensor gradient in its parameter's placements: the vocabulary-parallel embedding's backward leaves a
+    replicated (whole) one where its weight is split (slicing it is local)."""
+    for p in params:
+        if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+
+
 def _reference_forwards(policy: nn.Module) -> None:
     """The split policy runs the models' own forwards: the CPU decode path (``codraft.kernels``, installed as
     subclasses) reads weights whole and bypasses the projection modules; the engine decodes from its own

@@ -20,6 +20,7 @@ one broadcast. Gradient clipping uses the global norm (each weight counted once)
 from __future__ import annotations
 
 import contextlib
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -33,6 +34,7 @@ from codraft.parallel.mesh import Mesh
 from codraft.parallel.pipeline import PipelineError, StageLink, run_schedule, stage_layers, stage_parameters
 from codraft.parallel.tap_staging import open_staging_channel
 from codraft.parallel.tapchannel import TapSpec, open_tap_channel
+from codraft.parallel.tp import grads_as_params, split_over_tp
 from codraft.rl.cotrain import draft_taps, loss_from_hidden, packed_row
 from codraft.rl.microbatch import MicroBatch, merge_metrics, with_draft_normaliser
 
@@ -83,13 +85,13 @@ def build_pipeline(policy, draft, mesh: Mesh | None, *, transport: str = "shm", 
         dev = str(policy.embed_tokens.weight.device)
         spec = TapSpec(max_tokens=max_tokens, hidden=policy.config.hidden_size, taps=stage_taps,
                        in_flight=pp, dtype=policy.embed_tokens.weight.dtype, timeout=timeout, device=dev)
-        for d in range(mesh.dp):  # one channel per column (replica, CP rank); every rank takes part in each
-            for c in range(mesh.cp):
-                column = mesh.column(c, d)
-                ch = open_staging_channel(spec, column) if transport == "staging" \
-                    else open_tap_channel(spec, transport, column)
-                if (d, c) == (mesh.dp_rank, mesh.cp_rank):
-                    pipe.channel = ch
+        # one channel per column (replica, CP rank, TP rank: each TP rank's last stage reads the same taps, whole);
+        # every rank takes part in making each
+        for d, c, t in itertools.product(range(mesh.dp), range(mesh.cp), range(mesh.tp)):
+            column = mesh.column(c, d, t)
+            ch = open_staging_channel(spec, column) if transport == "staging" else open_tap_channel(spec, transport, column)
+            if (d, c, t) == (mesh.dp_rank, mesh.cp_rank, mesh.tp_rank):
+                pipe.channel = ch
     return pipe
 
 
@@ -191,6 +193,7 @@ def reduce_gradients(pipe: Pipeline, policy, draft_params: list) -> tuple[list, 
     for p in own + drafts:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
+    grads_as_params(own)  # (the tied weight's two shares are summed shard by shard)
     shares = None if mesh is None else mesh.data_group or mesh.cp_group  # the ranks of a stage: dp (× cp), or cp
     if shares is not None and not pipe.sharded:
         sync_gradients(own, shares, "policy")
@@ -210,15 +213,22 @@ def clip_gradients(pipe: Pipeline, policy, own: list, drafts: list, max_policy: 
                    ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Clip by the global norms (over all stages; the tied weight counted once) -> the two norms."""
     tied_twice = pipe.stages > 1 and pipe.last and policy.lm_head is None
-    # on the gradients' device: an NCCL group reduces device tensors only
-    sq = torch.zeros(2, dtype=torch.float64, device=local(own[0].grad).device)
+    # on the gradients' device: an NCCL group reduces device tensors only; [policy, draft, policy's TP shards]
+    sq = torch.zeros(3, dtype=torch.float64, device=local(own[0].grad).device)
     for p in own:
         if not (tied_twice and p is policy.embed_tokens.weight):
-            sq[0] += local(p.grad).detach().double().pow(2).sum()
+            sq[2 if split_over_tp(p.grad) else 0] += local(p.grad).detach().double().pow(2).sum()
     for p in drafts:
         sq[1] += local(p.grad).detach().double().pow(2).sum()
     if pipe.sharded:  # the shards' squares: summed over the stage's data ranks
         pipe.mesh.data_group.all_reduce(sq, "the gradient norms' shards")
+    if pipe.mesh is not None and pipe.mesh.tp > 1:  # the tensor-parallel shards' squares: summed over tp
+        try:
+            dist.all_reduce(sq[2:], group=pipe.mesh.tp_mesh.get_group())
+        except RuntimeError as e:
+            raise PipelineError(f"{pipe.mesh.where()}: summing the gradient norms over the tensor-parallel ranks "
+                                f"failed: {e}") from e
+    sq = torch.stack([sq[0] + sq[2], sq[1]])
     if pipe.stages > 1:
         try:
             dist.all_reduce(sq, group=pipe.mesh.pp_group)
@@ -242,7 +252,7 @@ def sync_weights(pipe: Pipeline, policy, draft_params: list) -> None:
         return
     for s in range(pipe.stages if pipe.stages > 1 else 0):  # (replicas agree after the DP sum: replica 0's)
         _broadcast(stage_parameters(policy, s, pipe.stages, tied_once=True), mesh.rank_of(s, dp_rank=0), mesh,
-                   f"stage {s}'s weights")
+                   f"stage {s}'s weights")  # (tensor parallelism: each TP rank's shards among its own TP rank)
     if pipe.stages > 1:
         _broadcast(list(draft_params), mesh.rank_of(pipe.stages - 1, dp_rank=0), mesh, "the draft's weights")
 
@@ -251,13 +261,14 @@ def _broadcast(params: list, src: int, mesh: Mesh, what: str) -> None:
     if not params:
         return
     with torch.no_grad():
-        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        shards = [local(p) for p in params]
+        flat = torch.cat([t.detach().reshape(-1) for t in shards])
         try:
-            dist.broadcast(flat, src)
+            dist.broadcast(flat, src, group=mesh.same_tp)
         except RuntimeError as e:
             raise PipelineError(f"{mesh.where()}: the weight sync of {what} from rank {src} failed: {e}") from e
         if mesh.world.rank != src:
             o = 0
-            for p in params:
-                p.copy_(flat[o:o + p.numel()].view_as(p))
-                o += p.numel()
+            for t in shards:
+                t.copy_(flat[o:o + t.numel()].view_as(t))
+                o += t.numel()

@@ -46,3 +46,33 @@ def test_tp2_with_dp_or_cp_equals_single_process(tmp_path, tiny_policy_dir, vari
                          timeout=300):
         _same_step(got, single)
         assert all(0.9 * share < s < 1.2 * share for s in _shares(single, got)), _shares(single, got)
+
+
+@pytest.mark.parametrize("extra", [["parallel.microbatches=2"], ["parallel.pp=2"],
+                                   ["parallel.pp=2", "parallel.microbatches=2", "parallel.taps=p2p"]],
+                         ids=["microbatches2", "pp2", "pp2-microbatches2-p2p"])
+def test_tp2_under_the_pipeline_schedule_equals_single_process(tmp_path, tiny_policy_dir, varied_reward, extra):
+    """Stages of tensor-parallel layers (global rank = stage · 2 + TP rank): each stage's gradients from its
+    ranks, the taps to each TP rank's last stage, the weight sync among the ranks of one TP rank."""
+    single = _step(tiny_policy_dir, tmp_path / "one", "dflash", FOUR)
+    world = 4 if "parallel.pp=2" in extra else 2
+    ranks = run_ranks(_rank, world, tiny_policy_dir, tmp_path / "tp", "dflash", ["parallel.tp=2", *extra, *FOUR],
+                      timeout=300)
+    for rank, got in enumerate(ranks):
+        column = ranks[rank % 2::2]  # this TP rank's stages
+        _same_step(got, single, grads={k: v for r in column for k, v in r[1].items()},
+                   weights={k: v for r in column for k, v in r[2].items()})
+
+
+@pytest.mark.parametrize("extra", [["parallel.cp=2"], ["parallel.dp=2", "parallel.dp_shard=ddp"]], ids=["cp2", "dp2"])
+def test_tp2_pp2_with_a_third_dimension_equals_single_process(tmp_path, tiny_policy_dir, varied_reward, extra):
+    """8 ranks: tp = 2 × pp = 2 with cp = 2 (the ring under each stage's split layers) or with dp = 2 (whole
+    pipelines as replicas). Global rank = stage · 4 + (dp or CP rank) · 2 + TP rank: a column's stages are r, r + 4."""
+    extra = [*extra, "rollout.prompts_per_step=8", "rollout.shards=8"]
+    single = _step(tiny_policy_dir, tmp_path / "one", "dspark", extra[-2:])
+    ranks = run_ranks(_rank, 8, tiny_policy_dir, tmp_path / "tp", "dspark", ["parallel.tp=2", "parallel.pp=2", *extra],
+                      timeout=600)
+    for rank, got in enumerate(ranks):
+        column = ranks[rank % 4::4]
+        _same_step(got, single, grads={k: v for r in column for k, v in r[1].items()},
+                   weights={k: v for r in column for k, v in r[2].items()})
