@@ -326,15 +326,6 @@ def _aux_loss_in_one_batch(c: RunConfig) -> str | None:
     return None
 
 
-def _tensor_parallel_layouts(c: RunConfig) -> str | None:
-    """parallel.tp > 1: the layouts its equivalence with one process is tested at (docs/tensor-parallel.md)."""
-    par = c.parallel
-    if par.tp > 1 and par.pp > 1 and par.dp > 1 and par.dp_shard == "fsdp":
-        return "config key 'parallel.dp_shard' must be ddp with parallel.tp, parallel.pp and parallel.dp > 1 " \
-               "(FSDP2-sharded stages of tensor-parallel layers are not built), got 'fsdp'"
-    return None
-
-
 def _env_has_its_task(c: RunConfig) -> str | None:
     if (c.env.name == "lookup") != (c.task.name == "lookup") and not c.env.tools:  # (env.tools: your own tools)
         return f"config key 'task.name' must be lookup exactly when env.name=lookup (the environment's tools " \
@@ -427,4 +418,4 @@ CROSS_RULES: tuple[Callable[[RunConfig], str | None], ...] = (_auto_needs_a_draf
                                                                _tools_are_an_environment, _aux_loss_in_one_batch,
                                                                _taps_reach_the_device, _taps_fit,
                                                                _data_files_exist, _data_has_rewards, _reward_files_exist,
-                                                               _vllm_serves_it, _tensor_parallel_layouts)
+                                                               _vllm_serves_it)

@@ -12,7 +12,7 @@ draft is sharded over the last stage's data ranks.
 
 The rollout engine decodes a whole copy (``RolloutWeights(gather=True)``, made before sharding), which
 ``StageRefit`` fills after every update: stage by stage, the stage's ranks gather their shards
-(``full_tensor`` over the stage's data mesh) and the stage's first rank broadcasts them to every rank in one
+(``full_tensor`` over the stage's data mesh, and its TP ranks) and the stage's first rank broadcasts them to every rank in one
 flat fp32 buffer; then the draft from the last stage. ``StageRefit.whole`` gathers the same way to rank 0
 for the consolidated checkpoint.
 
@@ -75,10 +75,11 @@ class StageRefit:
         m = self.mesh
         own = dict(policy.named_parameters())
         for s, names in enumerate(self.stages):
-            yield from self._broadcast(names, own if m.stage == s else None, m.rank_of(s, dp_rank=0), f"stage {s}")
+            yield from self._broadcast(names, own if m.stage == s else None, m.rank_of(s, dp_rank=0, tp_rank=0),
+                                       f"stage {s}")
         if self.draft is not None:
             own = {f"draft.{n}": p for n, p in self.draft.named_parameters()} if m.last else None
-            yield from self._broadcast(self.draft_names, own, m.rank_of(m.pp - 1, dp_rank=0), "the draft")
+            yield from self._broadcast(self.draft_names, own, m.rank_of(m.pp - 1, dp_rank=0, tp_rank=0), "the draft")
 
     def _broadcast(self, names: list[str], own: dict | None, src: int, what: str):
         shapes = [self.shapes[n] for n in names]

@@ -113,7 +113,7 @@ def test_torchrun_ranks_do_not_all_take_one_gpu(monkeypatch):
 
 
 @pytest.mark.parametrize("keys", [["parallel.cp=2"], ["parallel.pp=2"], ["parallel.pp=2", "parallel.cp=2"],
-                                  ["parallel.dp=2"], ["parallel.dp=2", "parallel.cp=2"]])
+                                  ["parallel.dp=2"], ["parallel.dp=2", "parallel.cp=2"], ["parallel.tp=2"]])
 def test_parallel_train_without_torchrun_is_one_line(tmp_path, keys):
     """Without torchrun the parallel keys are one error line saying how to launch (no traceback, exit 1)."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
@@ -138,8 +138,9 @@ def test_each_rank_prints_its_own_error_line(tmp_path):
                           capture_output=True, text=True, timeout=300)
     assert done.returncode != 0
     ours = sorted(line for line in done.stderr.splitlines() if line.startswith("codraft train"))
-    assert ours == [f"codraft train (rank {r} of 2): error: parallel.dp=1 × parallel.pp=1 × parallel.cp=3 = 3 ranks, "
-                    "but torchrun started 2 processes; launch with torchrun --nproc-per-node 3" for r in (0, 1)], \
+    assert ours == [f"codraft train (rank {r} of 2): error: parallel.dp=1 × parallel.pp=1 × parallel.cp=3 × "
+                    "parallel.tp=1 = 3 ranks, but torchrun started 2 processes; launch with torchrun --nproc-per-node 3"
+                    for r in (0, 1)], \
         done.stderr
     assert f'File "{Path(codraft.__file__).parent}' not in done.stderr  # no traceback through codraft's code
     assert not run.exists()

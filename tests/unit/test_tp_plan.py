@@ -1,0 +1,68 @@
+"""The tensor-parallel plan (``codraft.parallel.tp``) read against the model it splits: which modules split
+which way, which models cannot split at a degree (one line naming the sizes), and the vocabulary-split
+logprob's gradient against autograd through the whole log-softmax (no process group: one rank's shard is the
+whole vocabulary)."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+from codraft.models import ModelConfig, Transformer
+from codraft.parallel import tp
+
+
+def _config(**kw):
+    return ModelConfig(**{**dict(vocab_size=50, hidden_size=16, intermediate_size=24, num_hidden_layers=3,
+                                 num_attention_heads=4, num_key_value_heads=2), **kw})
+
+
+def test_plan_splits_the_dense_products_and_leaves_moe_layers_whole():
+    moe = _config(architectures=["Qwen3MoeForCausalLM"], num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+                  mlp_only_layers=[0])
+    styles = tp.plan(Transformer(moe))
+    assert isinstance(styles["embed_tokens"], RowwiseParallel) and isinstance(styles["lm_head"], ColwiseParallel)
+    for i in range(3):
+        assert all(isinstance(styles[f"layers.{i}.self_attn.{n}_proj"], ColwiseParallel) for n in "qkv")
+        assert isinstance(styles[f"layers.{i}.self_attn.o_proj"], RowwiseParallel)
+    assert {n for n in styles if ".mlp." in n} == {"layers.0.mlp.gate_proj", "layers.0.mlp.up_proj",
+                                                   "layers.0.mlp.down_proj"}  # layers 1, 2: experts, whole
+    assert "lm_head" not in tp.plan(Transformer(_config(tie_word_embeddings=True)))  # tied: the embedding's split serves the head
+
+
+@pytest.mark.parametrize("degree,bad", [(2, None), (4, "num_key_value_heads=2"), (5, "num_attention_heads=4, "
+                                                                                 "num_key_value_heads=2, intermediate_size=24")])
+def test_check_names_what_does_not_divide(degree, bad):
+    message = tp.check(_config(), degree)
+    if bad is None:
+        assert message is None
+    else:
+        assert message == f"config key 'parallel.tp' must divide the policy's {bad}, got {degree}"
+
+
+def test_a_moe_only_policy_need_not_divide_the_dense_size():
+    c = _config(architectures=["Qwen3MoeForCausalLM"], num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
+                intermediate_size=7)
+    assert tp.check(c, 2) is None and tp.check(dataclasses.replace(c, mlp_only_layers=[0]), 2) is not None
+
+
+def test_split_logprobs_gradient_is_autograds(tmp_path):
+    """One rank holding every column: the forward is log_softmax's pick and the hand-written backward is
+    autograd's (the all-reduces of a one-rank group are identities)."""
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        z = torch.randn(5, 11, requires_grad=True)
+        ids = torch.tensor([0, 3, 10, 7, 3])
+        w = torch.randn(5)
+        got = tp._SplitLogprobs.apply(z, ids, 0, dist.group.WORLD)
+        (got * w).sum().backward()
+        g = z.grad.clone()
+        z.grad = None
+        want = torch.log_softmax(z, -1).gather(-1, ids[:, None]).squeeze(-1)
+        (want * w).sum().backward()
+        assert torch.allclose(got, want, atol=1e-6) and torch.allclose(g, z.grad, atol=1e-6)
+    finally:
+        dist.destroy_process_group()
