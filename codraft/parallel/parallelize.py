@@ -1,14 +1,16 @@
-"""``parallelize``: the data-parallel part of a run's layout, applied to the plain policy and draft from outside.
+"""``parallelize``: the tensor- and data-parallel parts of a run's layout, applied to the plain policy and
+draft from outside, once, after the models are built and before their optimisers, in this order:
 
-What it applies, once, after the models are built and before their optimisers: **data parallelism**
-(``parallel.dp``): without pipeline stages, the policy (each decoder layer, then the root) and the
-co-trained draft wrapped by FSDP2 ``fully_shard`` or ``replicate`` (``data_parallel``); with pipeline
-stages and ``fsdp``, each stage's own parameters sharded over the stage's data ranks and the other
-stages' freed (``sharded_stages``). Either way the rollout engine's whole copies are made first and
-refreshed from the shards after every update. Nothing to do when the layout does not gather (one
-process, cp or pp alone, pp × dp with ``ddp``).
+1. the rollout engine's whole copies are made first (refreshed from the trainer's shards after every update);
+2. **tensor parallelism** (``parallel.tp``): the policy's products split over ``mesh.tp_mesh`` by DTensor plans
+   (``codraft.parallel.tp``);
+3. **data parallelism** (``parallel.dp``): without pipeline stages, the policy (each decoder layer, then the
+   root) and the co-trained draft wrapped by FSDP2 ``fully_shard`` (2-D with the tp split) or ``replicate``
+   (``data_parallel``); with pipeline stages and ``fsdp``, each stage's own parameters sharded over the
+   stage's data ranks and the other stages' freed (``sharded_stages``).
+Nothing to do when the layout does not gather (one process, cp or pp alone, pp × dp with ``ddp``).
 
-What it does not apply (today elsewhere, each where its data is known):
+What it does not apply (elsewhere, each where its data is known):
 - the **pipeline split** (``parallel.pp``): the stage's layers, the 1F1B schedule, its links and
   TapChannels are built on the first update (``codraft.rl.pipelined.build_pipeline``: the channels are
   sized from a batch); with ``ddp`` each DP replica is a whole pipeline whose stage gradients are summed
@@ -26,7 +28,7 @@ from codraft.parallel.tp import parallelize_tp
 
 
 def parallelize(policy, draft, layout: Layout, mesh: Mesh | None, rollout_weights, *, trains_draft: bool) -> None:
-    """Apply ``layout``'s data parallelism to ``policy`` and ``draft`` in place (see the module doc)."""
+    """Apply ``layout``'s tensor and data parallelism to ``policy`` and ``draft`` in place (see the module doc)."""
     if not layout.gathers:
         return
     rollout_weights.draft_for(draft)  # the engine's whole copy of the draft, made before it is sharded
