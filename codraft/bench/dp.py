@@ -33,11 +33,11 @@ dp = 2 (two). Parts (``--parts``):
   parameters sharded over its two data ranks, the other stage's freed) and ``ddp`` (every rank holds the whole
   policy, a stage trains its own parameters): one forward + backward of the rank's stage on the memory part's
   batch (the first stage embeds, the last runs the head; a random input elsewhere), the gradient sums
-  (``pipelined.reduce_gradients``), one AdamW step over the stage's parameters, then the bytes held as in
+  (``gradients.reduce_stage_gradients``), one AdamW step over the stage's parameters, then the bytes held as in
   ``memory`` (ratios against dp = 1, when it ran); and the weight sync after the update as in ``refit``: at
   ``fsdp`` the engine's whole copy filled stage by stage (``StageRefit``: each stage gathers its shards, its
   first rank broadcasts them), at ``ddp`` each stage's weights broadcast to every rank
-  (``pipelined.sync_weights``).
+  (``gradients.sync_stage_weights``).
 
 Every row carries the CPU's model name (``processor``) and the date (``machine_info``).
 """
@@ -63,7 +63,8 @@ from codraft.parallel.parallelize import parallelize
 from codraft.parallel.pipeline import stage_layers, stage_parameters
 from codraft.parallel.spawn import raise_errors, spawn_ranks
 from codraft.policy import load_policy
-from codraft.rl.pipelined import Pipeline, reduce_gradients, sync_weights
+from codraft.parallel.gradients import reduce_stage_gradients, sync_stage_weights
+from codraft.parallel.stages import Pipeline
 from codraft.rl.trainer import Trainer
 from codraft.rl.update_phase import adamw
 from codraft.rollout.weights import RolloutWeights
@@ -136,14 +137,14 @@ def _stages_run(rank: int, world: int, mode: str, cfg: dict) -> dict:
     out, _ = policy.run_layers(x, policy.layer_inputs(1, TOKENS, "cpu"), layers)
     (policy.logits(out) if mesh.last else out).float().mean().backward()
     pipe = Pipeline(mesh, layers, "shm", link=None)
-    reduce_gradients(pipe, policy, [])  # (ddp: the stage's data ranks' sum; both: the tied weight's two shares)
+    reduce_stage_gradients(pipe, policy, [])  # (ddp: the stage's data ranks' sum; both: the tied weight's two shares)
     opt.step()
     out = held(policy, opt)
     if rw is not None:
         runs, copy = timed(world, rw.refresh, cfg["repeats"]), rw.policy
         rw.check("bench dp stages refit")
     else:
-        runs, copy = timed(world, lambda: sync_weights(pipe, policy, []), cfg["repeats"]), policy
+        runs, copy = timed(world, lambda: sync_stage_weights(pipe, policy, []), cfg["repeats"]), policy
     out.update(refit_runs_s=runs, copy_bytes=sum(t.nbytes for t in copy.state_dict().values()))
     return out
 

@@ -27,7 +27,9 @@ from codraft.models import ModelConfig, Transformer
 from codraft.parallel.mesh import Layout, build_mesh
 from codraft.parallel.spawn import raise_errors, spawn_ranks
 from codraft.rl.microbatch import split_microbatches
-from codraft.rl.pipelined import build_pipeline, clip_gradients, pipeline_cotrain, reduce_gradients
+from codraft.parallel.gradients import clip_stage_gradients, reduce_stage_gradients
+from codraft.parallel.stages import build_pipeline
+from codraft.rl.pipelined import pipeline_cotrain
 
 METHODS = ("none", "shm", "p2p", "staging", "relay")
 LOSS_KW = dict(temperature=1.0, lam=0.5, eps_low=0.2, eps_high=0.28, norm="token")
@@ -71,8 +73,8 @@ def _rank_main(rank, world, cfg):
             dist.barrier()
             t0 = time.perf_counter()
             pipeline_cotrain(pipe, policy, d, mbs, step=i, **LOSS_KW)
-            own, drafts = reduce_gradients(pipe, policy, [] if d is None else list(draft.trainable_parameters()))
-            clip_gradients(pipe, policy, own, drafts, 1.0, None if d is None else 1.0)
+            own, drafts = reduce_stage_gradients(pipe, policy, [] if d is None else list(draft.trainable_parameters()))
+            clip_stage_gradients(pipe, policy, own, drafts, 1.0, None if d is None else 1.0)
             took = torch.tensor([time.perf_counter() - t0])
             dist.all_reduce(took, op=dist.ReduceOp.MAX)
             if i >= cfg["warmup"]:

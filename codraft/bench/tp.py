@@ -43,7 +43,7 @@ from codraft.bench.spec import MODELS
 from codraft.config import load_config
 from codraft.parallel import tp as tensor_parallel
 from codraft.parallel.data_parallel import parallelize_policy
-from codraft.parallel.grad_norm import clip_grad_norm
+from codraft.parallel.gradients import clip_grad_norm
 from codraft.parallel.mesh import Layout, build_mesh
 from codraft.parallel.spawn import raise_errors, spawn_ranks
 from codraft.policy import load_policy

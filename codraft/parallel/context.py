@@ -160,20 +160,3 @@ def _check_same_row(plan: ZigzagPlan, input_ids: torch.Tensor, comm: Group) -> N
         if d != digest:
             raise PeerError(f"CP rank {comm.rank}: CP rank {r} packed different tokens (same cu_seqlens); every "
                             f"CP rank must train on the same batch")
-
-
-def sync_gradients(params, comm: Group, what: str) -> None:
-    """Sum every parameter's gradient over the CP group (missing gradients count as zero)."""
-    params = [p for p in params if p.requires_grad]
-    if comm.size == 1 or not params:
-        return
-    for p in params:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    grads = [local(p.grad) for p in params]  # (tensor parallelism: this rank's shard, the same one over cp)
-    flat = torch.cat([g.reshape(-1).float() for g in grads])
-    comm.all_reduce(flat, f"{what} gradients")
-    o = 0
-    for g in grads:
-        g.copy_(flat[o:o + g.numel()].view_as(g))
-        o += g.numel()

@@ -12,7 +12,7 @@ Nothing to do when the layout does not gather (one process, cp or pp alone, pp Ã
 
 What it does not apply (elsewhere, each where its data is known):
 - the **pipeline split** (``parallel.pp``): the stage's layers, the 1F1B schedule, its links and
-  TapChannels are built on the first update (``codraft.rl.pipelined.build_pipeline``: the channels are
+  TapChannels are built on the first update (``codraft.parallel.stages.build_pipeline``: the channels are
   sized from a batch); with ``ddp`` each DP replica is a whole pipeline whose stage gradients are summed
   over the replicas there;
 - **context parallelism** (``parallel.cp``): attention over the zigzag ring, installed per packed batch

@@ -17,7 +17,7 @@ flat fp32 buffer; then the draft from the last stage. ``StageRefit.whole`` gathe
 for the consolidated checkpoint.
 
 The tied embedding / LM head: the first and the last stage both hold it, sharded the same way over data
-meshes of one shape, so their two gradient shares are summed shard by shard (``pipelined.reduce_gradients``).
+meshes of one shape, so their two gradient shares are summed shard by shard (``gradients.reduce_stage_gradients``).
 """
 from __future__ import annotations
 

@@ -32,14 +32,15 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from codraft.config import RunConfig
-from codraft.parallel.context import sync_gradients
 from codraft.parallel.data_parallel import named_collectives
-from codraft.parallel.grad_norm import clip_grad_norm
+from codraft.parallel.gradients import clip_grad_norm, clip_stage_gradients, reduce_stage_gradients, sync_gradients, \
+    sync_stage_weights
+from codraft.parallel.stages import build_pipeline
 from codraft.rl.cotrain import cotrain_loss, replay_routes
 from codraft.rl.interrupt import hold_signals
 from codraft.rl.memory import PeakMemory
 from codraft.rl.microbatch import merge_metrics, split_microbatches, with_draft_normaliser
-from codraft.rl.pipelined import build_pipeline, clip_gradients, pipeline_cotrain, reduce_gradients, sync_weights
+from codraft.rl.pipelined import pipeline_cotrain
 from codraft.rl.rollout_phase import Rollout
 from codraft.rl.scoring import Scored
 from codraft.train.packing import pack
@@ -173,9 +174,9 @@ def _pipelined_backward(tr: Trainer, step: int, rollout: Rollout, scored: Scored
         loss, parts = pipeline_cotrain(tr.pipe, tr.policy, tr.draft, mine, step=step, merged=False, **loss_kw)
     loss, parts = _over_replicas(tr, loss, parts)
     with timer("backward"):  # here: the gradient sums and the clipping
-        own, drafts = reduce_gradients(tr.pipe, tr.policy, tr._owned()[1])
-        policy_norm, draft_norm = clip_gradients(tr.pipe, tr.policy, own, drafts, cfg.grpo.grad_clip,
-                                                 cfg.draft.grad_clip if tr.draft_opt is not None else None)
+        own, drafts = reduce_stage_gradients(tr.pipe, tr.policy, tr._owned()[1])
+        policy_norm, draft_norm = clip_stage_gradients(tr.pipe, tr.policy, own, drafts, cfg.grpo.grad_clip,
+                                                       cfg.draft.grad_clip if tr.draft_opt is not None else None)
     return loss, merge_metrics(parts, mbs), policy_norm, draft_norm
 
 
@@ -260,8 +261,8 @@ def commit(tr: Trainer, step: int, finite: bool, timer: PhaseTimer):
                     tr.draft_opt.step()
             if tr.pipe is not None:  # every rank's rollout engine decodes with every stage's update
                 with timer("weight_sync"):
-                    sync_weights(tr.pipe, tr.policy,
-                                 list(tr.draft.trainable_parameters()) if tr.trains_draft else [])
+                    sync_stage_weights(tr.pipe, tr.policy,
+                                       list(tr.draft.trainable_parameters()) if tr.trains_draft else [])
             if tr.rollout_weights.copies:  # the refit: the engine's copy gathered / cast from the trainer's
                 gauge = PeakMemory(tr.cfg.device) if tr.layout.gathers else contextlib.nullcontext()
                 with timer("refit"), gauge as peak:

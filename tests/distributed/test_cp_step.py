@@ -11,7 +11,7 @@ import torch
 from codraft.drafts import init_draft
 from codraft.models import Transformer
 from codraft.parallel.comm import Group
-from codraft.parallel.context import sync_gradients
+from codraft.parallel.gradients import sync_gradients
 from codraft.policy.warmstart import tiny_model_config
 from codraft.rl.cotrain import cotrain_loss
 from codraft.tasks import make_task

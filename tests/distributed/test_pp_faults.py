@@ -11,7 +11,8 @@ import pytest
 from codraft.parallel.mesh import Layout, build_mesh
 from codraft.parallel.pipeline import PipelineError
 from codraft.rl.microbatch import split_microbatches
-from codraft.rl.pipelined import build_pipeline, pipeline_cotrain
+from codraft.parallel.stages import build_pipeline
+from codraft.rl.pipelined import pipeline_cotrain
 from dist_harness import run_ranks
 from test_cp_step import _models
 from test_pp_step import LOSS_KW, _rollouts

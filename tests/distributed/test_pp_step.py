@@ -13,8 +13,10 @@ from codraft.parallel.mesh import Layout, build_mesh
 from codraft.parallel.pipeline import one_f_one_b, stage_layers, PipelineError
 from codraft.rl.cotrain import cotrain_loss
 from codraft.rl.microbatch import split_microbatches
-from codraft.rl.pipelined import (build_pipeline, clip_gradients, pipeline_cotrain, reduce_gradients,
-                                  stage_parameters, sync_weights)
+from codraft.parallel.gradients import clip_stage_gradients, reduce_stage_gradients, sync_stage_weights
+from codraft.parallel.pipeline import stage_parameters
+from codraft.parallel.stages import build_pipeline
+from codraft.rl.pipelined import pipeline_cotrain
 from dist_harness import run_ranks
 from test_cp_step import _models, _rel, bf16_gap
 from precision_probe import Products
@@ -82,12 +84,12 @@ def _step(kind, mesh, transport, microbatches, kl=0.0, dtype=torch.float32, mult
     loss, m = pipeline_cotrain(pipe, policy, draft, mbs, step=7, reference=reference, kl_coef=kl, policy_dtype=dtype,
                                draft_dtype=dtype, draft_seed=5, **LOSS_KW)
     dparams = list(draft.trainable_parameters())
-    own, drafts = reduce_gradients(pipe, policy, dparams)
+    own, drafts = reduce_stage_gradients(pipe, policy, dparams)
     grads = _grads(policy, draft)  # this stage's (the others' parameters have none)
     if mesh is not None and mesh.pp > 1:  # every stage's, to compare with the reference
         for share in mesh.world.all_gather_object(grads, "grads"):
             grads.update(share)
-    norms = clip_gradients(pipe, policy, own, drafts, 1e9, 1e9)
+    norms = clip_stage_gradients(pipe, policy, own, drafts, 1e9, 1e9)
     if pipe.channel is not None:
         pipe.channel.close()
     return float(loss), {k: float(v) for k, v in m.items() if torch.is_tensor(v) and v.numel() == 1}, grads, \
@@ -233,7 +235,7 @@ def _weights_after_sync(rank, world):
         if pipe.last:
             for p in draft.trainable_parameters():
                 p.add_(10.0)
-    sync_weights(pipe, policy, list(draft.trainable_parameters()))
+    sync_stage_weights(pipe, policy, list(draft.trainable_parameters()))
     if pipe.channel is not None:
         pipe.channel.close()
     return {n: p.detach().clone() for n, p in policy.named_parameters()}, \

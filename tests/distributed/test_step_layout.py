@@ -9,7 +9,8 @@ import torch
 
 from codraft.parallel.mesh import Layout, build_mesh
 from codraft.rl.microbatch import split_microbatches
-from codraft.rl.pipelined import build_pipeline, pipeline_cotrain
+from codraft.parallel.stages import build_pipeline
+from codraft.rl.pipelined import pipeline_cotrain
 from codraft.train.seeding import sequence_seeds
 from dist_harness import run_ranks
 from test_cp_step import _models, _rel

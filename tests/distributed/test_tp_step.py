@@ -13,8 +13,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from codraft.models import Transformer
-from codraft.parallel.context import sync_gradients
-from codraft.parallel.grad_norm import clip_grad_norm
+from codraft.parallel.gradients import clip_grad_norm, sync_gradients
 from codraft.parallel.mesh import Layout, build_mesh
 from codraft.parallel.tp import parallelize_tp, plan
 from codraft.rl.cotrain import cotrain_loss

@@ -123,8 +123,12 @@ def test_data_parallel_rules():
         "config key 'rollout.prompts_per_step' must be a multiple of parallel.dp=2 (each data-parallel rank trains " \
         "as many whole prompt groups), got 3"
     assert _refused(["parallel.dp=2", "rollout.prompts_per_step=4", "rollout.shards=3"]) == \
-        "config key 'rollout.shards' must be 0 or a multiple of the ranks, parallel.dp × parallel.pp × parallel.cp " \
-        "= 2 (each rank decodes as many shards), got 3"
+        "config key 'rollout.shards' must be 0 or a multiple of the ranks, parallel.dp × parallel.pp × parallel.cp × " \
+        "parallel.tp = 2 (each rank decodes as many shards), got 3"
+    assert _refused(["parallel.tp=2", "parallel.cp=2", "rollout.prompts_per_step=6", "rollout.shards=6"]) == \
+        "config key 'rollout.shards' must be 0 or a multiple of the ranks, parallel.dp × parallel.pp × parallel.cp × " \
+        "parallel.tp = 4 (each rank decodes as many shards), got 6"
+    assert load_config(None, ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2", "rollout.prompts_per_step=8"])
     for mode in ("fsdp", "ddp"):  # either, under pipeline stages too
         load_config(None, ["parallel.dp=2", "parallel.pp=2", f"parallel.dp_shard={mode}", "rollout.prompts_per_step=4"])
     assert _refused(["parallel.dp=2", "parallel.microbatches=3", "rollout.prompts_per_step=4"]) == \

@@ -13,7 +13,7 @@ from codraft.attention import cache_causal_mask
 from codraft.kernels import amx, decode_ops, dispatch, fast_layers
 from codraft.models import ModelConfig, Transformer
 from codraft.models.kv_cache import KVCache
-from codraft.models.layers import apply_rope, rope_cos_sin
+from codraft.models.layers import Linear, apply_rope, rope_cos_sin
 from codraft.models.transformer import DecoderLayer
 
 
@@ -347,7 +347,7 @@ def test_decoder_stack_follows_changed_weights(monkeypatch, dtype, path):
         plain.layers[2].self_attn.q_proj.weight.data = new.clone()
         fast.layers[2].self_attn.q_proj.weight.data = new.clone()
     same()
-    up = torch.nn.Linear(72, 100, bias=False, dtype=dtype).requires_grad_(False)
+    up = Linear(72, 100, bias=False, dtype=dtype).requires_grad_(False)  # (the models call their projections)
     plain.layers[0].mlp.up_proj = copy.deepcopy(up)
     fast.layers[0].mlp.up_proj = up
     same()
