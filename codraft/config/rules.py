@@ -259,6 +259,7 @@ RULES: dict[str, Range | OneOf | Text | AnyText | Device | Flag | Taps | RewardF
     "parallel.cp": Range(1, note="ranks that split each packed row (zigzag ring); > 1 needs torchrun"),
     "parallel.pp": Range(1, note="pipeline stages, at most the policy's layers; > 1 needs torchrun"),
     "parallel.tp": Range(1, note="tensor-parallel ranks, dividing the policy's heads; > 1 needs torchrun"),
+    "parallel.sequence_parallel": Flag(),
     "parallel.microbatches": Range(1, note="at most rollout.prompts_per_step (whole groups)"),
     "parallel.taps": OneOf(("shm", "p2p", "staging", "relay")),
     "parallel.tap_tokens": Range(0, note="0 = sized from the first step"),
@@ -297,7 +298,8 @@ def _every_rank_has_work(c: RunConfig) -> str | None:
                f"parallel.cp × parallel.tp = {ranks} (each rank decodes as many shards), got {c.rollout.shards}"
     if c.rollout.prompts_per_step < shards:
         return f"config key 'rollout.prompts_per_step' must be >= the rollout shards ({shards}: rollout.shards, " \
-               f"or parallel.dp × parallel.pp × parallel.cp × parallel.tp), so that every shard has a prompt group; got " \
+               f"or parallel.dp × parallel.pp × parallel.cp × parallel.tp), so that every shard has a prompt group; " \
+               f"got " \
                f"{c.rollout.prompts_per_step}"
     if c.rollout.prompts_per_step % par.dp:
         return f"config key 'rollout.prompts_per_step' must be a multiple of parallel.dp={par.dp} (each data-" \
@@ -323,6 +325,18 @@ def _aux_loss_in_one_batch(c: RunConfig) -> str | None:
     if split and c.grpo.router_aux_coef > 0:
         return f"config key 'grpo.router_aux_coef' must be 0 with parallel.dp, cp, pp or microbatches > 1 (the " \
                f"load-balancing loss is a product of batch means: split, it is another loss), got {c.grpo.router_aux_coef}"
+    return None
+
+
+def _sequence_parallel_fits(c: RunConfig) -> str | None:
+    """parallel.sequence_parallel: a split residual stream inside the one-batch or data-parallel step only."""
+    par = c.parallel
+    if par.sequence_parallel and par.tp == 1:
+        return "config key 'parallel.sequence_parallel' must be false with parallel.tp=1 (it splits the residual " \
+               "stream over the tensor-parallel ranks), got True"
+    if par.sequence_parallel and (par.pp > 1 or par.microbatches > 1 and par.dp == 1):
+        return "config key 'parallel.sequence_parallel' must be false under the pipeline schedule (parallel.pp > 1, " \
+               "or parallel.microbatches > 1 with parallel.dp=1): its stages pass the residual stream whole, got True"
     return None
 
 
@@ -418,4 +432,4 @@ CROSS_RULES: tuple[Callable[[RunConfig], str | None], ...] = (_auto_needs_a_draf
                                                                _tools_are_an_environment, _aux_loss_in_one_batch,
                                                                _taps_reach_the_device, _taps_fit,
                                                                _data_files_exist, _data_has_rewards, _reward_files_exist,
-                                                               _vllm_serves_it)
+                                                               _vllm_serves_it, _sequence_parallel_fits)

@@ -139,6 +139,7 @@ class ParallelConfig:
     cp: int = 1                     # context-parallel ranks (launch with torchrun --nproc-per-node dp·pp·cp·tp)
     pp: int = 1                     # pipeline stages (the policy's decoder layers split over them)
     tp: int = 1                     # tensor-parallel ranks: each of the policy's products split over them
+    sequence_parallel: bool = False  # tp > 1: the residual stream and the layers' norms split along the sequence too
     microbatches: int = 1           # micro-batches of whole groups per update (1F1B under pp; else accumulation)
     taps: str = "shm"               # how the taps reach the last stage: shm, p2p, or the baselines staging, relay
     tap_tokens: int = 0             # TapChannel slot size in tokens (0 = from the first step's batch, with headroom)

@@ -163,8 +163,8 @@ def leave_process_group() -> None:
 def join_world(device: torch.device | str = "cpu", timeout: float = 300.0, needs: str = "parallel.cp=C",
                nproc: int | str = "C") -> Group:
     """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT) once and return the
-    world (every layout's mesh is built on it: ``codraft.parallel.mesh``). Without torchrun: a PeerError saying how to launch ``nproc`` processes
-    for the keys ``needs`` (as the user wrote them)."""
+    world (every layout's mesh is built on it: ``codraft.parallel.mesh``). Without torchrun: a PeerError
+    saying how to launch ``nproc`` processes for the keys ``needs`` (as the user wrote them)."""
     if not dist.is_initialized():
         if "RANK" not in os.environ:
             raise PeerError(f"{needs} needs torchrun, one process per rank: torchrun --standalone --nproc-per-node "

@@ -26,7 +26,7 @@ import torch
 from codraft.attention import PackedCausal
 from codraft.attention.context import MainAttention
 from codraft.parallel.comm import Group, PeerError
-from codraft.parallel.data_parallel import local
+from codraft.parallel.data_parallel import whole
 from codraft.parallel.ring import RingAttention, ring_attention, ring_branch_attention
 from codraft.parallel.zigzag import ZigzagPlan, ZigzagShard
 
@@ -110,7 +110,7 @@ class ShardedRow:
         ids, kw = self.model_inputs()
         out = model(ids, taps=taps, head=False, **kw)
         hidden, feats = out if taps is not None else (out, {})
-        return hidden, self.draft_features(feats)
+        return whole(hidden), self.draft_features({l: whole(f) for l, f in feats.items()})
 
     def _to_draft_rows(self, f: torch.Tensor, layer: int) -> torch.Tensor:
         parts = self.comm.all_gather(f.contiguous(), f"the taps of layer {layer}")

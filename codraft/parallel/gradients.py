@@ -27,7 +27,7 @@ from codraft.parallel.tp import grads_as_params, split_over_tp
 
 
 def sync_gradients(params, comm: Group, what: str) -> None:
-    """Sum every parameter's gradient over the CP group (missing gradients count as zero)."""
+    """Sum every parameter's gradient over ``comm`` (missing gradients count as zero)."""
     params = [p for p in params if p.requires_grad]
     if comm.size == 1 or not params:
         return
@@ -88,8 +88,8 @@ def reduce_stage_gradients(pipe: Pipeline, policy, draft_params: list) -> tuple[
     return own, drafts
 
 
-def clip_stage_gradients(pipe: Pipeline, policy, own: list, drafts: list, max_policy: float, max_draft: float | None
-                   ) -> tuple[torch.Tensor, torch.Tensor | None]:
+def clip_stage_gradients(pipe: Pipeline, policy, own: list, drafts: list, max_policy: float,
+                         max_draft: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Clip by the global norms (over all stages; the tied weight counted once) -> the two norms."""
     tied_twice = pipe.stages > 1 and pipe.last and policy.lm_head is None
     # on the gradients' device: an NCCL group reduces device tensors only; [policy, draft, policy's TP shards]

@@ -48,11 +48,13 @@ class Layout:
     microbatches: int = 1   # per DP rank
     dp_shard: str = "fsdp"  # fsdp or ddp
     tp: int = 1
+    sequence_parallel: bool = False  # under tp: the residual stream split along the sequence too
 
     @classmethod
     def of(cls, parallel) -> "Layout":
         """From the run config's ``parallel`` section."""
-        return cls(parallel.dp, parallel.cp, parallel.pp, parallel.microbatches, parallel.dp_shard, parallel.tp)
+        return cls(parallel.dp, parallel.cp, parallel.pp, parallel.microbatches, parallel.dp_shard, parallel.tp,
+                   parallel.sequence_parallel)
 
     @property
     def sharded(self) -> bool:
@@ -87,8 +89,8 @@ class Layout:
     def check(self, world: int) -> None:
         if world != self.world:
             raise LayoutError(f"parallel.dp={self.dp} × parallel.pp={self.pp} × parallel.cp={self.cp} × "
-                              f"parallel.tp={self.tp} = {self.world} ranks, but torchrun started {world} processes; launch with torchrun "
-                              f"--nproc-per-node {self.world}")
+                              f"parallel.tp={self.tp} = {self.world} ranks, but torchrun started {world} processes; "
+                              f"launch with torchrun --nproc-per-node {self.world}")
 
 
 @dataclass
@@ -148,7 +150,8 @@ class Mesh:
     def where(self) -> str:
         dp = f", DP rank {self.dp_rank}/{self.dp}" if self.dp > 1 else ""
         tp = f", TP rank {self.tp_rank}/{self.tp}" if self.tp > 1 else ""
-        return f"rank {self.world.rank} (pipeline stage {self.stage}/{self.pp}, CP rank {self.cp_rank}/{self.cp}{dp}{tp})"
+        return f"rank {self.world.rank} (pipeline stage {self.stage}/{self.pp}, CP rank {self.cp_rank}/{self.cp}" \
+               f"{dp}{tp})"
 
 
 def build_mesh(layout: Layout, device: str = "cpu", timeout: float = 300.0) -> Mesh:

@@ -33,7 +33,7 @@ def parallelize(policy, draft, layout: Layout, mesh: Mesh | None, rollout_weight
         return
     rollout_weights.draft_for(draft)  # the engine's whole copy of the draft, made before it is sharded
     if layout.tp > 1:  # first: FSDP then shards the tensor-parallel pieces over dp (2-D parameters)
-        parallelize_tp(policy, mesh.tp_mesh)
+        parallelize_tp(policy, mesh.tp_mesh, layout.sequence_parallel)
     if layout.sharded_stages:
         rollout_weights.refit = StageRefit(mesh, policy, draft, trains_draft=trains_draft)  # (names: before)
         shard_stage(policy, mesh)

@@ -12,9 +12,9 @@ draft is sharded over the last stage's data ranks.
 
 The rollout engine decodes a whole copy (``RolloutWeights(gather=True)``, made before sharding), which
 ``StageRefit`` fills after every update: stage by stage, the stage's ranks gather their shards
-(``full_tensor`` over the stage's data mesh, and its TP ranks) and the stage's first rank broadcasts them to every rank in one
-flat fp32 buffer; then the draft from the last stage. ``StageRefit.whole`` gathers the same way to rank 0
-for the consolidated checkpoint.
+(``full_tensor`` over the stage's data mesh, and its TP ranks) and the stage's first rank broadcasts them to
+every rank in one flat fp32 buffer; then the draft from the last stage. ``StageRefit.whole`` gathers the same
+way to rank 0 for the consolidated checkpoint.
 
 The tied embedding / LM head: the first and the last stage both hold it, sharded the same way over data
 meshes of one shape, so their two gradient shares are summed shard by shard (``gradients.reduce_stage_gradients``).

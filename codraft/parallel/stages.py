@@ -65,7 +65,8 @@ def build_pipeline(policy, draft, mesh: Mesh | None, *, transport: str = "shm", 
         # every rank takes part in making each
         for d, c, t in itertools.product(range(mesh.dp), range(mesh.cp), range(mesh.tp)):
             column = mesh.column(c, d, t)
-            ch = open_staging_channel(spec, column) if transport == "staging" else open_tap_channel(spec, transport, column)
+            ch = open_staging_channel(spec, column) if transport == "staging" \
+                else open_tap_channel(spec, transport, column)
             if (d, c, t) == (mesh.dp_rank, mesh.cp_rank, mesh.tp_rank):
                 pipe.channel = ch
     return pipe

@@ -7,15 +7,15 @@ sums all-reduced). The token embedding is vocabulary-parallel (each rank its row
 zeros, the ranks' sums all-reduced). The LM head is vocabulary-parallel too: the logits stay split over the
 ranks (a DTensor sharded on the vocabulary) and the GRPO loss's logprobs and entropy come from the shards
 with all-reduces of a few numbers per row (``token_logprobs``, ``mean_entropy``): the policy's full logits are
-never on one rank. The co-trained draft's teacher rows are the exception: gathered whole, detached
-(``whole``), since the draft (replicated over tp) reads every column of them.
+never on one rank. The co-trained draft's teacher rows are the exception: gathered whole, detached,
+since the draft (replicated over tp) reads every column of them.
 
 Replicated over tp: the norms and the residual stream between blocks (no sequence parallelism, so the taps
 are whole on every rank and the draft trains on them as in one process), and MoE layers (router and experts
 run whole on every tp rank). Their gradients are the same on every tp rank (what reaches them is
 all-reduced), so the ranks apply the same update to them. The q/k norms (Qwen3, Gemma 3) are replicated too
-but run on each rank's heads: their gradients are summed over tp by a hook. Needs heads, KV heads and the dense MLP's
-intermediate size divisible by tp (``check``); the vocabulary may split unevenly.
+but run on each rank's heads: their gradients are summed over tp by a hook. Needs heads, KV heads and the
+dense MLP's intermediate size divisible by tp (``check``); the vocabulary may split unevenly.
 """
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
+                                               RowwiseParallel, SequenceParallel, parallelize_module)
 
 from codraft.models.layers import MLP
 
@@ -38,29 +39,52 @@ def check(config, tp: int) -> str | None:
     return None if not bad else f"config key 'parallel.tp' must divide the policy's {', '.join(bad)}, got {tp}"
 
 
-def plan(policy: nn.Module) -> dict:
-    """Module name -> its ``ParallelStyle`` (see the module doc)."""
-    styles = {"embed_tokens": RowwiseParallel(input_layouts=Replicate())}
+def plan(policy: nn.Module, sequence: bool = False) -> dict:
+    """Module name -> its ``ParallelStyle`` (see the module doc); ``sequence``: sequence parallelism."""
+    seq = Shard(1) if sequence else Replicate()  # the residual stream between blocks
+    styles = {"embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=seq,
+                                              use_local_output=not sequence)}
     if policy.lm_head is not None:  # (never called as a module: ``Transformer.logits`` reads its weight, split)
         styles["lm_head"] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
     for i, layer in enumerate(policy.layers):
+        at = f"layers.{i}"
         for name in ("q_proj", "k_proj", "v_proj"):
-            styles[f"layers.{i}.self_attn.{name}"] = ColwiseParallel()
-        styles[f"layers.{i}.self_attn.o_proj"] = RowwiseParallel()
-        if type(layer.mlp) is MLP:  # (a MoE layer stays whole)
-            styles[f"layers.{i}.mlp.gate_proj"] = ColwiseParallel()
-            styles[f"layers.{i}.mlp.up_proj"] = ColwiseParallel()
-            styles[f"layers.{i}.mlp.down_proj"] = RowwiseParallel()
+            styles[f"{at}.self_attn.{name}"] = ColwiseParallel()
+        styles[f"{at}.self_attn.o_proj"] = RowwiseParallel(output_layouts=seq, use_local_output=not sequence)
+        dense = type(layer.mlp) is MLP  # (a MoE layer stays whole)
+        if dense:
+            styles[f"{at}.mlp.gate_proj"] = ColwiseParallel()
+            styles[f"{at}.mlp.up_proj"] = ColwiseParallel()
+            styles[f"{at}.mlp.down_proj"] = RowwiseParallel(output_layouts=seq, use_local_output=not sequence)
+        if sequence:
+            styles.update(_sequence_styles(layer, at, dense))
     return styles
 
 
-def parallelize_tp(policy: nn.Module, mesh: DeviceMesh) -> nn.Module:
-    """Apply ``plan(policy)`` over the 1-D ``mesh`` (the tp dimension) in place."""
+def _sequence_styles(layer: nn.Module, at: str, dense: bool) -> dict:
+    """A decoder layer's norms split along the sequence, and its attention and MLP gathering it first (the
+    attention's other inputs, RoPE tables to KV cache, pass as they are)."""
+    styles = {f"{at}.{name}": SequenceParallel() for name in ("input_layernorm", "post_attention_layernorm",
+                                                              "pre_feedforward_layernorm", "post_feedforward_layernorm")
+              if hasattr(layer, name)}
+    styles[f"{at}.self_attn"] = PrepareModuleInput(input_layouts=(Shard(1),) + (None,) * 8,
+                                                   desired_input_layouts=(Replicate(),) + (None,) * 8)
+    if dense:
+        styles[f"{at}.mlp"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),))
+    else:  # the experts run whole: gathered in, split again out
+        styles[f"{at}.mlp"] = PrepareModuleInputOutput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                                       use_local_input=True, output_layouts=(Replicate(),),
+                                                       desired_output_layouts=(Shard(1),), use_local_output=False)
+    return styles
+
+
+def parallelize_tp(policy: nn.Module, mesh: DeviceMesh, sequence: bool = False) -> nn.Module:
+    """Apply ``plan(policy, sequence)`` over the 1-D ``mesh`` (the tp dimension) in place."""
     why = check(policy.config, mesh.size())
     if why:
         raise ValueError(why)
     _reference_forwards(policy)
-    parallelize_module(policy, mesh, plan(policy))
+    parallelize_module(policy, mesh, plan(policy, sequence))
     for layer in policy.layers:  # q/k norms (Qwen3, Gemma 3) run on this rank's heads: their gradients are shares
         for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
             if norm is not None:
@@ -159,8 +183,3 @@ def mean_entropy(logits: DTensor) -> torch.Tensor:
     dist.all_reduce(sums, group=group)
     rows = top + sums[0].log() - sums[1] / sums[0]
     return rows.sum() / max(rows.numel(), 1)
-
-
-def whole(logits: torch.Tensor) -> torch.Tensor:
-    """Logits as one tensor on every rank (vocabulary-split ones gathered), e.g. the draft's teacher rows."""
-    return logits.full_tensor() if isinstance(logits, DTensor) else logits

@@ -40,6 +40,7 @@ from codraft.models.moe import Routing, load_balancing_loss
 from codraft.parallel.comm import Group
 from codraft.parallel import tp
 from codraft.parallel.context import ShardedRow
+from codraft.parallel.data_parallel import whole
 from codraft.rl.grpo import entropy_from_logits, grpo_loss, token_logprobs
 from codraft.train.packing import Packed
 from codraft.train.seeding import sequence_seeds
@@ -97,7 +98,7 @@ class PackedRow:
         ids, kw = self.model_inputs()
         out = model(ids, taps=taps, head=False, **kw)
         hidden, feats = out if taps is not None else (out, {})
-        return hidden, self.draft_features(feats)
+        return whole(hidden), self.draft_features({l: whole(f) for l, f in feats.items()})
 
     def select(self, rows: torch.Tensor):
         return (rows if self.sh is None else self.sh.gather[rows]), None
@@ -178,10 +179,10 @@ def cotrain_loss(policy, draft, batch: Packed, advantages: torch.Tensor, *, temp
     return loss, m
 
 
-def loss_from_hidden(policy, draft, batch: Packed, row: Row, hidden: torch.Tensor, feats: dict, advantages: torch.Tensor,
-                     *, temperature: float, lam: float, eps_low: float, eps_high: float, norm: str,
-                     kl_coef: float = 0.0, reference=None, tis_cap: float | None = None, train_draft: bool = True,
-                     phase=None, totals=None, policy_dtype: torch.dtype = torch.float32,
+def loss_from_hidden(policy, draft, batch: Packed, row: Row, hidden: torch.Tensor, feats: dict,
+                     advantages: torch.Tensor, *, temperature: float, lam: float, eps_low: float, eps_high: float,
+                     norm: str, kl_coef: float = 0.0, reference=None, tis_cap: float | None = None,
+                     train_draft: bool = True, phase=None, totals=None, policy_dtype: torch.dtype = torch.float32,
                      draft_dtype: torch.dtype = torch.float32, draft_seed: int | None = None
                      ) -> tuple[torch.Tensor, dict]:
     """The two losses from the policy's last-layer output ``hidden`` (row's layout) and the detached
@@ -223,7 +224,7 @@ def loss_from_hidden(policy, draft, batch: Packed, row: Row, hidden: torch.Tenso
     loss = rl_loss
     if draft is not None and train_draft:
         db = DraftBatch(input_ids=batch.input_ids, cu_seqlens=batch.cu_seqlens, loss_mask=batch.completion,
-                        features=feats, teacher_logits=row.assemble(tp.whole(logits.detach()), live), teacher_rows=rows,
+                        features=feats, teacher_logits=row.assemble(whole(logits.detach()), live), teacher_rows=rows,
                         main=row.main, seeds=_draft_seeds(batch, draft_seed, 0 if totals is None else totals.first))
         norm = None if totals is None else totals.draft_norm  # the step's: this micro-batch's share of its loss
         with phase("draft_loss") if phase is not None else contextlib.nullcontext(), products(draft_dtype):

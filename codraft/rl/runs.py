@@ -39,7 +39,7 @@ RESUMABLE = (
     "memory_check",              # a check before the run, not the run
     "rollout.vllm_kv_cache_gb",  # vLLM's KV cache size: how many rows fit at once, not what they sample
     "parallel.dp", "parallel.dp_shard",  # DCP reshards a checkpoint to any layout (the same math)
-    "parallel.cp", "parallel.pp", "parallel.tp",  # how it is split:
+    "parallel.cp", "parallel.pp", "parallel.tp", "parallel.sequence_parallel",  # how it is split:
     "parallel.taps", "parallel.tap_tokens", "parallel.timeout",
     #                            the same math, other float rounding
     "parallel.microbatches",     # the RL loss is exact over micro-batches; the draft's anchors are drawn per one

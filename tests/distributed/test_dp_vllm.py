@@ -1,7 +1,7 @@
-"""`codraft train parallel.dp=2 rollout.backend=vllm` (and parallel.tp=2) under torchrun: each rank builds its own vLLM engines in
-its process and decodes its rollout shards; the run's metrics per step equal the one-process vLLM run's over
-the same shards (rollout.shards=2), and both ranks exit cleanly (vLLM's process groups, made over the
-trainer's ranks, are released before the trainer's: codraft/vllm/world.py).
+"""`codraft train parallel.dp=2 rollout.backend=vllm` (and parallel.tp=2) under torchrun: each rank builds its
+own vLLM engines in its process and decodes its rollout shards; the run's metrics per step equal the
+one-process vLLM run's over the same shards (rollout.shards=2), and both ranks exit cleanly (vLLM's process
+groups, made over the trainer's ranks, are released before the trainer's: codraft/vllm/world.py).
 
 Skipped where vLLM does not import. The policy is the tiny preset's (tiny-sft: it earns rewards, so the
 policy really trains and step 3 decodes a changed policy, refit from its FSDP shards), with an EAGLE-3 draft

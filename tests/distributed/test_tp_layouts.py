@@ -1,6 +1,7 @@
 """Trainer steps with tensor parallelism (``parallel.tp``) against the single-process step, on real gloo groups:
-tp = 2 for every draft kind, a MoE policy replaying its rollout's routes and an untied head with a bf16 engine
-copy; dp = 2 × tp = 2 (FSDP2 over dp of the tensor-parallel pieces, and replicated) and tp = 2 × cp = 2 (4 ranks).
+tp = 2 for every draft kind, a MoE policy replaying its rollout's routes (also with sequence parallelism) and an
+untied head with a bf16 engine copy; dp = 2 × tp = 2 (FSDP2 over dp of the tensor-parallel pieces, and
+replicated) and tp = 2 × cp = 2 (4 ranks), with and without sequence parallelism; under the pipeline schedule.
 Each compares the loss, both gradient norms, every gradient and every updated weight (gathered), the engine's
 whole copy refreshed from the shards (the refit), and each rank's bytes of policy parameters, gradients and
 AdamW moments (about half at tp = 2, a quarter at dp = 2 × tp = 2 under FSDP)."""
@@ -11,6 +12,11 @@ import pytest
 from codraft.parallel.data_parallel import local_bytes
 from dist_harness import run_ranks
 from test_dp_step import FOUR, KINDS, _policy, _rank, _same_step, _step
+
+
+def _one_process(extra: list[str]) -> list[str]:
+    """The keys of the one-process reference (sequence parallelism needs tp > 1: the same math without)."""
+    return [k for k in extra if not k.startswith("parallel.sequence_parallel")]
 
 
 def _shares(single, got) -> list[float]:
@@ -29,17 +35,21 @@ def test_tp2_step_equals_single_process(tmp_path, tiny_policy_dir, varied_reward
 
 
 @pytest.mark.parametrize("which,extra", [("moe", ["grpo.routing_replay=true"]),
-                                         ("untied", ["rollout.dtype=bfloat16"])])
+                                         ("moe", ["grpo.routing_replay=true", "parallel.sequence_parallel=true"]),
+                                         ("untied", ["rollout.dtype=bfloat16"])], ids=["moe", "moe-sequence", "untied"])
 def test_tp2_moe_and_untied_policies_equal_single_process(tmp_path, tiny_policy_dir, varied_reward, which, extra):
     """MoE layers run whole on both ranks (their attention split); an untied head split on the vocabulary."""
     policy = _policy(tmp_path, tiny_policy_dir, which)
-    single = _step(policy, tmp_path / "one", "dflash", [*FOUR, *extra])
+    single = _step(policy, tmp_path / "one", "dflash", [*FOUR, *_one_process(extra)])
     for got in run_ranks(_rank, 2, policy, tmp_path / "tp", "dflash", ["parallel.tp=2", *FOUR, *extra], timeout=300):
         _same_step(got, single)
 
 
 @pytest.mark.parametrize("extra,share", [(["parallel.dp=2"], 0.25), (["parallel.dp=2", "parallel.dp_shard=ddp"], 0.5),
-                                         (["parallel.cp=2"], 0.5)], ids=["dp2-fsdp", "dp2-ddp", "cp2"])
+                                         (["parallel.cp=2"], 0.5),
+                                         (["parallel.dp=2", "parallel.sequence_parallel=true"], 0.25),
+                                         (["parallel.cp=2", "parallel.sequence_parallel=true"], 0.5)],
+                         ids=["dp2-fsdp", "dp2-ddp", "cp2", "dp2-fsdp-sequence", "cp2-sequence"])
 def test_tp2_with_dp_or_cp_equals_single_process(tmp_path, tiny_policy_dir, varied_reward, extra, share):
     single = _step(tiny_policy_dir, tmp_path / "one", "dspark", FOUR)
     for got in run_ranks(_rank, 4, tiny_policy_dir, tmp_path / "tp", "dspark", ["parallel.tp=2", *extra, *FOUR],
@@ -68,7 +78,8 @@ def test_tp2_under_the_pipeline_schedule_equals_single_process(tmp_path, tiny_po
                          ids=["cp2", "dp2-ddp", "dp2-fsdp"])
 def test_tp2_pp2_with_a_third_dimension_equals_single_process(tmp_path, tiny_policy_dir, varied_reward, extra):
     """8 ranks: tp = 2 × pp = 2 with cp = 2 (the ring under each stage's split layers) or with dp = 2 (whole
-    pipelines as replicas, or each stage's split layers sharded by FSDP2 over its two data ranks). Global rank = stage · 4 + (dp or CP rank) · 2 + TP rank: a column's stages are r, r + 4."""
+    pipelines as replicas, or each stage's split layers sharded by FSDP2 over its two data ranks).
+    Global rank = stage · 4 + (dp or CP rank) · 2 + TP rank: a column's stages are r, r + 4."""
     extra = [*extra, "rollout.prompts_per_step=8", "rollout.shards=8"]
     single = _step(tiny_policy_dir, tmp_path / "one", "dspark", extra[-2:])
     ranks = run_ranks(_rank, 8, tiny_policy_dir, tmp_path / "tp", "dspark", ["parallel.tp=2", "parallel.pp=2", *extra],

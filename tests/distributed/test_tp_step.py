@@ -1,7 +1,8 @@
 """One co-training step under tensor parallelism (``parallel.tp``, ``codraft.parallel.tp``) equals the
 single-process step on real gloo groups: the loss, every metric, both clipped gradient norms and every
 gradient of the policy (gathered from its shards) and of the draft, for each draft kind, a dense and a MoE
-policy, with and without the KL reference; tp = 2 alone and tp = 2 × cp = 2 (4 ranks). The single-process
+policy, with and without the KL reference, and with sequence parallelism (the residual stream and the norms
+split along the sequence); tp = 2 alone and tp = 2 × cp = 2 (4 ranks). The single-process
 step runs in each rank as the reference. Also: the products really split (each rank holds its share of
 every planned weight, and the logits stay split on the vocabulary), and bf16 products run on the shards."""
 from __future__ import annotations
@@ -52,20 +53,23 @@ def _errors(got, ref) -> dict:
 
 
 def _split(policy, mesh):
-    """Each planned weight's local rows or columns against its whole size, and whether the logits stay split."""
+    """Each planned weight's local rows or columns against its whole size, whether the logits stay split, and
+    whether the residual stream is split along the sequence (sequence parallelism)."""
     shares = {}
     for name in plan(policy):
         w = policy.get_submodule(name).weight
         shares[name] = (w.to_local().numel(), w.numel())
     h = torch.randn(3, policy.config.hidden_size)
     logits = policy.logits(h)
-    return shares, isinstance(logits, DTensor) and logits.to_local().shape[-1] < logits.shape[-1]
+    x = policy.embed(torch.zeros(1, 5, dtype=torch.long))
+    return shares, isinstance(logits, DTensor) and logits.to_local().shape[-1] < logits.shape[-1], \
+        isinstance(x, DTensor) and x.to_local().shape[1] < 5
 
 
 def _compare(rank, world, layout, cases):
     mesh = build_mesh(layout, timeout=60)
     out = {}
-    for kind, moe, kl in cases:
+    for kind, moe, kl, *sequence in cases:
         policy, draft = _models(kind, moe=moe)
         reference = None
         if kl:
@@ -73,25 +77,27 @@ def _compare(rank, world, layout, cases):
             reference = Transformer(policy.config).requires_grad_(False)
         batch, adv = _batch(seed=3)
         ref = _step(policy, draft, batch, adv, None, reference, kl)
-        policy_tp = parallelize_tp(copy.deepcopy(policy), mesh.tp_mesh)  # (the draft reads the whole copy's head)
+        policy_tp = parallelize_tp(copy.deepcopy(policy), mesh.tp_mesh, *sequence)  # (the draft: the whole head)
         got = _step(policy_tp, draft, batch, adv, mesh, reference, kl)
-        out[(kind, moe, kl)] = _errors(got, ref), _split(policy_tp, mesh)
+        out[(kind, moe, kl, *sequence)] = _errors(got, ref), _split(policy_tp, mesh)
     return out
 
 
 CASES = [("eagle3", False, 0.0), ("dflash", False, 0.05), ("dspark", False, 0.0), ("model", False, 0.0),
          ("dspark", True, 0.0), ("eagle3", True, 0.05)]
+SEQUENCE = [("eagle3", False, 0.0, True), ("dflash", False, 0.05, True), ("dspark", True, 0.0, True)]  # + sequence
 
 
-@pytest.mark.parametrize("layout,cases", [(Layout(tp=2), CASES),
-                                          (Layout(tp=2, cp=2), [("eagle3", False, 0.0), ("dspark", True, 0.05)])],
+@pytest.mark.parametrize("layout,cases", [(Layout(tp=2), CASES + SEQUENCE),
+                                          (Layout(tp=2, cp=2), [("eagle3", False, 0.0), ("dspark", True, 0.05),
+                                                                ("dflash", True, 0.0, True)])],
                          ids=["tp2", "tp2xcp2"])
 def test_tp_step_equals_single_process(layout, cases):
     for rank, res in enumerate(run_ranks(_compare, layout.world, layout, cases, timeout=400)):
-        for case, (errs, (shares, logits_split)) in res.items():
+        for case, (errs, (shares, logits_split, sequence_split)) in res.items():
             bad = {k: e for k, e in errs.items() if not e <= RTOL}
             assert not bad, f"{layout} rank {rank} {case}: relative differences above {RTOL}: {bad}"
-            assert logits_split, (rank, case)
+            assert logits_split and sequence_split == (len(case) == 4), (rank, case)
             # every planned weight: this rank holds its share (the vocabulary's may be uneven)
             assert all(abs(local / whole - 1 / layout.tp) < 0.02 for local, whole in shares.values()), shares
 

@@ -129,6 +129,14 @@ def test_data_parallel_rules():
         "config key 'rollout.shards' must be 0 or a multiple of the ranks, parallel.dp × parallel.pp × parallel.cp × " \
         "parallel.tp = 4 (each rank decodes as many shards), got 6"
     assert load_config(None, ["parallel.tp=2", "parallel.pp=2", "parallel.dp=2", "rollout.prompts_per_step=8"])
+    assert load_config(None, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.dp=2",
+                              "parallel.microbatches=2", "rollout.prompts_per_step=4"]).parallel.sequence_parallel
+    assert _refused(["parallel.sequence_parallel=true"]) == \
+        "config key 'parallel.sequence_parallel' must be false with parallel.tp=1 (it splits the residual stream over " \
+        "the tensor-parallel ranks), got True"
+    for keys in (["parallel.pp=2"], ["parallel.microbatches=2"]):  # the pipeline schedule
+        assert _refused(["parallel.tp=2", "parallel.sequence_parallel=true", "rollout.prompts_per_step=4", *keys]) \
+            .startswith("config key 'parallel.sequence_parallel' must be false under the pipeline schedule")
     for mode in ("fsdp", "ddp"):  # either, under pipeline stages too
         load_config(None, ["parallel.dp=2", "parallel.pp=2", f"parallel.dp_shard={mode}", "rollout.prompts_per_step=4"])
     assert _refused(["parallel.dp=2", "parallel.microbatches=3", "rollout.prompts_per_step=4"]) == \
