@@ -114,8 +114,8 @@ class Trainer:
         random.seed(cfg.seed)
         self.policy, self.tok, self.policy_dir = load_policy(cfg.policy.init, dtype)
         check_policy(cfg, self.policy.config)  # what depends on the policy: known from here
-        if self.layout.tp > 1 and tp.check(self.policy.config, self.layout.tp):
-            raise ConfigError(tp.check(self.policy.config, self.layout.tp))
+        if self.layout.tp > 1 and (why := tp.check(self.policy.config, self.layout.tp)):
+            raise ConfigError(why)
         # the prompts (a built-in task's generator, or your data files) and the reward functions that score them
         self.task = build_task(cfg, self.tok, self.policy.config.max_position_embeddings)
         self.rewards = build_rewards(cfg, self.task)

@@ -1,14 +1,11 @@
 """The tensor-parallel plan (``codraft.parallel.tp``) read against the model it splits: which modules split
-which way (with and without sequence parallelism), which models cannot split at a degree (one line naming the sizes), and the vocabulary-split
-logprob's gradient against autograd through the whole log-softmax (no process group: one rank's shard is the
-whole vocabulary)."""
+which way (with and without sequence parallelism), and which models cannot split at a degree (one line naming
+the sizes)."""
 from __future__ import annotations
 
 import dataclasses
 
 import pytest
-import torch
-import torch.distributed as dist
 from torch.distributed.tensor import Shard
 from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
                                                RowwiseParallel, SequenceParallel)
@@ -65,22 +62,3 @@ def test_a_moe_only_policy_need_not_divide_the_dense_size():
     c = _config(architectures=["Qwen3MoeForCausalLM"], num_experts=4, num_experts_per_tok=2, moe_intermediate_size=8,
                 intermediate_size=7)
     assert tp.check(c, 2) is None and tp.check(dataclasses.replace(c, mlp_only_layers=[0]), 2) is not None
-
-
-def test_split_logprobs_gradient_is_autograds(tmp_path):
-    """One rank holding every column: the forward is log_softmax's pick and the hand-written backward is
-    autograd's (the all-reduces of a one-rank group are identities)."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
-    try:
-        z = torch.randn(5, 11, requires_grad=True)
-        ids = torch.tensor([0, 3, 10, 7, 3])
-        w = torch.randn(5)
-        got = tp._SplitLogprobs.apply(z, ids, 0, dist.group.WORLD)
-        (got * w).sum().backward()
-        g = z.grad.clone()
-        z.grad = None
-        want = torch.log_softmax(z, -1).gather(-1, ids[:, None]).squeeze(-1)
-        (want * w).sum().backward()
-        assert torch.allclose(got, want, atol=1e-6) and torch.allclose(g, z.grad, atol=1e-6)
-    finally:
-        dist.destroy_process_group()
