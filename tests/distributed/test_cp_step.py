@@ -11,9 +11,10 @@ import torch
 from codraft.drafts import init_draft
 from codraft.models import Transformer
 from codraft.parallel.comm import Group
-from codraft.parallel.gradients import sync_gradients
+from codraft.parallel.gradients import clip_grad_norm, sync_gradients
 from codraft.policy.warmstart import tiny_model_config
 from codraft.rl.cotrain import cotrain_loss
+from codraft.rollout.weights import full
 from codraft.tasks import make_task
 from codraft.tokenizer import CharTokenizer
 from codraft.train.packing import pack
@@ -58,11 +59,12 @@ def _models(kind, moe=False):
     return policy, draft
 
 
-def _step(policy, draft, batch, adv, cp, reference, kl, dtype=torch.float32):
-    """One step's loss, metrics, gradients and norms; ``dtype``: the policy's and the draft's products."""
+def _step(policy, draft, batch, adv, cp, reference, kl, dtype=torch.float32, temperature=1.0, clip=1e9):
+    """One step's loss, metrics, whole gradients (clipped to ``clip``) and norms; ``dtype``: the policy's and
+    the draft's products. (Also the tensor-parallel step's: its gradients gathered from their shards.)"""
     policy.zero_grad(set_to_none=True)
     draft.zero_grad(set_to_none=True)
-    loss, m = cotrain_loss(policy, draft, batch, adv, temperature=1.0, lam=0.7, eps_low=0.2, eps_high=0.28,
+    loss, m = cotrain_loss(policy, draft, batch, adv, temperature=temperature, lam=0.7, eps_low=0.2, eps_high=0.28,
                            norm="token" if kl == 0 else "sequence", kl_coef=kl, reference=reference, cp=cp,
                            policy_dtype=dtype, draft_dtype=dtype, draft_seed=5)
     loss.backward()
@@ -70,10 +72,9 @@ def _step(policy, draft, batch, adv, cp, reference, kl, dtype=torch.float32):
     if cp is not None:
         sync_gradients(policy.parameters(), cp, "policy")
         sync_gradients(dparams, cp, "draft")
-    grads = {f"policy.{n}": p.grad.clone() for n, p in policy.named_parameters()}
+    norms = {"policy": clip_grad_norm(policy.parameters(), clip), "draft": clip_grad_norm(dparams, clip)}
+    grads = {f"policy.{n}": full(p.grad).clone() for n, p in policy.named_parameters()}
     grads.update({f"draft.{i}": p.grad.clone() for i, p in enumerate(dparams)})
-    norms = {"policy": torch.nn.utils.clip_grad_norm_(policy.parameters(), 1e9),
-             "draft": torch.nn.utils.clip_grad_norm_(dparams, 1e9)}
     return float(loss), {k: float(v) for k, v in m.items() if torch.is_tensor(v) and v.numel() == 1}, grads, norms
 
 

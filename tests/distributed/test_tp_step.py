@@ -15,33 +15,18 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from codraft.models import Transformer
-from codraft.parallel.gradients import clip_grad_norm, sync_gradients
 from codraft.parallel.mesh import Layout, build_mesh
 from codraft.parallel.tp import mean_entropy, parallelize_tp, plan, token_logprobs
-from codraft.rl.cotrain import cotrain_loss
-from codraft.rollout.weights import full
 from dist_harness import run_ranks
 from precision_probe import Products
 from test_cp_step import RTOL, _batch, _models, _rel
+from test_cp_step import _step as cp_step
 
 
 def _step(policy, draft, batch, adv, mesh, reference, kl, dtype=torch.float32):
-    """One step's loss, metrics, whole gradients and clipped norms (``mesh``: the layout's, or None)."""
-    policy.zero_grad(set_to_none=True)
-    draft.zero_grad(set_to_none=True)
-    cp = None if mesh is None else mesh.cp_group
-    loss, m = cotrain_loss(policy, draft, batch, adv, temperature=0.9, lam=0.7, eps_low=0.2, eps_high=0.28,
-                           norm="token" if kl == 0 else "sequence", kl_coef=kl, reference=reference, cp=cp,
-                           policy_dtype=dtype, draft_dtype=dtype, draft_seed=5)
-    loss.backward()
-    dparams = list(draft.trainable_parameters())
-    if cp is not None:
-        sync_gradients(policy.parameters(), cp, "policy")
-        sync_gradients(dparams, cp, "draft")
-    norms = {"policy": float(clip_grad_norm(policy.parameters(), 0.5)), "draft": float(clip_grad_norm(dparams, 0.5))}
-    grads = {f"policy.{n}": full(p.grad).clone() for n, p in policy.named_parameters()}  # (clipped)
-    grads.update({f"draft.{i}": p.grad.clone() for i, p in enumerate(dparams)})
-    return float(loss), {k: float(v) for k, v in m.items() if torch.is_tensor(v) and v.numel() == 1}, grads, norms
+    """One step's loss, metrics, whole gradients (clipped) and norms (``mesh``: the layout's, or None)."""
+    return cp_step(policy, draft, batch, adv, None if mesh is None else mesh.cp_group, reference, kl, dtype,
+                   temperature=0.9, clip=0.5)
 
 
 def _errors(got, ref) -> dict:
