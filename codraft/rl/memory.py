@@ -194,7 +194,8 @@ def estimate(cfg, m: ModelConfig, prompt_len: int, val_prompt_len: int = 0) -> E
     r, par, g = cfg.rollout, cfg.parallel, cfg.grpo
     e = 2 if cfg.policy.dtype == "bfloat16" else F32
     G, P, M = r.group_size, r.prompts_per_step, r.max_new_tokens
-    ranks = par.dp * par.cp * par.pp * par.tp
+    layout = Layout.of(par)
+    ranks = layout.world
     draft = _draft(cfg, m, prompt_len)
     gamma = cfg.draft.gamma if draft is not None else 0
     trains = draft is not None and cfg.draft.mode == "cotrain" and draft.params > 0
@@ -203,7 +204,7 @@ def estimate(cfg, m: ModelConfig, prompt_len: int, val_prompt_len: int = 0) -> E
     # the weights, their gradients and Adam moments: a stage's, or (FSDP) a 1/(dp·cp) shard of them (of the
     # stage's under pp) plus the gathered layer, each split over tp (taken as all of them: MoE experts and
     # the norms are not); then the rollout engine decodes from a whole copy (the refit)
-    gathered = Layout.of(par).gathers  # the trainer's models wrapped by FSDP2 or split, the engine's a whole copy
+    gathered = layout.gathers  # the trainer's models wrapped by FSDP2 or split, the engine's a whole copy
     if gathered and par.dp_shard == "fsdp":
         weights = (n * e + 3 * n * F32) // (par.pp * par.dp * par.cp * par.tp) + _layer_params(m) * e // par.tp
     else:
