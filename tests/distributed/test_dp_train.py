@@ -1,7 +1,9 @@
-"""`codraft train parallel.dp=2` under torchrun: the same metrics per step as one process over the same
-prompts (both decode rollout.shards=4 shards), rank 0 alone writes the run folder, and its checkpoint
-resumes at another layout (dp=1, and cp=2 under torchrun) with the next step equal to the one-process
-run's resumed the same way; a one-process and a pp=2 checkpoint resume at dp=2. The policy is the tiny preset's (tiny-sft: it earns rewards, so the GRPO gradient is not zero)."""
+"""`codraft train parallel.dp=2` (and parallel.tp=2) under torchrun: the same metrics per step as one process
+over the same prompts (both decode rollout.shards=4 shards), rank 0 alone writes the run folder, and its
+checkpoint resumes at another layout (dp=1, and cp=2 under torchrun) with the next step equal to the
+one-process run's resumed the same way; a pp=2 checkpoint resumes at dp=2, a one-process checkpoint at
+dp=2 × pp=2 and at tp=2, a tp=2 checkpoint in one process. The policy is the tiny preset's (tiny-sft: it earns
+rewards, so the GRPO gradient is not zero)."""
 from __future__ import annotations
 
 import json
@@ -84,13 +86,6 @@ def test_torchrun_dp2_equals_single_process_and_resumes_at_other_layouts(tmp_pat
         log = [json.loads(line) for line in (folder / "resume_log.jsonl").read_text().splitlines()]
         assert log[-1]["step"] == 2 and changed <= set(log[-1]["changed"])
 
-    # a one-process checkpoint resumes at dp=2 (its whole optimiser state sharded on load)
-    spread = tmp_path / "one-then-dp2"
-    shutil.copytree(ref, spread)
-    _codraft(1, "--resume", str(ref), "steps=4")
-    _codraft(2, "--resume", str(spread), "steps=4", "parallel.dp=2")
-    _same(_rows(spread)[4], _rows(ref)[4])
-
 
 def test_torchrun_fsdp_under_pipeline_stages_equals_single_process_and_resumes(tmp_path, one_process):
     """dp=2 × pp=2 with each stage sharded over its two data ranks (4 ranks): the one-process metrics; its
@@ -111,6 +106,29 @@ def test_torchrun_fsdp_under_pipeline_stages_equals_single_process_and_resumes(t
     _codraft(4, "--resume", str(spread), "steps=3", "parallel.dp=2", "parallel.pp=2", "parallel.dp_shard=fsdp")
     for folder in (run, spread):
         _same(_rows(folder)[3], want[3])
+
+
+def test_torchrun_tp2_equals_single_process_and_resumes_across_tp_degrees(tmp_path, one_process):
+    """parallel.tp=2: the one-process metrics; its checkpoint (every rank's tensor-parallel shards, DCP) resumes
+    in one process, and a one-process checkpoint resumes at tp=2 (its whole optimiser state split on load)."""
+    ref, at_two = one_process
+    want = _rows(ref)
+    run = tmp_path / "tp2"
+    _codraft(2, "steps=2", f"run_dir={run}", "parallel.tp=2", *ARGS)
+    got = _rows(run)
+    for step in (1, 2):
+        _same(got[step], want[step])
+    assert got[1]["time_refit"] > 0  # the engine's whole copy gathered from the shards
+    step = run / "step_2"
+    assert len(list((step / "sharded").glob("*.distcp"))) == 2 and (step / "policy" / "config.json").is_file()
+    _codraft(1, "--resume", str(run), "steps=3", "parallel.tp=1")
+    spread = tmp_path / "one-then-tp2"
+    shutil.copytree(at_two, spread)
+    _codraft(2, "--resume", str(spread), "steps=3", "parallel.tp=2")
+    for folder in (run, spread):
+        _same(_rows(folder)[3], want[3])
+        log = [json.loads(line) for line in (folder / "resume_log.jsonl").read_text().splitlines()]
+        assert log[-1]["step"] == 2 and "parallel.tp" in log[-1]["changed"]
 
 
 def test_torchrun_two_nodes_with_a_c10d_rendezvous(tmp_path, one_process):

@@ -1,10 +1,10 @@
-"""`codraft train parallel.dp=2 rollout.backend=vllm` (and parallel.tp=2) under torchrun: each rank builds its
+"""`codraft train parallel.tp=2 rollout.backend=vllm` under torchrun: each rank builds its
 own vLLM engines in its process and decodes its rollout shards; the run's metrics per step equal the
 one-process vLLM run's over the same shards (rollout.shards=2), and both ranks exit cleanly (vLLM's process
 groups, made over the trainer's ranks, are released before the trainer's: codraft/vllm/world.py).
 
 Skipped where vLLM does not import. The policy is the tiny preset's (tiny-sft: it earns rewards, so the
-policy really trains and step 3 decodes a changed policy, refit from its FSDP shards), with an EAGLE-3 draft
+policy really trains and step 3 decodes a changed policy, refit from its shards), with an EAGLE-3 draft
 on taps 0,1,2."""
 from __future__ import annotations
 
@@ -47,12 +47,14 @@ def _rows(run_dir):
     return {r["step"]: r for r in rows if "policy/loss" in r}
 
 
-def test_torchrun_dp2_and_tp2_with_vllm_equal_the_one_process_vllm_run(tmp_path):
-    """(tp=2: each rank's engine holds the whole policy, refit from the trainer's tensor-parallel shards.)"""
+def test_torchrun_tp2_with_vllm_equals_the_one_process_vllm_run(tmp_path):
+    """Each rank's engine holds the whole policy, refit from the trainer's tensor-parallel shards. (parallel.dp=2
+    runs the same per-rank engines, refit from FSDP's shards through the same gather: measured equal when it was
+    built, docs/vllm.md; one 2-rank layout here, as vLLM's start-up is most of the test's time.)"""
     _codraft(1, f"run_dir={tmp_path / 'one'}", *ARGS)
     want = _rows(tmp_path / "one")
     assert max(want[s]["policy/grad_norm"] for s in (1, 2)) > 1e-3  # the policy really trains
-    for layout in ("parallel.dp=2", "parallel.tp=2"):
+    for layout in ("parallel.tp=2",):
         done = _codraft(2, f"run_dir={tmp_path / layout}", layout, *ARGS)
         got = _rows(tmp_path / layout)
         assert sorted(got) == sorted(want) == [1, 2, 3]
