@@ -114,14 +114,14 @@ def _parts(tr: Trainer) -> dict:
 
 def _whole(tr: Trainer) -> tuple:
     """The policy and draft as one process holds them, on rank 0 (collective: sharded layouts gather)."""
-    if tr.layout.sharded or tr.layout.tp > 1:
-        return full_policy(tr.policy), full_state(tr.draft) if tr.trains_draft and tr.layout.sharded else tr.draft
-    if tr.layout.sharded_stages:
+    if tr.layout.sharded_stages:  # (its stages freed the others' tensors: gathered stage by stage, tp or not)
         weights, trained = tr.rollout_weights.refit.whole(tr.policy)
         if not tr.is_main:
             return None, None
         draft = tr.draft if tr.draft is None else {**tr.draft.state_dict(), **trained}
         return plain_policy(tr.policy.config, weights), draft
+    if tr.layout.sharded or tr.layout.tp > 1:
+        return full_policy(tr.policy), full_state(tr.draft) if tr.trains_draft and tr.layout.sharded else tr.draft
     return tr.policy, tr.draft  # every rank holds them whole (pp: after the weight sync)
 
 

@@ -4,14 +4,22 @@ untied head with a bf16 engine copy; dp = 2 × tp = 2 (FSDP2 over dp of the tens
 replicated) and tp = 2 × cp = 2 (4 ranks), with and without sequence parallelism; under the pipeline schedule.
 Each compares the loss, both gradient norms, every gradient and every updated weight (gathered), the engine's
 whole copy refreshed from the shards (the refit), and each rank's bytes of policy parameters, gradients and
-AdamW moments (about half at tp = 2, a quarter at dp = 2 × tp = 2 under FSDP)."""
+AdamW moments (about half at tp = 2, a quarter at dp = 2 × tp = 2 under FSDP); and the checkpoint of sharded
+stages of split layers."""
 from __future__ import annotations
 
-import pytest
+from pathlib import Path
 
+import pytest
+import torch
+
+from codraft.models.hf_io import load_pretrained
 from codraft.parallel.data_parallel import local_bytes
+from codraft.rl import checkpointing
+from codraft.rl.trainer import Trainer
 from dist_harness import run_ranks
 from test_dp_step import FOUR, KINDS, _policy, _rank, _same_step, _step
+from tiny_runs import run_config
 
 
 def _one_process(extra: list[str]) -> list[str]:
@@ -88,3 +96,21 @@ def test_tp2_pp2_with_a_third_dimension_equals_single_process(tmp_path, tiny_pol
         column = ranks[rank % 4::4]
         _same_step(got, single, grads={k: v for r in column for k, v in r[1].items()},
                    weights={k: v for r in column for k, v in r[2].items()})
+
+
+def _checkpoint_rank(rank, world, policy_dir, run_dir):
+    tr = Trainer(run_config(policy_dir, run_dir, 1, extra=["parallel.tp=2", "parallel.pp=2", "parallel.dp=2",
+                                                           "rollout.prompts_per_step=8", "rollout.shards=8"]),
+                 progress=False)
+    tr.step(0)
+    path = checkpointing.save(tr)
+    return str(path), {n: p.detach().clone() for n, p in tr.rollout_weights.policy.named_parameters()}
+
+
+def test_dp2_tp2_pp2_fsdp_checkpoint_holds_the_whole_updated_policy(tmp_path, tiny_policy_dir):
+    """Sharded stages of split layers (8 ranks): rank 0's HF folder is the whole policy after the update (gathered
+    stage by stage, as the refit fills the engine's copy, which the other tests check against one process)."""
+    (path, engine), *_ = run_ranks(_checkpoint_rank, 8, tiny_policy_dir, tmp_path / "run", timeout=300)
+    saved = {n: p.detach() for n, p in load_pretrained(Path(path) / "policy").named_parameters()}
+    assert saved.keys() == engine.keys()
+    assert all(torch.equal(saved[n], engine[n].to(saved[n].dtype)) for n in saved)
