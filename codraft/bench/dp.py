@@ -167,6 +167,21 @@ def trainer_steps(rank: int, cfg: dict, label: str, overrides: list[str]) -> tup
     return tr.cfg, rows[1:]
 
 
+def step_summary(rows: list[dict], base: list[dict] | None, ratio: str) -> dict:
+    """``trainer_steps``' rows -> the medians of the step's times and completion length, each step's time, and
+    T(base) / T of time_step, time_train and time_rollout against the one-rank run's rows ``base`` (named
+    ``ratio``, ``train_<ratio>``, ``rollout_<ratio>``; None without a base)."""
+    def medians(rs):
+        return {k: statistics.median(r[k] for r in rs) for k in rs[0]} if rs else {}
+    m, one = medians(rows), medians(base)
+    against = lambda k: one[k] / m[k] if k in one and m.get(k) else None
+    return {"steps": len(rows), "time_step": m["time_step"], "time_rollout": m.get("time_rollout"),
+            "time_train": m.get("time_train"), "time_refit": m.get("time_refit"),
+            "completion_len": m.get("completion_len"), "time_step_runs": [r["time_step"] for r in rows],
+            ratio: against("time_step"), f"train_{ratio}": against("time_train"),
+            f"rollout_{ratio}": against("time_rollout")}
+
+
 def _step_run(rank: int, world: int, cfg: dict) -> dict | None:
     """The weak-scaling part on this rank: rank 0's metrics rows (the slowest rank's times), None elsewhere."""
 
@@ -229,17 +244,10 @@ def _rows(per_world: dict[int, list[dict]], parts, model: str) -> list[dict]:
                 rows.append({"part": "refit", **common, "refit_s": med, "refit_runs_s": runs,
                              "copy_bytes": first["copy_bytes"], "gb_per_s": first["copy_bytes"] / med / 1e9})
     steps = {w: ranks[0]["step"] for w, ranks in per_world.items() if ranks[0]["step"] is not None}
-    med = {w: {k: statistics.median(r[k] for r in s["rows"]) for k in s["rows"][0]} for w, s in steps.items()}
     for w, s in steps.items():
-        m, one = med[w], med.get(1, {})
-        eff = lambda k: one[k] / m[k] if k in one and m.get(k) else None
         rows.append({"part": "step", "layout": _label(w, s["shard"]), "dp": w, "shard": s["shard"],
-                     "prompts_per_step": s["prompts_per_step"], "steps": len(s["rows"]),
-                     "time_step": m["time_step"], "time_rollout": m.get("time_rollout"),
-                     "time_train": m.get("time_train"), "time_refit": m.get("time_refit"),
-                     "completion_len": m.get("completion_len"), "time_step_runs": [r["time_step"] for r in s["rows"]],
-                     "efficiency": eff("time_step"), "train_efficiency": eff("time_train"),
-                     "rollout_efficiency": eff("time_rollout")})
+                     "prompts_per_step": s["prompts_per_step"],
+                     **step_summary(s["rows"], steps[1]["rows"] if 1 in steps else None, "efficiency")})
     return rows
 
 
@@ -259,12 +267,17 @@ def _tables(rows: list[dict]) -> str:
             ["layout", "ms", "copy MiB", "GB/s"]))
     step = [r for r in rows if r["part"] == "step"]
     if step:
-        out.append("trainer step, weak scaling (P prompts per rank), s:\n" + format_table(
-            [[r["layout"], r["prompts_per_step"], r["time_step"], r["time_rollout"], r["time_train"], r["time_refit"],
-              r["completion_len"], r["efficiency"], r["train_efficiency"], r["rollout_efficiency"]] for r in step],
-            ["layout", "prompts", "step", "rollout", "train", "refit", "compl len", "eff T1/T2", "train eff",
-             "rollout eff"]))
+        out.append(step_table(step, "trainer step, weak scaling (P prompts per rank), s", "efficiency",
+                              ["eff T1/T2", "train eff", "rollout eff"]))
     return "\n\n".join(out)
+
+
+def step_table(rows: list[dict], title: str, ratio: str, names: list[str]) -> str:
+    """``step_summary`` rows as a table, the three ratios under ``names``."""
+    return f"{title}:\n" + format_table(
+        [[r["layout"], r["prompts_per_step"], r["time_step"], r["time_rollout"], r["time_train"], r["time_refit"],
+          r["completion_len"], r[ratio], r[f"train_{ratio}"], r[f"rollout_{ratio}"]] for r in rows],
+        ["layout", "prompts", "step", "rollout", "train", "refit", "compl len", *names])
 
 
 def run(model_name: str = "smollm2", parts=PARTS, repeats: int = 5, steps: int = 3, prompts: int = 8,

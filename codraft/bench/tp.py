@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from codraft.bench import format_table, machine_info, write_json
-from codraft.bench.dp import held, timed, trainer_steps
+from codraft.bench.dp import held, step_summary, step_table, timed, trainer_steps
 from codraft.bench.spec import MODELS
 from codraft.config import load_config
 from codraft.parallel import tp as tensor_parallel
@@ -150,20 +150,9 @@ def _memory_rows(per_world: dict[int, list[dict]], cfg: dict) -> list[dict]:
 
 
 def _step_rows(per_world: dict[int, list[dict]], cfg: dict) -> list[dict]:
-    med = {w: {k: statistics.median(s[k] for s in ranks[0]["step"]) for k in ranks[0]["step"][0]}
-           for w, ranks in per_world.items() if ranks[0]["step"]}
-    rows = []
-    for w, m in med.items():
-        one = med.get(1, {})
-        speedup = lambda k: one[k] / m[k] if k in one and m.get(k) else None
-        rows.append({"part": "step", "layout": f"tp={w}", "tp": w, "prompts_per_step": cfg["prompts"],
-                     "steps": len(per_world[w][0]["step"]), "time_step": m["time_step"],
-                     "time_rollout": m.get("time_rollout"), "time_train": m.get("time_train"),
-                     "time_refit": m.get("time_refit"), "completion_len": m.get("completion_len"),
-                     "time_step_runs": [s["time_step"] for s in per_world[w][0]["step"]],
-                     "speedup": speedup("time_step"), "train_speedup": speedup("time_train"),
-                     "rollout_speedup": speedup("time_rollout")})
-    return rows
+    steps = {w: ranks[0]["step"] for w, ranks in per_world.items() if ranks[0]["step"]}
+    return [{"part": "step", "layout": f"tp={w}", "tp": w, "prompts_per_step": cfg["prompts"],
+             **step_summary(s, steps.get(1), "speedup")} for w, s in steps.items()]
 
 
 def _tables(rows: list[dict]) -> str:
@@ -180,11 +169,8 @@ def _tables(rows: list[dict]) -> str:
                         "total/tp1", "fwd+bwd ms", "time/tp1"]))
     step = [r for r in rows if r["part"] == "step"]
     if step:
-        out.append("trainer step, strong scaling (the same prompts per step), s:\n" + format_table(
-            [[r["layout"], r["prompts_per_step"], r["time_step"], r["time_rollout"], r["time_train"], r["time_refit"],
-              r["completion_len"], r["speedup"], r["train_speedup"], r["rollout_speedup"]] for r in step],
-            ["layout", "prompts", "step", "rollout", "train", "refit", "compl len", "T1/T", "train T1/T",
-             "rollout T1/T"]))
+        out.append(step_table(step, "trainer step, strong scaling (the same prompts per step), s", "speedup",
+                              ["T1/T", "train T1/T", "rollout T1/T"]))
     return "\n\n".join(out)
 
 
