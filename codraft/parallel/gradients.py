@@ -23,7 +23,7 @@ from codraft.parallel.data_parallel import local
 from codraft.parallel.mesh import Mesh
 from codraft.parallel.pipeline import PipelineError, stage_parameters
 from codraft.parallel.stages import Pipeline
-from codraft.parallel.tp import grads_as_params, split_over_tp
+from codraft.parallel.tp import split_over_tp
 
 
 def sync_gradients(params, comm: Group, what: str) -> None:
@@ -72,7 +72,6 @@ def reduce_stage_gradients(pipe: Pipeline, policy, draft_params: list) -> tuple[
     for p in own + drafts:
         if p.grad is None:
             p.grad = torch.zeros_like(p)
-    grads_as_params(own)  # (the tied weight's two shares are summed shard by shard)
     shares = None if mesh is None else mesh.data_group or mesh.cp_group  # the ranks of a stage: dp (× cp), or cp
     if shares is not None and not pipe.sharded:
         sync_gradients(own, shares, "policy")

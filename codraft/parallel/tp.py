@@ -89,6 +89,9 @@ def parallelize_tp(policy: nn.Module, mesh: DeviceMesh, sequence: bool = False) 
         for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
             if norm is not None:
                 norm.weight.register_hook(_summed_over(mesh.get_group()))
+    for p in policy.parameters():
+        if isinstance(p, DTensor):
+            p.register_post_accumulate_grad_hook(_grad_as_param)
     return policy
 
 
@@ -99,12 +102,12 @@ def split_over_tp(t: torch.Tensor) -> bool:
         name == "tp" and p.is_shard() for name, p in zip(t.device_mesh.mesh_dim_names or (), t.placements))
 
 
-def grads_as_params(params) -> None:
-    """Each DTensor gradient in its parameter's placements: the vocabulary-parallel embedding's backward leaves a
-    replicated (whole) one where its weight is split (slicing it is local)."""
-    for p in params:
-        if isinstance(p.grad, DTensor) and p.grad.placements != p.placements:
-            p.grad = p.grad.redistribute(p.device_mesh, p.placements)
+def _grad_as_param(p: torch.Tensor) -> None:
+    """A split parameter's gradient, once accumulated, in the parameter's placements: the vocabulary-parallel
+    embedding's backward leaves a replicated (whole) one where its weight is split (slicing it is local), which
+    would hold the whole vocabulary's gradient on every rank."""
+    if p.grad.placements != p.placements:
+        p.grad = p.grad.redistribute(p.device_mesh, p.placements)
 
 
 def _reference_forwards(policy: nn.Module) -> None:

@@ -51,6 +51,7 @@ def test_tp2_moe_and_untied_policies_equal_single_process(tmp_path, tiny_policy_
     single = _step(policy, tmp_path / "one", "dflash", [*FOUR, *_one_process(extra)])
     for got in run_ranks(_rank, 2, policy, tmp_path / "tp", "dflash", ["parallel.tp=2", *FOUR, *extra], timeout=300):
         _same_step(got, single)
+        assert got[4][1] == got[4][0]  # every gradient split as its weight (the embedding's too)
 
 
 @pytest.mark.parametrize("extra,share", [(["parallel.dp=2"], 0.25), (["parallel.dp=2", "parallel.dp_shard=ddp"], 0.5),
