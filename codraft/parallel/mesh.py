@@ -186,8 +186,7 @@ def build_mesh(layout: Layout, device: str = "cpu", timeout: float = 300.0) -> M
                 embedding = g
     mesh = Mesh(layout, dm, stage, dp_rank, cp_rank, tp_rank, world, group("dp", layout.dp, dp_rank), data_mesh,
                 data_group, group("cp", layout.cp, cp_rank), dm.get_group("pp") if layout.pp > 1 else None,
-                embedding, dm["tp"] if layout.tp > 1 else None,
-                same_tp)
+                embedding, dm["tp"] if layout.tp > 1 else None, same_tp)
     for g in (world, mesh.dp_group, mesh.data_group, mesh.cp_group):  # their errors name this rank's place in the mesh
         if g is not None:
             g.where = mesh.where()
