@@ -56,9 +56,10 @@ import torch.distributed as dist
 
 from codraft.bench import format_table, machine_info
 from codraft.bench.spec import MODELS
-from codraft.config import load_config
+from codraft.config import ParallelConfig, RunConfig, load_config
+from codraft.parallel.layout import Layout
 from codraft.parallel.data_parallel import local_bytes, parallelize_policy
-from codraft.parallel.mesh import Layout, build_mesh
+from codraft.parallel.mesh import build_mesh
 from codraft.parallel.parallelize import parallelize
 from codraft.parallel.pipeline import stage_layers, stage_parameters
 from codraft.parallel.spawn import raise_errors, spawn_ranks
@@ -126,10 +127,11 @@ def _stages_run(rank: int, world: int, mode: str, cfg: dict) -> dict:
     """dp = 2 × pp = 2 on this rank: bytes held after one step of its stage, the weight sync's seconds."""
     torch.manual_seed(0)
     policy = load_policy(MODELS.get(cfg["model"], cfg["model"]), torch.float32)[0]
-    layout = Layout(dp=2, pp=2, dp_shard=mode)
+    run = RunConfig(parallel=ParallelConfig(dp=2, pp=2, dp_shard=mode, timeout=cfg["timeout"]))
+    layout = Layout.of(run.parallel)
     mesh = build_mesh(layout, "cpu", cfg["timeout"])
     rw = RolloutWeights(policy, torch.float32, gather=True) if layout.gathers else None
-    parallelize(policy, None, layout, mesh, rw, trains_draft=False)  # as the trainer does (ddp: nothing)
+    parallelize(policy, None, mesh, run, rw, trains_draft=False)  # as the trainer does (ddp: no sharding)
     opt = adamw(stage_parameters(policy, mesh.stage, mesh.pp), lr=1e-5)
     layers = stage_layers(policy.config.num_hidden_layers, mesh.pp)[mesh.stage]
     ids = torch.randint(policy.config.vocab_size, (1, TOKENS), generator=torch.Generator().manual_seed(rank))

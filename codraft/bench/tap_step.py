@@ -24,7 +24,8 @@ import torch.distributed as dist
 from codraft.bench import machine_info
 from codraft.drafts import init_draft
 from codraft.models import ModelConfig, Transformer
-from codraft.parallel.mesh import Layout, build_mesh
+from codraft.parallel.layout import Layout
+from codraft.parallel.mesh import build_mesh
 from codraft.parallel.spawn import raise_errors, spawn_ranks
 from codraft.rl.microbatch import split_microbatches
 from codraft.parallel.gradients import clip_stage_gradients, reduce_stage_gradients

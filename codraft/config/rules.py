@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
+from codraft.parallel.layout import Layout
 from codraft.config.taps import Taps, _taps_fit
 from codraft.drafts import available_drafts
 from codraft.envs import ENVS
@@ -291,7 +292,7 @@ def _draft_folder_exists(c: RunConfig) -> str | None:
 
 def _every_rank_has_work(c: RunConfig) -> str | None:
     par = c.parallel
-    ranks = par.dp * par.cp * par.pp * par.tp
+    ranks = Layout.of(par).world
     shards = c.rollout.shards or ranks
     if shards % ranks:
         return f"config key 'rollout.shards' must be 0 or a multiple of the ranks, parallel.dp × parallel.pp × " \
@@ -320,9 +321,7 @@ def _data_parallel_fits(c: RunConfig) -> str | None:
 
 
 def _aux_loss_in_one_batch(c: RunConfig) -> str | None:
-    par = c.parallel
-    split = par.dp > 1 or par.cp > 1 or par.pp > 1 or par.microbatches > 1
-    if split and c.grpo.router_aux_coef > 0:
+    if Layout.of(c.parallel).splits_batch and c.grpo.router_aux_coef > 0:
         return f"config key 'grpo.router_aux_coef' must be 0 with parallel.dp, cp, pp or microbatches > 1 (the " \
                f"load-balancing loss is a product of batch means: split, it is another loss), got {c.grpo.router_aux_coef}"
     return None
@@ -334,7 +333,7 @@ def _sequence_parallel_fits(c: RunConfig) -> str | None:
     if par.sequence_parallel and par.tp == 1:
         return "config key 'parallel.sequence_parallel' must be false with parallel.tp=1 (it splits the residual " \
                "stream over the tensor-parallel ranks), got True"
-    if par.sequence_parallel and (par.pp > 1 or par.microbatches > 1 and par.dp == 1):
+    if par.sequence_parallel and Layout.of(par).pipelined:
         return "config key 'parallel.sequence_parallel' must be false under the pipeline schedule (parallel.pp > 1, " \
                "or parallel.microbatches > 1 with parallel.dp=1): its stages pass the residual stream whole, got True"
     return None

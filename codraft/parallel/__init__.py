@@ -1,4 +1,4 @@
-"""Parallelism applied to a plain model from outside: context parallelism (zigzag ring with
-branch attention: ``zigzag``, ``ring``, ``blocks``; the process group: ``comm``; the co-training
-step's sharded view: ``context``; baselines: ``baselines``) and ``tapchannel``, the side channel
-that will carry tapped features to the last pipeline stage."""
+"""Parallelism applied to the plain models from outside: the degrees (``layout``), the ranks' DeviceMesh
+(``mesh``), the whole layout applied once (``parallelize``) and the update's machinery it returns (``step``);
+tensor (``tp``), data (``data_parallel``, ``sharded_stages``), context (``context``, ``ring``, ``zigzag``) and
+pipeline parallelism (``pipeline``, ``stages``, ``tapchannel``); docs/architecture.md lists every module."""

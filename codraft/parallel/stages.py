@@ -1,8 +1,8 @@
 """This rank's part of a pipeline (``parallel.pp``, or ``parallel.microbatches`` in one process): its decoder
-layers, its links to the neighbouring stages and the TapChannel its taps travel on. Built on the first
-update (``build_pipeline``: the channels are sized from that batch); the schedule that runs it is
-``codraft.rl.pipelined.pipeline_cotrain``, what happens to its gradients and weights after the backward
-``codraft.parallel.gradients``.
+layers, its links to the neighbouring stages (``split_pipeline``, when the layout is applied) and the
+TapChannel its taps travel on (``open_channel``, on the first update: sized from that batch). The schedule
+that runs it is ``codraft.rl.pipelined.pipeline_cotrain`` (through the step's objective), what happens to its
+gradients and weights after the backward ``codraft.parallel.gradients``.
 """
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ class Pipeline:
     layers: range
     transport: str
     link: StageLink
-    channel: object = None
+    taps: tuple = ()      # each stage's tapped layers (the draft's feature layers among them)
+    channel: object = None  # the tap channel: opened on the first update (``open_channel``)
 
     @property
     def stage(self) -> int:
@@ -44,29 +45,41 @@ class Pipeline:
         return self.mesh is not None and self.mesh.layout.sharded_stages
 
 
-def build_pipeline(policy, draft, mesh: Mesh | None, *, transport: str = "shm", max_tokens: int = 0,
-                   timeout: float = 300.0) -> Pipeline:
-    """Collective over the world when ``mesh.pp`` > 1 (the tap channels' groups): every rank calls it."""
+def split_pipeline(policy, draft, mesh: Mesh | None, *, transport: str = "shm", timeout: float = 300.0) -> Pipeline:
+    """This rank's stage of the policy (its layers and its link to the neighbours; not collective). Its tap
+    channel is opened on the first update (``open_channel``), sized from that batch."""
     if transport not in TRANSPORTS:
         raise ValueError(f"unknown tap transport {transport!r}: one of {', '.join(TRANSPORTS)}")
     pp = 1 if mesh is None else mesh.pp
     bounds = stage_layers(policy.config.num_hidden_layers, pp)
     taps = tuple(draft.feature_layers) if draft is not None else ()
-    stage_taps = tuple(tuple(sorted(t for t in taps if t in b)) for b in bounds)
     stage = 0 if mesh is None else mesh.stage
     link = StageLink(stage, pp, None if mesh is None else mesh.pp_group, timeout,
                      where="" if mesh is None else mesh.where())
-    pipe = Pipeline(mesh, bounds[stage], transport, link)
-    if pp > 1 and taps and transport != "relay":
-        dev = str(policy.embed_tokens.weight.device)
-        spec = TapSpec(max_tokens=max_tokens, hidden=policy.config.hidden_size, taps=stage_taps,
-                       in_flight=pp, dtype=policy.embed_tokens.weight.dtype, timeout=timeout, device=dev)
-        # one channel per column (replica, CP rank, TP rank: each TP rank's last stage reads the same taps, whole);
-        # every rank takes part in making each
-        for d, c, t in itertools.product(range(mesh.dp), range(mesh.cp), range(mesh.tp)):
-            column = mesh.column(c, d, t)
-            ch = open_staging_channel(spec, column) if transport == "staging" \
-                else open_tap_channel(spec, transport, column)
-            if (d, c, t) == (mesh.dp_rank, mesh.cp_rank, mesh.tp_rank):
-                pipe.channel = ch
+    return Pipeline(mesh, bounds[stage], transport, link, taps=tuple(tuple(sorted(t for t in taps if t in b))
+                                                                     for b in bounds))
+
+
+def open_channel(pipe: Pipeline, policy, max_tokens: int) -> None:
+    """The tap channels of a pipeline whose stages hold taps (not ``relay``: those travel with the activations),
+    ``max_tokens`` slots each; collective over the world (every rank takes part in making each)."""
+    if pipe.stages == 1 or not any(pipe.taps) or pipe.transport == "relay":
+        return
+    mesh, w = pipe.mesh, policy.embed_tokens.weight
+    spec = TapSpec(max_tokens=max_tokens, hidden=policy.config.hidden_size, taps=pipe.taps, in_flight=pipe.stages,
+                   dtype=w.dtype, timeout=pipe.link.timeout, device=str(w.device))
+    # one channel per column (replica, CP rank, TP rank: each TP rank's last stage reads the same taps, whole)
+    for d, c, t in itertools.product(range(mesh.dp), range(mesh.cp), range(mesh.tp)):
+        column = mesh.column(c, d, t)
+        ch = open_staging_channel(spec, column) if pipe.transport == "staging" \
+            else open_tap_channel(spec, pipe.transport, column)
+        if (d, c, t) == (mesh.dp_rank, mesh.cp_rank, mesh.tp_rank):
+            pipe.channel = ch
+
+
+def build_pipeline(policy, draft, mesh: Mesh | None, *, transport: str = "shm", max_tokens: int = 0,
+                   timeout: float = 300.0) -> Pipeline:
+    """``split_pipeline`` and ``open_channel`` at once; collective over the world when ``mesh.pp`` > 1."""
+    pipe = split_pipeline(policy, draft, mesh, transport=transport, timeout=timeout)
+    open_channel(pipe, policy, max_tokens)
     return pipe

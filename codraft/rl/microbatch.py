@@ -43,7 +43,7 @@ class Totals:
 class MicroBatch:
     batch: Packed
     advantages: torch.Tensor  # (N_m,)
-    totals: Totals
+    totals: Totals | None  # None: the whole step, normalised by its own totals
     replay: torch.Tensor | None = None  # routing replay: (MoE layers, tokens of the policy's layout, k)
 
 

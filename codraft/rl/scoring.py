@@ -20,16 +20,13 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
 import torch
 
+from codraft.config import RunConfig
 from codraft.rewards import ScoredOnce
 from codraft.rl.grpo import group_advantages
 from codraft.rl.rollout_phase import Rollout
-
-if TYPE_CHECKING:
-    from codraft.rl.trainer import Trainer
 
 
 @dataclass
@@ -42,12 +39,13 @@ class Scored:
     metrics: dict = field(default_factory=dict)  # reward/NAME_mean per function, reward_dropped
 
 
-def score(tr: Trainer, step: int, rollout: Rollout) -> Scored:
+def score(step: int, rollout: Rollout, cfg: RunConfig, *, env, rewards, tok, world) -> Scored:
     """2. Rewards (a failing reward function scores 0, with one warning per step; None drops a sample) and
-    advantages."""
-    r, g = tr.cfg.rollout, tr.cfg.grpo
+    advantages. A multi-turn ``env``'s episodes come scored; otherwise the run's ``rewards`` score the completions
+    (decoded by ``tok``), once over the ranks of ``world``."""
+    r, g = cfg.rollout, cfg.grpo
     metrics = {}
-    if tr.env is not None:  # episodes come scored by their environment (one reward per episode)
+    if env is not None:  # episodes come scored by their environment (one reward per episode)
         totals = [o.reward for o in rollout.out]
         errors = [repr(o.reward_error) for o in rollout.out if o.reward_error is not None]
         ended = [o.reason for o in rollout.out if o.reason is not None]
@@ -55,21 +53,21 @@ def score(tr: Trainer, step: int, rollout: Rollout) -> Scored:
             warnings.warn(f"step {step}: {len(ended)}/{len(rollout.out)} episodes ended early (first: {ended[0]})",
                           stacklevel=4)
     else:  # (over several ranks rank 0 scores the gathered batch and the others get its scores: ScoredOnce)
-        s = ScoredOnce(tr.rewards, tr.world).score(rollout.group, [tr.tok.decode(o.tokens) for o in rollout.out],
-                                                   [o.tokens for o in rollout.out])
+        s = ScoredOnce(rewards, world).score(rollout.group, [tok.decode(o.tokens) for o in rollout.out],
+                                             [o.tokens for o in rollout.out])
         totals, errors = s.totals, s.errors
         metrics = function_means(s.per_function)
     metrics["reward_dropped"] = sum(t is None for t in totals)
     kept = torch.tensor([t is not None for t in totals])
-    rewards = torch.tensor([0.0 if t is None else t for t in totals])
+    values = torch.tensor([0.0 if t is None else t for t in totals])
     for i in (~kept).nonzero().flatten().tolist():  # dropped: its tokens leave the losses (see the module doc)
         o = rollout.out[i]
         rollout.out[i] = dataclasses.replace(o, mask=[False] * len(o.tokens))
     if errors:
         warnings.warn(f"step {step}: reward function failed on {len(errors)}/{len(rollout.group)} samples, "
                       f"scored 0 (first error: {errors[0]})", stacklevel=4)  # at Trainer.step()'s caller
-    advantages = group_advantages(rewards, r.group_size, leave_one_out=g.leave_one_out, keep=kept)
-    return Scored(rewards, advantages, errors, kept, metrics)
+    advantages = group_advantages(values, r.group_size, leave_one_out=g.leave_one_out, keep=kept)
+    return Scored(values, advantages, errors, kept, metrics)
 
 
 def function_means(per_function: dict) -> dict:

@@ -32,11 +32,12 @@ wait for the checkpoint write to finish, then say where the run stopped); severa
 step boundary after the signal (``interrupt``). A full disk is one line (``DiskFullError``), the previous
 checkpoint kept.
 
-Parallelism (``parallel.dp``, ``parallel.cp``, ``parallel.pp`` > 1: one process per rank under torchrun,
-placed by one ``Layout`` and its DeviceMesh, ``codraft.parallel.mesh``): every rank runs the step (its share
-of the rollouts; its prompt groups, rows and stage of the update: see the phases); under dp the policy (under
-pp, each stage) is wrapped by FSDP2 from outside (``codraft.parallel.parallelize``) and the engine decodes a
-gathered copy; rank 0 alone writes the run folder and shows progress.
+Parallelism (``parallel.dp``, ``tp``, ``cp``, ``pp`` > 1: one process per rank under torchrun, placed by
+one ``Layout`` and its DeviceMesh, ``codraft.parallel.mesh``): every rank runs the step (its share of the
+rollouts, then its part of the update). ``codraft.parallel.parallelize`` applies the layout to the models from
+outside, once, and returns the update's machinery for it (``train_step``), which the update phase runs; where
+the layout splits the weights the engine decodes a gathered copy; rank 0 alone writes the run folder and
+shows progress.
 
 Run folder (``runs``, ``codraft.train.run_dir``, ``codraft.train.checkpoint``): rank 0 locks it for
 the run's life before anything loads (a folder that cannot be written, or that another run holds, is
@@ -61,10 +62,10 @@ from codraft import kernels
 from codraft.config import ConfigError, RunConfig, check_policy
 from codraft.errors import CodraftError, NonFiniteError
 from codraft.parallel.comm import join_world, leave_process_group
-from codraft.parallel.mesh import Layout, build_mesh
+from codraft.parallel.layout import Layout
+from codraft.parallel.mesh import build_mesh
 from codraft.parallel import tp
 from codraft.parallel.parallelize import parallelize
-from codraft.parallel.pipeline import stage_parameters
 from codraft.policy import load_policy
 from codraft.rl import checkpointing, memory, observation, rollout_phase, runs, scoring, update_phase
 from codraft.rl.logger import MetricsLogger
@@ -72,7 +73,7 @@ from codraft.rl.plots import plot_run
 from codraft.rl.rollout_phase import Probes, Rollout
 from codraft.rl.scoring import Scored
 from codraft.rl.interrupt import Interrupted, Signals
-from codraft.rl.update_phase import Update, adamw
+from codraft.rl.update_phase import Learner, Optimisers, Update, adamw
 from codraft.rollout import Engine, load_or_calibrate
 from codraft.rollout.weights import RolloutWeights
 from codraft.envs import make_env
@@ -159,20 +160,27 @@ class Trainer:
         self.vllm = VllmBackend(cfg, self.rollout_weights.policy, self.draft, self._probe(),
                                 max_rows=rows) if r.backend == "vllm" else None
         # the layout applied from outside the models, once (codraft.parallel.parallelize)
-        parallelize(self.policy, self.draft, self.layout, self.mesh, self.rollout_weights,
-                    trains_draft=self.trains_draft)
-        self._make_optimizers(cfg)
-        self.start_step, self.prompts_used, self._stream = 0, 0, None
+        self.train_step = parallelize(self.policy, self.draft, self.mesh, cfg, self.rollout_weights,
+                                      trains_draft=self.trains_draft)  # (and the update's machinery for it)
+        self.learner = self._learner(cfg)
+        self.checkpoints = checkpointing.Checkpoints(cfg, self.run_dir, self.policy_dir, self.world, self.mesh,
+                                                     self.learner)
+        self.start_step = 0
         self.engine, self.val_engine, self.plain_engine = self._rollout_engines(cfg)
+        self.train_prompts = rollout_phase.TrainPrompts(self.task, cfg.seed)  # opens at prompts_used (resume sets it)
         if found is not None:
-            checkpointing.resume_from(self, found)
+            state = checkpointing.resume_from(self.checkpoints, found)
+            self.start_step, self.prompts_used = state["step"], state["prompts_used"]
+            estimates = self._estimates()  # (log.frozen_probe_every may have changed: no frozen probe now)
+            for name, saved in state.get("acceptance", {}).items():
+                if name in estimates:
+                    estimates[name].load_state_dict(saved)
         # steps_done/_done_prompts/_done_acceptance: the last step whose update is fully applied (what
         # Ctrl-C saves); _saved: the last step on disk; nonfinite_streak: skipped updates in a row
         self.steps_done, self._done_prompts, self._saved = self.start_step, self.prompts_used, self.start_step
         self._done_acceptance = self._acceptance()
         self.nonfinite_streak, self.last_rollout, self.last_stats = 0, None, None
-        self.no_signal_streak = 0  # steps in a row whose advantages were all 0 (log.no_signal_steps)
-        self.last_refit_peak = None  # bytes the last refit added at its peak (sharded runs)
+        self.observer = observation.Observer(cfg, self.tok, self.world, self.is_main)  # step 4, its no-signal streak
         self.val = self.task.sample("val", cfg.log.val_size, seed=cfg.seed)
         if self.is_main:
             runs.record_start(self.run_dir, cfg, found, changed)  # the first write to the run folder
@@ -201,16 +209,31 @@ class Trainer:
             raise
         return cfg, found, changed
 
-    def _make_optimizers(self, cfg: RunConfig) -> None:
-        """AdamW and its schedule for the policy (warm-up, then cosine to 10 %) and the co-trained draft
-        (warm-up): over the parallelized parameters (FSDP's shards where the layout shards)."""
+    def _learner(self, cfg: RunConfig) -> Learner:
+        """What the update reads and changes: the models, the layout's step, and AdamW with its schedule for
+        the policy (warm-up, then cosine to 10 %) and the co-trained draft (warm-up), over the parameters this
+        rank trains (FSDP's shards where the layout shards, a stage's under pp)."""
         g, d = cfg.grpo, cfg.draft
-        self.opt = adamw(self._owned()[0], lr=g.lr, weight_decay=g.weight_decay, betas=(0.9, 0.99))
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, warmup_cosine(g.warmup_steps, cfg.steps, floor=0.1))
-        self.draft_opt = self.draft_sched = None
+        opt = adamw(self.train_step.owned()[0], lr=g.lr, weight_decay=g.weight_decay, betas=(0.9, 0.99))
+        optimisers = Optimisers(opt, torch.optim.lr_scheduler.LambdaLR(opt, warmup_cosine(g.warmup_steps, cfg.steps,
+                                                                                          floor=0.1)))
         if self.trains_draft:
-            self.draft_opt = adamw(self.draft.trainable_parameters(), lr=d.lr, betas=(0.9, 0.95))
-            self.draft_sched = torch.optim.lr_scheduler.LambdaLR(self.draft_opt, warmup(d.warmup_steps))
+            optimisers.draft = adamw(self.draft.trainable_parameters(), lr=d.lr, betas=(0.9, 0.95))
+            optimisers.draft_sched = torch.optim.lr_scheduler.LambdaLR(optimisers.draft, warmup(d.warmup_steps))
+        return Learner(self.policy, self.draft, self.trains_draft, self.train_step, optimisers, self.rollout_weights,
+                       self.vllm, self.reference, self.policy_dtype, self.draft_dtype, cfg.device)
+
+    @property
+    def opt(self) -> torch.optim.Optimizer:
+        return self.learner.optimisers.policy
+
+    @property
+    def sched(self):
+        return self.learner.optimisers.policy_sched
+
+    @property
+    def draft_opt(self) -> torch.optim.Optimizer | None:
+        return self.learner.optimisers.draft
 
     def _training_precisions(self, cfg: RunConfig) -> tuple[torch.dtype, torch.dtype]:
         """grpo.precision, draft.precision: the products of the policy's and the draft's losses, fp32 or bf16
@@ -232,18 +255,15 @@ class Trainer:
         return policy_dtype, draft_dtype
 
     def _join_ranks(self, cfg: RunConfig) -> None:
-        """More than one rank (parallel.dp · pp · cp > 1): one process per rank (torchrun), placed by the
+        """More than one rank (parallel.dp · pp · cp · tp > 1): one process per rank (torchrun), placed by the
         layout's DeviceMesh (``codraft.parallel.mesh``); every rank decodes its rollout share and gathers all,
-        trains its prompt groups (dp), stage (pp) and rows (cp); only rank 0 writes (metrics, plots,
-        checkpoints, progress)."""
+        trains its prompt groups (dp), stage (pp), rows (cp) and share of each product (tp); only rank 0 writes
+        (metrics, plots, checkpoints, progress)."""
         par = cfg.parallel
         self.layout = Layout.of(par)
         self.world = join_world(cfg.device, par.timeout, self.layout.keys(), self.layout.world) \
             if self.layout.world > 1 else None
         self.mesh = build_mesh(self.layout, cfg.device, par.timeout) if self.world is not None else None
-        self.cp = None if self.mesh is None else self.mesh.cp_group
-        self.pipe = None  # the pipeline schedule (layout.pipelined), built on the first update
-        self.forward_backward = update_phase.step_body(self.layout)  # how this layout runs an update
         self.is_main = self.world is None or self.world.rank == 0
 
     def _engine(self, draft, routes: bool = False) -> Engine:
@@ -266,6 +286,15 @@ class Trainer:
         replay = cfg.grpo.routing_replay
         return self._engine(self.draft, replay), self._engine(self.draft), self._engine(None, replay)
 
+    @property
+    def prompts_used(self) -> int:
+        """The train stream's position (saved in checkpoints; a resume sets it)."""
+        return self.train_prompts.used
+
+    @prompts_used.setter
+    def prompts_used(self, used: int) -> None:
+        self.train_prompts.seek(used)
+
     def _probe(self) -> list[int]:
         """The sequence the vLLM refit check scores: the prompt of the first validation problem."""
         return evaluate.problem_ids(self.tok, self.task.sample("val", 1, seed=self.cfg.seed)[0])
@@ -277,16 +306,6 @@ class Trainer:
 
     def _acceptance(self) -> dict:
         return {k: a.state_dict() for k, a in self._estimates().items()}
-
-    def _optimizers(self) -> dict:
-        return {"policy": self.opt, "policy_sched": self.sched, "draft": self.draft_opt, "draft_sched": self.draft_sched}
-
-    def _owned(self) -> tuple[list, list]:
-        """The policy and draft parameters this rank trains (all of them without pipeline stages)."""
-        drafts = list(self.draft.trainable_parameters()) if self.trains_draft else []
-        if self.mesh is None or self.mesh.pp == 1:
-            return list(self.policy.parameters()), drafts
-        return stage_parameters(self.policy, self.mesh.stage, self.mesh.pp), drafts if self.mesh.last else []
 
     def step(self, step: int) -> dict:
         """One RL step (rollout, reward, update, metrics); returns the step's metrics row."""
@@ -300,29 +319,49 @@ class Trainer:
 
     # The phases, each in its module; methods, so that a caller (a test, the e2e benchmark) can run or patch one.
     def rollout(self, step: int) -> Rollout:
-        return rollout_phase.rollout(self, step)
+        r = rollout_phase.rollout(step, self.cfg, self.train_prompts, self._generate, engine=self.engine,
+                                  policy=self.policy, weights=self.rollout_weights, tok=self.tok, env=self.env,
+                                  speculative=self.draft is not None)
+        self.last_rollout, self.last_stats = r.out, r.stats  # (what tests and the e2e benchmark read)
+        return r
 
     def probe(self, step: int, rollout: Rollout) -> Probes:
-        return rollout_phase.probe(self, step, rollout)
+        return rollout_phase.probe(step, self.cfg, rollout, self._generate, plain_engine=self.plain_engine,
+                                   frozen_engine=self.frozen_engine, speculative=self.draft is not None)
 
     def score(self, step: int, rollout: Rollout) -> Scored:
-        return scoring.score(self, step, rollout)
+        return scoring.score(step, rollout, self.cfg, env=self.env, rewards=self.rewards, tok=self.tok,
+                             world=self.world)
 
     def update(self, step: int, rollout: Rollout, scored: Scored) -> Update:
-        return update_phase.update(self, step, rollout, scored)
+        return update_phase.update(self.cfg, self.learner, step, rollout, scored, streak=self.nonfinite_streak,
+                                   committed=lambda streak: self._completed(step, streak))
+
+    def _completed(self, step: int, streak: int) -> None:
+        """The update's commit point reached (signals held): from here on ``step`` counts as completed."""
+        self.steps_done, self._done_prompts, self._done_acceptance = step + 1, self.prompts_used, self._acceptance()
+        self.nonfinite_streak = streak
 
     def observe(self, step: int, rollout: Rollout, probes: Probes, scored: Scored, update: Update,
                 t_step: float) -> dict:
-        return observation.observe(self, step, rollout, probes, scored, update, t_step)
+        return self.observer.observe(step, rollout, probes, scored, update, t_step, lr=self.sched.get_last_lr()[0],
+                                     logger=self.logger, validate=self.validate)
 
     def validate(self) -> float:
-        return rollout_phase.validate(self)
+        return rollout_phase.validate(self.val, self._generate, engine=self.val_engine, policy=self.policy,
+                                      weights=self.rollout_weights, tok=self.tok, env=self.env,
+                                      rewards=self.rewards, world=self.world)
 
     def _generate(self, engine: Engine, prompts, seed: int, temperature=None, group: int = 1, problems=None):
-        return rollout_phase.generate(self, engine, prompts, seed, temperature, group, problems)
+        decoding = rollout_phase.Decoding(self.cfg, self.tok, self.env, self.world, self.progress)
+        return rollout_phase.generate(decoding, engine, prompts, seed, temperature, group, problems)
 
     def save(self) -> Path | None:
-        return checkpointing.save(self)
+        state = {"prompts_used": self._done_prompts}
+        if self._done_acceptance:  # draft_length=auto: a resume continues the same estimates
+            state["acceptance"] = self._done_acceptance
+        return checkpointing.save(self.checkpoints, self.steps_done, state,
+                                  saved=lambda: setattr(self, "_saved", self.steps_done))
 
     def fit(self):
         """Run the steps (``_fit``). An allocation that fails is one line naming the keys to lower; when no step
@@ -389,8 +428,7 @@ class Trainer:
         whole. Not after an error: a peer may be gone, and the exit must not wait on it."""
         if self.world is None:
             return
-        if self.pipe is not None and self.pipe.channel is not None:
-            self.pipe.channel.close()
+        self.train_step.close()  # (the pipeline's tap channel)
         if self.vllm is not None:  # vLLM's groups over the trainer's ranks, while they are valid
             self.vllm.release()
         leave_process_group()

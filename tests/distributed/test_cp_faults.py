@@ -16,7 +16,8 @@ import torch
 import codraft
 from codraft.parallel.comm import PeerError, Group, join_world, on_host
 from codraft.parallel.context import ShardedRow
-from codraft.parallel.mesh import Layout, build_mesh
+from codraft.parallel.layout import Layout
+from codraft.parallel.mesh import build_mesh
 from codraft.parallel.ring import ring_attention
 from codraft.parallel.zigzag import ZigzagPlan, ZigzagShard
 from dist_harness import run_ranks

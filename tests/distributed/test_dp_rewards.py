@@ -24,11 +24,10 @@ def _rank(rank, world, calls):
 
     group = [Problem(f"q{i // 2}", "1", "1") for i in range(4)]
     out = [SimpleNamespace(tokens=[i, 1], mask=None) for i in range(4)]
-    tr = SimpleNamespace(
-        cfg=SimpleNamespace(rollout=SimpleNamespace(group_size=2), grpo=SimpleNamespace(leave_one_out=False)),
-        env=None, world=Group.world(60.0), rewards=RewardSet([RewardFn("by_process", 1.0, by_process)]),
-        tok=SimpleNamespace(decode=lambda ids: " ".join(map(str, ids))))
-    s = scoring.score(tr, 0, Rollout(group, [[0]] * 4, out, None, 0.0, 0))
+    cfg = SimpleNamespace(rollout=SimpleNamespace(group_size=2), grpo=SimpleNamespace(leave_one_out=False))
+    s = scoring.score(0, Rollout(group, [[0]] * 4, out, None, 0.0, 0), cfg, env=None,
+                      rewards=RewardSet([RewardFn("by_process", 1.0, by_process)]), world=Group.world(60.0),
+                      tok=SimpleNamespace(decode=lambda ids: " ".join(map(str, ids))))
     return s.rewards.tolist(), s.advantages.tolist(), os.getpid()
 
 

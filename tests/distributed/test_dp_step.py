@@ -29,16 +29,18 @@ def _step(policy_dir, run_dir, kind, extra):
     tr = Trainer(run_config(policy_dir, run_dir, 1, kind=kind, extra=["seed=1", *extra]), progress=False)
     seen, commit = {}, update_phase.commit
 
-    def capture(t, step, finite, timer):
-        seen["grads"] = {f"policy.{n}": full(p.grad).clone() for n, p in t.policy.named_parameters()
+    def capture(learner, *args):
+        seen["grads"] = {f"policy.{n}": full(p.grad).clone() for n, p in learner.policy.named_parameters()
                          if p.grad is not None}  # (under pp: this stage's)
-        seen["grads"].update({f"draft.{n}": full(p.grad).clone() for n, p in t.draft.named_parameters()
+        seen["grads"].update({f"draft.{n}": full(p.grad).clone() for n, p in learner.draft.named_parameters()
                               if p.grad is not None})
-        seen["bytes"] = [local_bytes(t.policy.parameters()), local_bytes(p.grad for p in t.policy.parameters())]
-        commit(t, step, finite, timer)
-        seen["bytes"].append(local_bytes(v for st in t.opt.state.values() for v in st.values()
+        seen["bytes"] = [local_bytes(learner.policy.parameters()),
+                         local_bytes(p.grad for p in learner.policy.parameters())]
+        peak = commit(learner, *args)
+        seen["bytes"].append(local_bytes(v for st in learner.optimisers.policy.state.values() for v in st.values()
                                          if torch.is_tensor(v) and v.dim() > 0))
-        seen["bytes"].append(local_bytes(t.draft.trainable_parameters()))
+        seen["bytes"].append(local_bytes(learner.draft.trainable_parameters()))
+        return peak
 
     update_phase.commit = capture
     try:

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from codraft.parallel.mesh import Layout, build_mesh
+from codraft.parallel.layout import Layout
+from codraft.parallel.mesh import build_mesh
 from codraft.parallel.pipeline import PipelineError
 from codraft.rl.microbatch import split_microbatches
 from codraft.parallel.stages import build_pipeline

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from codraft.models import Transformer
-from codraft.parallel.mesh import Layout, build_mesh
+from codraft.parallel.layout import Layout
+from codraft.parallel.mesh import build_mesh
 from codraft.parallel.pipeline import one_f_one_b, stage_layers, PipelineError
 from codraft.rl.cotrain import cotrain_loss
 from codraft.rl.microbatch import split_microbatches

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from codraft.parallel.mesh import Layout, build_mesh
+from codraft.parallel.layout import Layout
+from codraft.parallel.mesh import build_mesh
 from codraft.rl.microbatch import split_microbatches
 from codraft.parallel.stages import build_pipeline
 from codraft.rl.pipelined import pipeline_cotrain

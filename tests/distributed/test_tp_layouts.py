@@ -15,7 +15,6 @@ import torch
 
 from codraft.models.hf_io import load_pretrained
 from codraft.parallel.data_parallel import local_bytes
-from codraft.rl import checkpointing
 from codraft.rl.trainer import Trainer
 from dist_harness import run_ranks
 from test_dp_step import FOUR, KINDS, _policy, _rank, _same_step, _step
@@ -104,7 +103,7 @@ def _checkpoint_rank(rank, world, policy_dir, run_dir):
                                                            "rollout.prompts_per_step=8", "rollout.shards=8"]),
                  progress=False)
     tr.step(0)
-    path = checkpointing.save(tr)
+    path = tr.save()
     return str(path), {n: p.detach().clone() for n, p in tr.rollout_weights.policy.named_parameters()}
 
 

@@ -15,7 +15,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from codraft.models import Transformer
-from codraft.parallel.mesh import Layout, build_mesh
+from codraft.parallel.layout import Layout
+from codraft.parallel.mesh import build_mesh
 from codraft.parallel.tp import mean_entropy, parallelize_tp, plan, token_logprobs
 from dist_harness import run_ranks
 from precision_probe import Products

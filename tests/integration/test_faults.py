@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from codraft.models import load_pretrained
-from codraft.rl import update_phase
+from codraft.rl import objective
 from codraft.train.checkpoint import list_checkpoints, load_policy_from
 from codraft.rl.logger import read_metrics
 from codraft.tasks import ArithTask, Problem
@@ -35,7 +35,7 @@ def _trained(ckpt_dir, policy_dir):
 
 def _nan_on(steps):
     """cotrain_loss that returns a NaN loss (still differentiable) on the given step indices."""
-    real, calls = update_phase.cotrain_loss, []
+    real, calls = objective.cotrain_loss, []
 
     def loss(*a, **k):
         calls.append(1)
@@ -83,7 +83,7 @@ def test_reward_errors_score_zero_and_training_continues(tmp_path, tiny_policy_d
 
 
 def test_nonfinite_loss_skips_the_update(tmp_path, tiny_policy_dir, monkeypatch, varied_reward):
-    monkeypatch.setattr(update_phase, "cotrain_loss", _nan_on({1}))
+    monkeypatch.setattr(objective, "cotrain_loss", _nan_on({1}))
     t = Trainer(run_config(tiny_policy_dir, tmp_path / "run", 3), progress=False)
     t.step(0)
     before, lr_before = _state(t), t.sched.get_last_lr()
@@ -112,7 +112,7 @@ def test_nonfinite_streak_stops_run_and_keeps_last_good_checkpoint(tmp_path, tin
         if not snapshot and (run / "step_2").is_dir():
             snapshot.update({p.relative_to(run): p.read_bytes() for p in (run / "step_2").rglob("*") if p.is_file()})
         return nan_loss(*a, **k)
-    monkeypatch.setattr(update_phase, "cotrain_loss", loss)
+    monkeypatch.setattr(objective, "cotrain_loss", loss)
     cfg = run_config(tiny_policy_dir, run, 8)
     cfg.log.keep_last = 1  # a checkpoint written mid-streak would rotate step_2 out
     with pytest.warns(UserWarning, match="non-finite"), \

@@ -35,7 +35,6 @@ import torch
 from codraft.config import load_config
 from codraft.models import Transformer, save_pretrained
 from codraft.policy.warmstart import CHAR_TOKENIZER_FILE, tiny_model_config
-from codraft.rl import rollout_phase
 from codraft.rl.grpo import group_advantages, grpo_loss
 from codraft.rl.rollout_phase import Rollout
 from codraft.rl.trainer import Trainer
@@ -82,7 +81,7 @@ class Replay(Trainer):
 
     def rollout(self, step: int) -> Rollout:
         saved = self.golden_steps[step]
-        problems = rollout_phase.next_prompts(self)
+        problems = self.train_prompts.next(self.cfg.rollout.prompts_per_step)
         assert [p.prompt for p in problems] == saved["prompts"], f"step {step}: the task's prompts changed"
         group = [p for p in problems for _ in range(self.cfg.rollout.group_size)]
         out = [GenerationResult(c["tokens"], c["logprobs"], "eos") for c in saved["completions"]]

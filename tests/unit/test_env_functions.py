@@ -351,11 +351,10 @@ def test_a_failing_reward_function_scores_0_and_the_others_count_as_in_a_single_
     assert [e.reward for e in episodes] == single.totals
     assert "bad: RuntimeError('boom')" in str(episodes[0].reward_error) and episodes[1].reward_error is None
 
-    tr = SimpleNamespace(env=env, world=None, cfg=SimpleNamespace(rollout=SimpleNamespace(group_size=2),
-                                                                  grpo=SimpleNamespace(leave_one_out=False)))
+    cfg = SimpleNamespace(rollout=SimpleNamespace(group_size=2), grpo=SimpleNamespace(leave_one_out=False))
     rollout = Rollout(problems, [[0]] * 2, episodes, None, 0.0, 0)
     with pytest.warns(UserWarning, match="failed on 1/2 samples"):
-        scored = scoring.score(tr, 0, rollout)
+        scored = scoring.score(0, rollout, cfg, env=env, rewards=None, tok=TOK, world=None)
     assert scored.kept.tolist() == [True, False] and scored.rewards.tolist() == [1.0, 0.0]
     assert scored.metrics["reward_dropped"] == 1 and len(scored.errors) == 1
     assert not any(rollout.out[1].mask) and scored.advantages.tolist() == [0.0, 0.0]  # its tokens leave the losses

@@ -27,7 +27,7 @@ ALLOWED = {
     "parallel": {"models", "attention", "drafts"},
     "data": {"tasks"},
     "rewards": {"tasks", "data", "envs"},
-    "config": {"drafts", "tasks", "envs", "rewards"},
+    "config": {"drafts", "tasks", "envs", "rewards", "parallel"},
     "vllm": {"models", "rollout", "export"},
     "rl": {"models", "kernels", "attention", "drafts", "rollout", "tasks", "policy", "train", "config", "atomic",
            "parallel", "envs", "data", "rewards", "eval", "vllm"},
