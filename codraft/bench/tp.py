@@ -4,7 +4,8 @@ tp = 1 against tp = T.
 
 Processes: one spawned process per rank (``parallel.spawn.spawn_ranks``, gloo over TCP on 127.0.0.1),
 ``--threads`` intra-op threads per rank (default one, as ``bench dp``). Worlds run one after the other: tp = 1
-(one process), tp = T (``--tp``, default 2; T processes), dp = 2 × tp = T (2T processes, memory part only).
+(one process), tp = T (``--tp``, default 2; T processes; the memory part also with sequence parallelism),
+dp = 2 × tp = T (2T processes, memory part only).
 Parts (``--parts``):
 
 * ``memory``: the policy (``--model``: tiny = tiny-sft, smollm2 = SmolLM2-135M, or a folder; fp32) at tp = 1 (a
@@ -14,7 +15,10 @@ Parts (``--parts``):
   the vocabulary-split logits at tp > 1, as the GRPO loss reads them), ``clip_grad_norm``, one AdamW step
   (``update_phase.adamw``), then the bytes the rank holds of parameters, gradients and optimiser state
   (``data_parallel.local_bytes``), max over ranks; ``*_ratio``: against tp = 1 (≈ 1/T at tp = T, a little more:
-  the norms are replicated; ≈ 1/(2T) at dp = 2). ``fwd_bwd_s``: the forward + backward's wall time, max over
+  the norms are replicated; ≈ 1/(2T) at dp = 2). ``act_bytes``: the activations the forward keeps for the
+  backward (autograd's saved tensors, each storage once, this rank's shard of a DTensor, the parameters' own
+  excluded; under FSDP the gathered weights it saves count too), also at tp = T with sequence parallelism
+  (``tp=T sp``: the residual stream and the norms split along the sequence too). ``fwd_bwd_s``: the forward + backward's wall time, max over
   ranks, median over ``--repeats`` after one untimed call; ``fwd_bwd_ratio``: against tp = 1. ``grad_norm``:
   before clipping (tp = T sees tp = 1's batch, so the same norm; the dp ranks' batches differ and add up).
 * ``step``: strong scaling of a whole ``Trainer.step`` on the tiny preset (``bench dp``'s ``trainer_steps``):
@@ -36,15 +40,17 @@ import warnings
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from codraft.bench import format_table, machine_info, write_json
 from codraft.bench.dp import held, step_summary, step_table, timed, trainer_steps
 from codraft.bench.spec import MODELS
 from codraft.config import load_config
 from codraft.parallel import tp as tensor_parallel
-from codraft.parallel.data_parallel import parallelize_policy
+from codraft.parallel.data_parallel import parallelize_policy, whole
 from codraft.parallel.gradients import clip_grad_norm
-from codraft.parallel.mesh import Layout, build_mesh
+from codraft.parallel.layout import Layout
+from codraft.parallel.mesh import build_mesh
 from codraft.parallel.spawn import raise_errors, spawn_ranks
 from codraft.policy import load_policy
 from codraft.policy.resolve import policy_config
@@ -73,42 +79,86 @@ def _batch(vocab: int, tokens: int, seed: int):
     return ids, cu.int(), rows, ids[0, rows + 1]
 
 
-def _memory_run(rank: int, world: int, cfg: dict) -> dict:
-    """One layout of the memory part on this rank: bytes held after the step, forward + backward seconds."""
-    dp, tp = _degrees(world, cfg["tp"])
+def _memory_run(world: int, cfg: dict, mesh, sequence: bool = False) -> dict:
+    """One layout of the memory part on this rank (``sequence``: with sequence parallelism): bytes held after
+    the step, the activations the forward saves for the backward, forward + backward seconds."""
     torch.manual_seed(0)
     policy = load_policy(MODELS.get(cfg["model"], cfg["model"]), torch.float32)[0]
-    dp_rank = 0
-    if world > 1:
-        mesh = build_mesh(Layout(dp=dp, tp=tp, dp_shard="fsdp"), "cpu", cfg["timeout"])
-        tensor_parallel.parallelize_tp(policy, mesh.tp_mesh)  # first: FSDP then shards the pieces over dp
-        if dp > 1:
+    if mesh is not None:
+        tensor_parallel.parallelize_tp(policy, mesh.tp_mesh, sequence)  # first: FSDP then shards the pieces
+        if mesh.dp > 1:
             parallelize_policy(policy, mesh, "fsdp")
-        dp_rank = mesh.dp_rank
     params = list(policy.parameters())
     opt = adamw(params, lr=1e-5)
-    ids, cu, rows, targets = _batch(policy.config.vocab_size, cfg["tokens"], dp_rank)  # (tp ranks: one batch)
+    ids, cu, rows, targets = _batch(policy.config.vocab_size, cfg["tokens"],
+                                    0 if mesh is None else mesh.dp_rank)  # (tp ranks: one batch)
+
+    def loss():
+        hidden = whole(policy(ids, cu_seqlens=cu, head=False))  # (sequence parallelism: gathered, as Row.forward)
+        logits = policy.logits(hidden[0, rows])  # (tp: split on the vocabulary)
+        logp = tensor_parallel.token_logprobs(logits, targets) if isinstance(logits, DTensor) else \
+            token_logprobs(logits, targets)
+        return -logp.mean()
 
     def forward_backward():
         policy.zero_grad(set_to_none=True)
-        logits = policy.logits(policy(ids, cu_seqlens=cu, head=False)[0, rows])  # (tp: split on the vocabulary)
-        logp = tensor_parallel.token_logprobs(logits, targets) if isinstance(logits, DTensor) else \
-            token_logprobs(logits, targets)
-        (-logp.mean()).backward()
+        loss().backward()
 
+    with SavedForBackward(params) as saved:
+        out = loss()
+    out.backward()
     runs = timed(world, forward_backward, cfg["repeats"])
     norm = clip_grad_norm(params, 1.0)
     opt.step()
-    return held(policy, opt) | {"fwd_bwd_runs_s": runs, "grad_norm": float(norm)}
+    return held(policy, opt) | {"act_bytes": saved.bytes, "fwd_bwd_runs_s": runs, "grad_norm": float(norm)}
+
+
+class SavedForBackward:
+    """``with SavedForBackward(params) as s: loss = ...`` -> ``s.bytes``: the storage the forward keeps for the
+    backward (autograd's saved tensors: this rank's shard of a DTensor), each storage once, the parameters'
+    excluded (counted as parameters)."""
+
+    def __init__(self, params):
+        self.seen = {st.data_ptr() for p in params for st in _storages(p)}
+        self.bytes = 0
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+
+    def _pack(self, t: torch.Tensor) -> torch.Tensor:
+        for storage in _storages(t):
+            if storage.data_ptr() not in self.seen:
+                self.seen.add(storage.data_ptr())
+                self.bytes += storage.nbytes()
+        return t
+
+    def __enter__(self):
+        self._hooks.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self._hooks.__exit__(*exc)
+
+
+def _storages(t: torch.Tensor):
+    """The storages under ``t``: a wrapper's (a DTensor's local shard, a collective's pending result) or its own."""
+    if is_traceable_wrapper_subclass(t):
+        for inner in (getattr(t, name) for name in t.__tensor_flatten__()[0]):
+            if isinstance(inner, torch.Tensor):
+                yield from _storages(inner)
+    else:
+        yield t.untyped_storage()
 
 
 def _rank_main(rank: int, world: int, cfg: dict) -> dict:
     torch.set_num_threads(cfg["threads"])
     # FSDP2 warns that the hidden states are a view (an in-place op on them would skip its hook): none is made
     warnings.filterwarnings("ignore", message=".*returned a view tensor", category=UserWarning)
-    out = {"memory": None, "step": None}
+    out = {"memory": None, "memory_sp": None, "step": None}
     if "memory" in cfg["parts"]:
-        out["memory"] = _memory_run(rank, world, cfg)
+        dp, tp = _degrees(world, cfg["tp"])
+        mesh = build_mesh(Layout(dp=dp, tp=tp, dp_shard="fsdp"), "cpu", cfg["timeout"]) if world > 1 else None
+        out["memory"] = _memory_run(world, cfg, mesh)
+        if world == cfg["tp"]:  # tp = T with sequence parallelism too
+            out["memory_sp"] = _memory_run(world, cfg, mesh, sequence=True)
         if world > 1:
             dist.barrier()
     if "step" in cfg["parts"] and world <= cfg["tp"]:
@@ -121,20 +171,22 @@ def _rank_main(rank: int, world: int, cfg: dict) -> dict:
 # ---- aggregation ----------------------------------------------------------------------------
 
 
-def _label(dp: int, tp: int) -> str:
-    return f"tp={tp}" if dp == 1 else f"dp={dp} tp={tp} fsdp"
+def _label(dp: int, tp: int, sequence: bool = False) -> str:
+    return (f"tp={tp}" if dp == 1 else f"dp={dp} tp={tp} fsdp") + (" sp" if sequence else "")
 
 
 def _memory_rows(per_world: dict[int, list[dict]], cfg: dict) -> list[dict]:
     rows = []
-    for world, ranks in per_world.items():
-        recs = [r["memory"] for r in ranks]
+    for (world, ranks), part in ((w, p) for w in per_world.items() for p in ("memory", "memory_sp")):
+        recs = [r[part] for r in ranks]
         if recs[0] is None:
             continue
         dp, tp = _degrees(world, cfg["tp"])
-        row = {"part": "memory", "layout": _label(dp, tp), "dp": dp, "tp": tp, "shard": "fsdp" if dp > 1 else None,
-               "model": cfg["model"], "tokens": cfg["tokens"], "parameters": recs[0]["parameters"]}
-        for k in ("param", "grad", "optim"):
+        sp = part == "memory_sp"
+        row = {"part": "memory", "layout": _label(dp, tp, sp), "dp": dp, "tp": tp, "sequence_parallel": sp,
+               "shard": "fsdp" if dp > 1 else None, "model": cfg["model"], "tokens": cfg["tokens"],
+               "parameters": recs[0]["parameters"]}
+        for k in ("param", "grad", "optim", "act"):
             row[f"{k}_bytes"] = max(r[f"{k}_bytes"] for r in recs)
             row[f"rank_{k}_bytes"] = [r[f"{k}_bytes"] for r in recs]
         row["total_bytes"] = max(r["param_bytes"] + r["grad_bytes"] + r["optim_bytes"] for r in recs)
@@ -144,7 +196,7 @@ def _memory_rows(per_world: dict[int, list[dict]], cfg: dict) -> list[dict]:
     base = next((r for r in rows if r["tp"] == 1), None)
     for r in rows:
         for k, of in (("param", "param_bytes"), ("grad", "grad_bytes"), ("optim", "optim_bytes"),
-                      ("total", "total_bytes"), ("fwd_bwd", "fwd_bwd_s")):
+                      ("total", "total_bytes"), ("act", "act_bytes"), ("fwd_bwd", "fwd_bwd_s")):
             r[f"{k}_ratio"] = r[of] / base[of] if base and base[of] else None
     return rows
 
@@ -164,9 +216,9 @@ def _tables(rows: list[dict]) -> str:
                    "median), ms:\n" + format_table(
                        [[r["layout"], mb(r["param_bytes"]), mb(r["grad_bytes"]), mb(r["optim_bytes"]),
                          mb(r["total_bytes"]), r["param_ratio"], r["grad_ratio"], r["optim_ratio"], r["total_ratio"],
-                         r["fwd_bwd_s"] * 1e3, r["fwd_bwd_ratio"]] for r in mem],
+                         mb(r["act_bytes"]), r["act_ratio"], r["fwd_bwd_s"] * 1e3, r["fwd_bwd_ratio"]] for r in mem],
                        ["layout", "params", "grads", "AdamW", "total", "params/tp1", "grads/tp1", "AdamW/tp1",
-                        "total/tp1", "fwd+bwd ms", "time/tp1"]))
+                        "total/tp1", "activations", "act/tp1", "fwd+bwd ms", "time/tp1"]))
     step = [r for r in rows if r["part"] == "step"]
     if step:
         out.append(step_table(step, "trainer step, strong scaling (the same prompts per step), s", "speedup",

@@ -21,7 +21,9 @@ What ``estimate`` counts (bytes, one rank; e = the policy dtype's bytes):
            micro-batches 1F1B keeps in flight: the activations the policy's layers keep for the backward
            (``_layer_floats``), its logits and their gradient, the reference's forward, and the draft loss
            (its block / TTT / sequence tokens at two layers' worth each, its tapped features); each rank's
-           share of the row under parallel.cp, of the layers under parallel.pp;
+           share of the row under parallel.cp, of the layers under parallel.pp, of the products' activations
+           under parallel.tp (and of the residual stream's with parallel.sequence_parallel; `codraft bench tp`
+           measures both splits);
   host     the step's prompts and results as Python lists.
 The peak is weights + max(rollout, train) + host. tests/integration/test_memory.py compares it with measured steps.
 
@@ -42,7 +44,7 @@ from codraft.data import build_task
 from codraft.errors import CodraftError
 from codraft.eval.evaluate import problem_ids
 from codraft.models import ModelConfig
-from codraft.parallel.mesh import Layout
+from codraft.parallel.layout import Layout
 from codraft.policy.resolve import policy_config
 from codraft.tasks import make_task
 
@@ -106,12 +108,15 @@ def _heads(m: ModelConfig) -> tuple[int, int]:
     return m.num_attention_heads * m.head_dim, m.num_key_value_heads * m.head_dim
 
 
-def _layer_floats(m: ModelConfig) -> int:
-    """Values one decoder layer keeps for the backward per token: the norms' inputs and outputs and the
-    residual (~5 H), the MLP's gate, up, SiLU and product (4 I), q, its RoPE'd copy, the attention output and
-    the o_proj input (4 Q), k and v (2 K)."""
+def _layer_floats(m: ModelConfig, tp: int = 1, sequence: bool = False) -> float:
+    """Values one decoder layer keeps for the backward per token (on one of ``tp`` tensor-parallel ranks,
+    ``sequence``: with sequence parallelism): the norms' inputs and outputs and the residual (~5 H; split only
+    by sequence parallelism), the MLP's gate, up, SiLU and product (4 I; split but for MoE layers, whose
+    experts every rank holds whole), q, its RoPE'd copy, the attention output and the o_proj input (4 Q), k and
+    v (2 K) (split: each rank's heads)."""
     q, k = _heads(m)
-    return 5 * m.hidden_size + 4 * m.intermediate_size + 4 * q + 2 * k
+    mlp = 4 * m.intermediate_size / (1 if getattr(m, "num_experts", 0) else tp)
+    return 5 * m.hidden_size / (tp if sequence else 1) + mlp + (4 * q + 2 * k) / tp
 
 
 def _layer_params(m: ModelConfig) -> int:
@@ -206,7 +211,7 @@ def estimate(cfg, m: ModelConfig, prompt_len: int, val_prompt_len: int = 0) -> E
     # the norms are not); then the rollout engine decodes from a whole copy (the refit)
     gathered = layout.gathers  # the trainer's models wrapped by FSDP2 or split, the engine's a whole copy
     if gathered and par.dp_shard == "fsdp":
-        weights = (n * e + 3 * n * F32) // (par.pp * par.dp * par.cp * par.tp) + _layer_params(m) * e // par.tp
+        weights = (n * e + 3 * n * F32) // ranks + _layer_params(m) * e // par.tp
     else:
         weights = (n * e + 3 * n * F32 // par.pp) // par.tp
     weights += n * e if g.kl_coef > 0 else 0
@@ -227,12 +232,12 @@ def estimate(cfg, m: ModelConfig, prompt_len: int, val_prompt_len: int = 0) -> E
     completions = seqs * M / par.cp
     in_flight = min(par.pp, par.microbatches)
     layers = math.ceil(m.num_hidden_layers / par.pp) + 1  # + the layer whose backward runs
-    a = _layer_floats(m)
+    a = _layer_floats(m, par.tp, par.sequence_parallel)
     train = in_flight * row * (layers * a + 5 * m.hidden_size) * e
     # logits, scaled, and their gradients (split over tp), and the draft's whole teacher rows
     train += (3 / par.tp + 1) * completions * m.vocab_size * F32
     if g.kl_coef > 0:  # the reference's forward: one layer at a time, and its logits
-        train += row * a * e + 2 * completions * m.vocab_size * F32
+        train += row * _layer_floats(m) * e + 2 * completions * m.vocab_size * F32  # (whole on every rank)
     if trains:
         train += draft.taps * seqs * (prompt_len + M) / par.cp * m.hidden_size * F32  # taps per sequence
         train += seqs * draft.tokens / par.cp * draft.floats * F32 + draft.chunk * F32
