@@ -1,7 +1,7 @@
 """`codraft bench tap --step`: what the taps cost a pipeline-parallel co-training step.
 
-The same PP step (``codraft.rl.pipelined``: 1F1B over M micro-batches, gradient sums, clipping)
-is timed with the draft disabled (``none``: the policy alone, no taps), and with a DFlash draft
+The same PP step (``codraft.rl.pipelined``, over ``codraft.parallel.pipelined``: 1F1B over M micro-batches,
+gradient sums, clipping) is timed with the draft disabled (``none``: the policy alone, no taps), and with a DFlash draft
 whose taps reach the last stage over TapChannel (``shm``, ``p2p``) or the baselines (``staging``:
 pickled through the host; ``relay``: appended to the activations inside the schedule). The
 difference between a tap transport and ``none`` is the draft's loss plus the transport, so each

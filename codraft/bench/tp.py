@@ -18,9 +18,9 @@ Parts (``--parts``):
   the norms are replicated; ≈ 1/(2T) at dp = 2). ``act_bytes``: the activations the forward keeps for the
   backward (autograd's saved tensors, each storage once, this rank's shard of a DTensor, the parameters' own
   excluded; under FSDP the gathered weights it saves count too), also at tp = T with sequence parallelism
-  (``tp=T sp``: the residual stream and the norms split along the sequence too). ``fwd_bwd_s``: the forward + backward's wall time, max over
-  ranks, median over ``--repeats`` after one untimed call; ``fwd_bwd_ratio``: against tp = 1. ``grad_norm``:
-  before clipping (tp = T sees tp = 1's batch, so the same norm; the dp ranks' batches differ and add up).
+  (``tp=T sp``: the residual stream and the norms split along the sequence too). ``fwd_bwd_s``: the forward +
+  backward's wall time, max over ranks, median over ``--repeats`` after one untimed call; ``fwd_bwd_ratio``:
+  against tp = 1. ``grad_norm``: before clipping (tp = T sees tp = 1's batch, so the same norm; the dp ranks' batches differ and add up).
 * ``step``: strong scaling of a whole ``Trainer.step`` on the tiny preset (``bench dp``'s ``trainer_steps``):
   tp = 1 and tp = T with the same ``rollout.prompts_per_step`` (``--prompts``); every rank decodes its share
   of the rollouts and trains the whole batch on its share of the products. ``time_*``: the trainer's metrics,
@@ -47,7 +47,8 @@ from codraft.bench.dp import held, step_summary, step_table, timed, trainer_step
 from codraft.bench.spec import MODELS
 from codraft.config import load_config
 from codraft.parallel import tp as tensor_parallel
-from codraft.parallel.data_parallel import parallelize_policy, whole
+from codraft.models.layers import whole
+from codraft.parallel.data_parallel import parallelize_policy
 from codraft.parallel.gradients import clip_grad_norm
 from codraft.parallel.layout import Layout
 from codraft.parallel.mesh import build_mesh

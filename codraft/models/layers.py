@@ -114,3 +114,10 @@ class MLP(nn.Module):
 
     def forward(self, x):
         return self.down_proj(activate(self.gate_proj(x), self.gelu) * self.up_proj(x))
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as one process holds it: gathered when it is split over ranks (a DTensor: collective over its
+    mesh), else ``t``. What the trainer's split policy gives the loss, the refit and checkpoints."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
+

@@ -26,7 +26,7 @@ import torch
 from codraft.attention import PackedCausal
 from codraft.attention.context import MainAttention
 from codraft.parallel.comm import Group, PeerError
-from codraft.parallel.data_parallel import whole
+from codraft.models.layers import whole
 from codraft.parallel.ring import RingAttention, ring_attention, ring_branch_attention
 from codraft.parallel.zigzag import ZigzagPlan, ZigzagShard
 

@@ -94,12 +94,6 @@ def local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def whole(t: torch.Tensor) -> torch.Tensor:
-    """``t`` whole: gathered when it is a DTensor (collective over its mesh). (``rollout.weights.full`` is the
-    same for the engine's side, which may not import this package.)"""
-    return t.full_tensor() if isinstance(t, DTensor) else t
-
-
 def local_bytes(tensors) -> int:
     """Bytes this rank holds of ``tensors`` (a DTensor's local shard only)."""
     return sum(local(t).nbytes for t in tensors if t is not None)

@@ -26,7 +26,8 @@ import torch.distributed as dist
 import torch.nn as nn
 from torch.distributed.fsdp import register_fsdp_forward_method
 
-from codraft.parallel.data_parallel import whole, wrap
+from codraft.models.layers import whole
+from codraft.parallel.data_parallel import wrap
 from codraft.parallel.mesh import Mesh
 from codraft.parallel.pipeline import PipelineError, stage_layers, stage_parameters
 

@@ -20,6 +20,7 @@ import time
 import traceback
 
 import torch
+import torch.distributed as dist
 
 
 def free_port() -> int:
@@ -31,16 +32,16 @@ def free_port() -> int:
 def start_method() -> str:
     """fork where it is safe: a rank forked from the caller has torch and codraft loaded already (spawn
     imports them again in every rank, ~3 s of CPU each on a 2-core host, most of a small distributed test).
-    spawn once CUDA is initialised in the caller (a forked child cannot use it) or where there is no fork."""
-    if "fork" in mp.get_all_start_methods() and not torch.cuda.is_initialized():
+    spawn once CUDA is initialised in the caller (a forked child cannot use it), once the caller has a default
+    process group (vLLM's in-process engine makes one; a forked child would inherit it and could not make its
+    own), or where there is no fork."""
+    if "fork" in mp.get_all_start_methods() and not torch.cuda.is_initialized() and not dist.is_initialized():
         return "fork"
     return "spawn"
 
 
 def _worker(fn, setup, rank, world, port, args, out, pg_timeout):
     os.environ["OMP_NUM_THREADS"] = "1"
-    import torch
-    import torch.distributed as dist
     torch.set_num_threads(1)
     if setup is not None:
         setup()

@@ -1,8 +1,8 @@
 """This rank's part of a pipeline (``parallel.pp``, or ``parallel.microbatches`` in one process): its decoder
 layers, its links to the neighbouring stages (``split_pipeline``, when the layout is applied) and the
-TapChannel its taps travel on (``open_channel``, on the first update: sized from that batch). The schedule
-that runs it is ``codraft.rl.pipelined.pipeline_cotrain`` (through the step's objective), what happens to its
-gradients and weights after the backward ``codraft.parallel.gradients``.
+TapChannel its taps travel on (``open_channel``, on the first update: sized from that batch). What runs it
+through the schedule is ``codraft.parallel.pipelined.run_stage``, what happens to its gradients and weights
+after the backward ``codraft.parallel.gradients``.
 """
 from __future__ import annotations
 

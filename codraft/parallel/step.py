@@ -11,7 +11,7 @@ here knows the loss or the RL config: the objective packs the parts this cuts an
   micro-batches, this DP rank's in turn, each normalised by the step's totals (``codraft.rl.microbatch``), so
   the gradients FSDP sums over the ranks after the last one are the one-batch step's.
 * ``Pipelined`` (``parallel.pp``, or micro-batches without FSDP): this rank's stage over the micro-batches
-  (1F1B, ``codraft.rl.pipelined``), the stages' gradient sums and clipping, and after the optimiser step
+  (1F1B, ``codraft.parallel.pipelined``), the stages' gradient sums and clipping, and after the optimiser step
   every stage's update broadcast to every rank (its engine decodes the whole policy).
 
 Each returns the step's loss and metrics (the same on every rank) and both gradient norms before clipping.
@@ -29,13 +29,14 @@ from codraft.parallel.gradients import clip_grad_norm, clip_stage_gradients, red
     sync_stage_weights
 from codraft.parallel.mesh import Mesh
 from codraft.parallel.pipeline import stage_parameters
-from codraft.parallel.stages import Pipeline, open_channel, split_pipeline
+from codraft.parallel.pipelined import StageObjective, run_stage
+from codraft.parallel.stages import open_channel, split_pipeline
 
 
-class Objective(Protocol):
+class Objective(StageObjective, Protocol):
     """What a step trains, given by the caller each step (``codraft.rl.objective.CoTraining``): the step's
     rollouts, the models and the loss. The machinery decides how the step is cut and which part a rank runs;
-    the objective packs the parts and computes their losses."""
+    the objective packs the parts and computes their losses (under pipeline stages: ``StageObjective``'s)."""
 
     def whole(self):
         """The step as one packed batch."""
@@ -45,9 +46,6 @@ class Objective(Protocol):
 
     def loss(self, mb, cp) -> tuple[torch.Tensor, dict]:
         """One (micro-)batch's policy forward and co-training loss (under cp: on this rank's rows of it)."""
-
-    def pipeline(self, pipe: Pipeline, mbs: list, step: int) -> tuple[torch.Tensor, list[dict]]:
-        """This rank's stage over ``mbs`` (1F1B): the loss and each micro-batch's metrics, on every rank."""
 
     def merge(self, parts: list[dict], mbs: list) -> dict:
         """The micro-batches' metrics -> the step's."""
@@ -182,7 +180,8 @@ class Pipelined(TrainStep):
         fsdp = named_collectives(self.mesh, "the stage's forward and backward (FSDP's all-gathers and gradient "
                                             "sums)") if self.pipe.sharded else contextlib.nullcontext()
         with timer("forward_backward"), fsdp:  # (the schedule's own sends name their peers)
-            loss, parts = objective.pipeline(self.pipe, mine, step)
+            loss, parts = run_stage(self.pipe, self.policy, self.draft if self.trains_draft else None, objective,
+                                    mine, step)
         loss, parts = self._over_replicas(loss, parts)
         with timer("backward"):  # here: the gradient sums and the clipping
             own, drafts = reduce_stage_gradients(self.pipe, self.policy, self.owned()[1])

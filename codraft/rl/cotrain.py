@@ -36,11 +36,11 @@ from torch.distributed.tensor import DTensor
 
 from codraft.drafts.batch import DraftBatch
 from codraft.models.bf16 import products
+from codraft.models.layers import whole
 from codraft.models.moe import Routing, load_balancing_loss
 from codraft.parallel.comm import Group
 from codraft.parallel import tp
 from codraft.parallel.context import ShardedRow
-from codraft.parallel.data_parallel import whole
 from codraft.rl.grpo import entropy_from_logits, grpo_loss, token_logprobs
 from codraft.train.packing import Packed
 from codraft.train.seeding import sequence_seeds

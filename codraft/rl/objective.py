@@ -8,16 +8,45 @@ from dataclasses import dataclass
 
 import torch
 
-from codraft.rl.cotrain import cotrain_loss, replay_routes
+from codraft.rl.cotrain import Row, cotrain_loss, draft_taps, loss_from_hidden, packed_row, replay_routes
 from codraft.rl.microbatch import MicroBatch, merge_metrics, split_microbatches, with_draft_normaliser
-from codraft.rl.pipelined import pipeline_cotrain
-from codraft.train.packing import pack
+from codraft.train.packing import Packed, pack
 
 
 @dataclass
-class CoTraining:
+class CoTrainingLoss:
+    """The loss of a (micro-)batch: the policy's forward and L_RL + λ·L_draft (``cotrain_loss``), or from the
+    policy's last hidden states on the last pipeline stage (``loss_from_hidden``)."""
     policy: torch.nn.Module
     draft: torch.nn.Module | None
+    loss_kw: dict            # cotrain_loss's settings (temperature, λ, clip range, precisions, draft_seed, ...)
+
+    @property
+    def taps(self) -> tuple[int, ...]:
+        return draft_taps(self.draft, self.loss_kw["train_draft"]) or ()
+
+    @property
+    def policy_dtype(self) -> torch.dtype:
+        return self.loss_kw["policy_dtype"]
+
+    def row(self, batch: Packed, cp) -> Row:
+        return packed_row(batch, cp)
+
+    def loss(self, mb: MicroBatch, cp) -> tuple[torch.Tensor, dict]:
+        return cotrain_loss(self.policy, self.draft, mb.batch, mb.advantages, cp=cp, totals=mb.totals,
+                            replay=mb.replay, **self.loss_kw)
+
+    def hidden_loss(self, mb: MicroBatch, row: Row, hidden: torch.Tensor, feats: dict) -> tuple[torch.Tensor, dict]:
+        return loss_from_hidden(self.policy, self.draft, mb.batch, row, hidden, row.draft_features(feats),
+                                mb.advantages, totals=mb.totals, **self.loss_kw)
+
+    def merge(self, parts: list[dict], mbs: list[MicroBatch]) -> dict:
+        return merge_metrics(parts, mbs)
+
+
+@dataclass
+class CoTraining(CoTrainingLoss):
+    """One step's objective: its rollouts and advantages, cut as the step machinery asks."""
     prompts: list            # per sequence, group by group
     completions: list
     logprobs: list           # the rollout's, per completion token
@@ -26,7 +55,6 @@ class CoTraining:
     advantages: torch.Tensor
     group_size: int
     device: str
-    loss_kw: dict            # cotrain_loss's settings (temperature, λ, clip range, precisions, draft_seed, ...)
 
     def whole(self) -> MicroBatch:
         """The step as one packed batch (normalised by its own totals)."""
@@ -42,13 +70,3 @@ class CoTraining:
         if len(mbs) > 1 and self.loss_kw["train_draft"]:  # the draft's denominators: the whole step's
             mbs = with_draft_normaliser(mbs, self.draft, self.loss_kw["draft_seed"])
         return mbs
-
-    def loss(self, mb: MicroBatch, cp) -> tuple[torch.Tensor, dict]:
-        return cotrain_loss(self.policy, self.draft, mb.batch, mb.advantages, cp=cp, totals=mb.totals,
-                            replay=mb.replay, **self.loss_kw)
-
-    def pipeline(self, pipe, mbs: list[MicroBatch], step: int) -> tuple[torch.Tensor, list[dict]]:
-        return pipeline_cotrain(pipe, self.policy, self.draft, mbs, step=step, merged=False, **self.loss_kw)
-
-    def merge(self, parts: list[dict], mbs: list[MicroBatch]) -> dict:
-        return merge_metrics(parts, mbs)

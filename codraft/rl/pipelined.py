@@ -1,39 +1,14 @@
-"""The co-training step over micro-batches and pipeline stages (``parallel.pp``, ``parallel.microbatches``):
-``pipeline_cotrain`` runs this rank's stage (``codraft.parallel.stages.Pipeline``) through the 1F1B schedule.
-
-Every rank's engine decodes with the whole policy and draft, but in the update a stage runs only its
-own decoder layers (``stage_layers``; the first also embeds, the last also runs the head and both
-losses) and keeps gradients only for the parameters it owns; their sums, the clipping and the weight sync
-after the optimiser step are ``codraft.parallel.gradients``'. With ``pp = 1`` the same code is plain gradient
-accumulation over micro-batches.
-
-The taps: a stage puts the taps among its layers on the TapChannel after it has sent its
-activations; the last stage gets them before the draft loss of that micro-batch (``shm`` / ``p2p``,
-or the baselines ``staging``: pickled through the host, and ``relay``: appended to the
-activations inside the schedule). The schedule itself is the same with or without taps.
-"""
+"""The co-training step over a pipeline's stage, given its micro-batches: ``pipeline_cotrain`` (what the tests
+and the tap benchmark run directly; the trainer's ``codraft.parallel.step.Pipelined`` calls
+``codraft.parallel.pipelined.run_stage`` with the step's objective)."""
 from __future__ import annotations
-
-import contextlib
 
 import torch
 
-from codraft.models.bf16 import products
-from codraft.models.moe import Routing
-from codraft.parallel.pipeline import PipelineError, run_schedule
+from codraft.parallel.pipelined import run_stage
 from codraft.parallel.stages import Pipeline
-from codraft.rl.cotrain import draft_taps, loss_from_hidden, packed_row
 from codraft.rl.microbatch import MicroBatch, merge_metrics, with_draft_normaliser
-
-
-@contextlib.contextmanager
-def _naming(pipe: Pipeline, what: str):
-    """A tap transfer that fails (a dead or hung peer: the channel's timeout, or gloo's own error) is a
-    ``PipelineError`` naming this stage, the tap and the micro-batch, as the activations' are."""
-    try:
-        yield
-    except RuntimeError as e:
-        raise PipelineError(f"{pipe.link.who}: {what}: {e}") from e
+from codraft.rl.objective import CoTrainingLoss
 
 
 def pipeline_cotrain(pipe: Pipeline, policy, draft, mbs: list[MicroBatch], *, step: int, train_draft: bool = True,
@@ -42,70 +17,10 @@ def pipeline_cotrain(pipe: Pipeline, policy, draft, mbs: list[MicroBatch], *, st
     """Forward and backward of the step's micro-batches on this stage (1F1B); gradients accumulate in
     the parameters this stage runs. Returns the step's loss and metrics (``merged=False``: each
     micro-batch's), on every rank."""
-    mesh, last = pipe.mesh, pipe.last
-    if last and len(mbs) > 1 and draft is not None and train_draft and mbs[0].totals.draft_norm is None:
-        # the draft loss's denominators: the step's (given already when these are a share of the step)
+    if len(mbs) > 1 and draft is not None and train_draft and mbs[0].totals.draft_norm is None:
+        # the draft loss's denominators: the step's (given already when these are a share of the step); on every
+        # stage, which merges the metrics by them
         mbs = with_draft_normaliser(mbs, draft, loss_kw.get("draft_seed"))
-    taps = draft_taps(draft, train_draft) or ()
-    mine = tuple(t for t in taps if t in pipe.layers)
-    before = [t for t in taps if t < pipe.layers.start]  # relay: what arrives with the activations
-    rows = [packed_row(mb.batch, None if mesh is None else mesh.cp_group) for mb in mbs]
-    inputs = [row.model_inputs() for row in rows]
-    hidden_size = policy.config.hidden_size
-    relay = pipe.transport == "relay"
-    tapped, parts = {}, [None] * len(mbs)
-
-    def forward(m, x, carried):
-        ids, kw = inputs[m]
-        ctx = policy.layer_inputs(1, ids.shape[1], ids.device, **kw)
-        replay = mbs[m].replay  # routing replay: this stage's MoE layers route as the rollout did
-        with products(policy_dtype), contextlib.nullcontext() if replay is None else \
-                Routing(policy, rows[m].local(replay)):
-            out, tapped[m] = policy.run_layers(policy.embed(ids) if x is None else x, ctx, pipe.layers, mine)
-        if last or not relay:
-            return out, carried
-        cols = ([] if carried is None else [carried]) + [tapped[m][t].detach() for t in mine]
-        return out, torch.cat(cols, -1) if cols else None
-
-    def after_forward(m):
-        own = tapped.pop(m)
-        if pipe.channel is not None:
-            for t in mine:
-                with _naming(pipe, f"cannot send tap {t} of micro-batch {m} to the last stage"):
-                    pipe.channel.put(step, m, t, own[t][0])
-
-    def loss(m, hidden, carried):
-        own = tapped.pop(m, {})
-        feats = {}
-        for t in taps:
-            if t in own:
-                feats[t] = own[t]
-            elif relay:
-                i = before.index(t)
-                feats[t] = carried[..., i * hidden_size:(i + 1) * hidden_size]
-            else:
-                with _naming(pipe, f"no tap {t} of micro-batch {m}"):
-                    feats[t] = pipe.channel.get(step, m, t)[None]
-        mb = mbs[m]
-        out, parts[m] = loss_from_hidden(policy, draft, mb.batch, rows[m], hidden, rows[m].draft_features(feats),
-                                         mb.advantages, train_draft=train_draft, totals=mb.totals,
-                                         policy_dtype=policy_dtype, **loss_kw)
-        return out
-
-    sharded = [policy] + ([draft] if last and train_draft and draft is not None else [])
-
-    def before_backward(final):  # sharded stages: FSDP sums the stage's gradients after its last backward only
-        for module in sharded:
-            module.set_requires_gradient_sync(final)
-
-    w = policy.embed_tokens.weight
-    losses = run_schedule(pipe.link, len(mbs), forward=forward, loss=loss,
-                          shape=lambda m: (1, inputs[m][0].shape[1], hidden_size), dtype=w.dtype, device=w.device,
-                          extra=hidden_size * len(before) if relay else 0,
-                          after_forward=None if last else after_forward,
-                          before_backward=before_backward if pipe.sharded else None)
-    result = (torch.stack(losses).sum(), merge_metrics(parts, mbs) if merged else parts) if last else None
-    if pipe.stages > 1:  # the last stage's loss and metrics, to every rank
-        shared = mesh.world.all_gather_object(result, "the step's loss and metrics")
-        result = shared[mesh.rank_of(pipe.stages - 1)]
-    return result
+    objective = CoTrainingLoss(policy, draft, dict(loss_kw, train_draft=train_draft, policy_dtype=policy_dtype))
+    loss, parts = run_stage(pipe, policy, draft if train_draft else None, objective, mbs, step)
+    return loss, merge_metrics(parts, mbs) if merged else parts

@@ -139,10 +139,11 @@ def update(cfg: RunConfig, learner: Learner, step: int, rollout: Rollout, scored
                    train_draft=learner.trains_draft, policy_dtype=learner.policy_dtype,
                    draft_dtype=learner.draft_dtype, draft_seed=step_seed(cfg.seed, step),  # anchors: any layout
                    phase=timer, **({"router_aux_coef": g.router_aux_coef} if g.router_aux_coef else {}))
-    objective = CoTraining(learner.policy, learner.draft, rollout.prompts, [o.tokens for o in rollout.out],
-                           [o.logprobs for o in rollout.out], [o.mask for o in rollout.out],
-                           [o.routes for o in rollout.out] if g.routing_replay else None, scored.advantages,
-                           cfg.rollout.group_size, cfg.device, loss_kw)
+    out = rollout.out
+    objective = CoTraining(learner.policy, learner.draft, loss_kw, rollout.prompts, [o.tokens for o in out],
+                           [o.logprobs for o in out], [o.mask for o in out],
+                           [o.routes for o in out] if g.routing_replay else None, scored.advantages,
+                           cfg.rollout.group_size, cfg.device)
     grads = learner.step.forward_backward(objective, step, timer)
     loss, policy_norm, draft_norm = grads.loss.detach(), grads.policy_norm, grads.draft_norm
     finite = all(math.isfinite(float(x)) for x in (loss, policy_norm, 0.0 if draft_norm is None else draft_norm))

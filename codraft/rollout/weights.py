@@ -37,20 +37,15 @@ import copy
 
 import torch
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 
 from codraft import kernels
 from codraft.errors import CodraftError
 from codraft.kernels import hugepages
+from codraft.models.layers import whole
 
 
 class StaleRolloutWeights(CodraftError, RuntimeError):
     pass
-
-
-def full(t: torch.Tensor) -> torch.Tensor:
-    """A trainer tensor as a whole: gathered when it is a shard of a DTensor (collective over its mesh)."""
-    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def cast_for_rollout(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -126,7 +121,7 @@ class RolloutWeights:
         for src, dst, draft in [(self.source, self.policy, None), *((d, c, d) for d, c in self.drafts.values())]:
             for (name, a), b in zip(src.state_dict().items(), dst.state_dict().values()):
                 if self.refit is None or self.refit.held(draft, name):
-                    yield draft, name, full(a), b
+                    yield draft, name, whole(a), b
 
     @torch.no_grad()
     def refresh(self) -> None:
@@ -138,7 +133,7 @@ class RolloutWeights:
                 dst.copy_(src)
             if self.parts is not None:
                 for part, src in zip(self.parts, (self.source.embed_tokens.weight, self.source.head_weight)):
-                    part.copy_(full(src))
+                    part.copy_(whole(src))
 
     @torch.no_grad()
     def check(self, when: str) -> None:

@@ -3,7 +3,7 @@ arrived.
 
 Push (``push``), after every optimiser step:
 * the policy: ``worker.reload_weights(weights_iterator=...)`` with the HF checkpoint's names
-  (``codraft.models.hf_io.hf_tensors``), DTensor shards gathered (``full``). vLLM's loader runs as at load
+  (``codraft.models.hf_io.hf_tensors``), DTensor shards gathered (``models.layers.whole``). vLLM's loader runs as at load
   (its CPU backend repacks the linear weights, so ``model.load_weights`` on a loaded model fails).
   Its layer-wise reload replaces the embedding's parameter and puts the old tensors back into a tied LM
   head (its parameter and, on CPU, its prepacked GEMM copy), which then no longer reads the embedding
@@ -30,7 +30,7 @@ import torch
 from codraft.errors import CodraftError
 from codraft.export import block, eagle3
 from codraft.models.hf_io import hf_tensors
-from codraft.rollout.weights import full
+from codraft.models.layers import whole
 from codraft.vllm.serving import Served, learned_mask
 
 # max |Δ logprob| over the probe. Measured on the tiny policy (4 layers, hidden 128; AMD EPYC, 2026-12-06):
@@ -46,13 +46,13 @@ class StaleVllmWeights(CodraftError, RuntimeError):
 
 def policy_tensors(policy) -> dict[str, torch.Tensor]:
     """The policy's tensors under their HF names, gathered when sharded (collective: every rank calls)."""
-    return hf_tensors({k: full(v).detach() for k, v in policy.state_dict().items()}, policy.config)
+    return hf_tensors({k: whole(v).detach() for k, v in policy.state_dict().items()}, policy.config)
 
 
 def drafter_tensors(draft) -> dict[str, torch.Tensor]:
     """The draft's tensors as its vLLM export holds them (gathered when sharded); a DFlash draft's learned MASK
     vector (the export's mask_embedding.pt) under vLLM's name for it."""
-    state = {k: full(v).detach() for k, v in draft.state_dict().items()}
+    state = {k: whole(v).detach() for k, v in draft.state_dict().items()}
     if block.ARCHITECTURES["dflash"] not in draft.architectures:  # (EAGLE-3: the config allows no other)
         return eagle3.draft_tensors(draft, torch.float32, "vllm", state=state)
     tensors = block.draft_tensors(draft, torch.float32, state=state)

@@ -14,7 +14,7 @@ from codraft.parallel.comm import Group
 from codraft.parallel.gradients import clip_grad_norm, sync_gradients
 from codraft.policy.warmstart import tiny_model_config
 from codraft.rl.cotrain import cotrain_loss
-from codraft.rollout.weights import full
+from codraft.models.layers import whole
 from codraft.tasks import make_task
 from codraft.tokenizer import CharTokenizer
 from codraft.train.packing import pack
@@ -73,7 +73,7 @@ def _step(policy, draft, batch, adv, cp, reference, kl, dtype=torch.float32, tem
         sync_gradients(policy.parameters(), cp, "policy")
         sync_gradients(dparams, cp, "draft")
     norms = {"policy": clip_grad_norm(policy.parameters(), clip), "draft": clip_grad_norm(dparams, clip)}
-    grads = {f"policy.{n}": full(p.grad).clone() for n, p in policy.named_parameters()}
+    grads = {f"policy.{n}": whole(p.grad).clone() for n, p in policy.named_parameters()}
     grads.update({f"draft.{i}": p.grad.clone() for i, p in enumerate(dparams)})
     return float(loss), {k: float(v) for k, v in m.items() if torch.is_tensor(v) and v.numel() == 1}, grads, norms
 

@@ -14,7 +14,8 @@ import torch
 from codraft.parallel.data_parallel import local_bytes
 from codraft.rl import update_phase
 from codraft.rl.trainer import Trainer
-from codraft.rollout.weights import cast_for_rollout, full
+from codraft.models.layers import whole
+from codraft.rollout.weights import cast_for_rollout
 from dist_harness import run_ranks
 from codraft.tasks import ArithTask
 from tiny_runs import alternating_reward, run_config
@@ -30,9 +31,9 @@ def _step(policy_dir, run_dir, kind, extra):
     seen, commit = {}, update_phase.commit
 
     def capture(learner, *args):
-        seen["grads"] = {f"policy.{n}": full(p.grad).clone() for n, p in learner.policy.named_parameters()
+        seen["grads"] = {f"policy.{n}": whole(p.grad).clone() for n, p in learner.policy.named_parameters()
                          if p.grad is not None}  # (under pp: this stage's)
-        seen["grads"].update({f"draft.{n}": full(p.grad).clone() for n, p in learner.draft.named_parameters()
+        seen["grads"].update({f"draft.{n}": whole(p.grad).clone() for n, p in learner.draft.named_parameters()
                               if p.grad is not None})
         seen["bytes"] = [local_bytes(learner.policy.parameters()),
                          local_bytes(p.grad for p in learner.policy.parameters())]
@@ -47,9 +48,9 @@ def _step(policy_dir, run_dir, kind, extra):
         m = tr.step(0)
     finally:
         update_phase.commit = commit
-    weights = {f"policy.{n}": full(p).detach().clone() for n, p in tr.policy.named_parameters()
+    weights = {f"policy.{n}": whole(p).detach().clone() for n, p in tr.policy.named_parameters()
                if _held(tr, n)}  # (sharded stages: this stage's)
-    weights.update({f"draft.{n}": full(p).detach().clone() for n, p in tr.draft.named_parameters()
+    weights.update({f"draft.{n}": whole(p).detach().clone() for n, p in tr.draft.named_parameters()
                     if _held(tr, n, tr.draft)})
     tr.rollout_weights.check("after the update")  # the refit copy is the trainer's weights
     refit = {f"policy.{n}": p.detach().clone() for n, p in tr.rollout_weights.policy.named_parameters()}
@@ -225,7 +226,7 @@ def _experts_rank(rank, world):
     holder.m = moe
     with Routing(holder, routes[rank]):
         moe(xs[rank]).square().sum().backward()
-    return {n: float((full(p.grad) - want[n]).abs().max()) for n, p in moe.named_parameters()}
+    return {n: float((whole(p.grad) - want[n]).abs().max()) for n, p in moe.named_parameters()}
 
 
 def test_fsdp_with_experts_some_rank_never_uses():
