@@ -39,7 +39,8 @@ Figures per (method, C, length, branch):
   resetting it (``echo 5 > /proc/self/clear_refs``) minus VmRSS at the reset, so it counts the
   inputs, saved activations, communication buffers, score chunks and gradients, not the
   interpreter. glibc's mmap threshold is pinned to 64 KiB in the workers (``mallopt``), so freed
-  tensors leave the RSS and each repeat's peak is its own. Max over repeats.
+  tensors leave the RSS, and the heap's free pages are returned before each reset (``malloc_trim``), so each
+  repeat's peak is its own. Max over repeats.
 * ``sent_bytes`` / ``sent_fwd_bytes``: bytes each rank sent (max over ranks), forward + backward
   and forward only: ``Group.sent_bytes`` (the ring's point-to-point) plus the collectives'
   bytes as ``baselines`` counts them. ``formula_fwd_bytes`` (ring methods): passes·2(C−1)·N/C·
@@ -159,6 +160,7 @@ def _forward(s: _Setup, branch: str, x: dict, comm: Group) -> list[torch.Tensor]
 
 def _measure(s: _Setup, branch: str, comm: Group, gen: torch.Generator) -> dict:
     gc.collect()
+    _trim_heap()
     dist.barrier()
     exact = reset_resident_peak()
     base = proc_status("VmRSS")
@@ -219,13 +221,24 @@ def _rank_main(rank: int, world: int, cfg: dict) -> list[dict]:
     return records
 
 
+def _libc():
+    try:
+        return ctypes.CDLL("libc.so.6")
+    except OSError:  # (not glibc)
+        return None
+
+
 def _limit_malloc() -> None:
-    try:  # M_MMAP_THRESHOLD = -3, M_TRIM_THRESHOLD = -1: big frees go back to the OS at once
-        libc = ctypes.CDLL("libc.so.6")
+    if libc := _libc():  # M_MMAP_THRESHOLD = -3, M_TRIM_THRESHOLD = -1: big frees go back to the OS at once
         libc.mallopt(-3, 64 * 1024)
         libc.mallopt(-1, 128 * 1024)
-    except OSError:
-        pass
+
+
+def _trim_heap() -> None:
+    """Free heap pages back to the OS (malloc_trim): the small tensors of the step then grow the RSS whatever the
+    process freed before (a rank forked from a busy process holds resident free chunks they would reuse)."""
+    if libc := _libc():
+        libc.malloc_trim(0)
 
 
 def _spawn(world: int, cfg: dict) -> list[list[dict]]:

@@ -5,10 +5,16 @@ from __future__ import annotations
 import json
 import math
 
+import torch
+
 from codraft.cli import main
 
 
 def test_bench_cp_writes_rows(tmp_path, capsys):
+    """Run in a process whose heap holds freed small chunks, as a busy pytest worker's does: its forked ranks
+    would reuse them without growing their RSS (a peak of 0) unless the bench returns them first."""
+    junk = [torch.empty(2000) for _ in range(20_000)]  # 160 MB in 8 KB tensors, freed
+    del junk
     out = tmp_path / "cp.json"
     main(["bench", "cp", "--lengths", "512", "--cp", "1,2", "--repeats", "1", "--warmup", "0",
           "--json", str(out)])

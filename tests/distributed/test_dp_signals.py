@@ -33,7 +33,9 @@ def _launch(nproc: int, *args) -> subprocess.Popen:
 
 
 def _codraft(nproc: int, *args) -> None:
-    done = _launch(nproc, *args)
+    done = _launch(nproc, *args) if nproc > 1 else subprocess.Popen(
+        [sys.executable, "-m", "codraft", "train", *args], env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        text=True)
     _, err = done.communicate(timeout=WAIT)
     assert done.returncode == 0, err[-4000:]
 
@@ -81,10 +83,11 @@ def _checkpoints(run: Path) -> list[str]:
 
 def test_ctrl_c_to_torchrun_at_dp2_saves_the_step_every_rank_completed(tmp_path):
     """SIGINT to torchrun's process group, as a terminal sends it, then a second one while the ranks stop: both
-    ranks stop after one step, saved with log.checkpoint_every=0; the resumed run is the uninterrupted one."""
+    ranks stop after one step, saved with log.checkpoint_every=0; the resumed run is the uninterrupted one (run in
+    one process: test_dp_train holds dp=2 to it over these shards)."""
     steps = ["steps=5", "parallel.dp=2", *ARGS]
     ref = tmp_path / "ref"
-    _codraft(2, f"run_dir={ref}", *steps)
+    _codraft(1, f"run_dir={ref}", steps[0], *ARGS)
 
     run = tmp_path / "cut"
     proc = _launch(2, f"run_dir={run}", *steps)
@@ -104,10 +107,11 @@ def test_ctrl_c_to_torchrun_at_dp2_saves_the_step_every_rank_completed(tmp_path)
 
 def test_sigterm_to_one_rank_of_dp2_pp2_stops_all_four_after_one_step(tmp_path):
     """dp=2 × pp=2: SIGTERM reaches rank 3 alone; the four ranks agree at the next step boundary, save that step
-    together and exit 143 (torchrun reports each worker's status); the resumed run is the uninterrupted one."""
+    together and exit 143 (torchrun reports each worker's status); the resumed run is the uninterrupted one (in
+    one process, as above)."""
     steps = ["steps=4", "parallel.dp=2", "parallel.pp=2", *ARGS]
     ref = tmp_path / "ref"
-    _codraft(4, f"run_dir={ref}", *steps)
+    _codraft(1, f"run_dir={ref}", steps[0], *ARGS)
 
     run = tmp_path / "cut"
     proc = _launch(4, f"run_dir={run}", *steps)

@@ -85,14 +85,15 @@ def test_a_run_dir_on_a_read_only_file_system_is_refused(tmp_path):
 
 
 def test_a_second_run_is_refused_naming_the_first_and_a_killed_run_frees_the_folder(tmp_path, tiny_policy_dir):
-    """Run A trains into the folder; B (fresh, then --resume) is refused naming A's pid and leaves A alone.
-    A killed with SIGKILL: the OS drops its lock (its pid is still in the file) and a resume takes it."""
+    """Run A trains into the folder (then stopped, SIGSTOP); B (fresh, then --resume) is refused naming A's pid
+    and leaves A alone. A killed with SIGKILL: the OS drops its lock (its pid is still in the file) and a resume takes it."""
     run = tmp_path / "run"
     with open(tmp_path / "a.err", "w") as err:
         a = subprocess.Popen([sys.executable, "-m", "codraft", *_cli_run(tiny_policy_dir, run, steps=100_000)],
                              env=ENV, stdout=subprocess.DEVNULL, stderr=err)
     try:
         _wait(lambda: ckpt.latest_checkpoint(run) is not None, "first checkpoint", a, tmp_path / "a.err")
+        a.send_signal(signal.SIGSTOP)  # A holds the folder, idle (its training would only load the machine)
         assert (run / LOCK).read_text() == f"{a.pid}\n"
         for args in (_cli_run(tiny_policy_dir, run, steps=5), ["train", "--resume", str(run)]):
             b = _codraft(*args)
