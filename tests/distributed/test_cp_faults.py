@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import codraft
+from codraft.cli import main
 from codraft.parallel.comm import PeerError, Group, join_world, on_host
 from codraft.parallel.context import ShardedRow
 from codraft.parallel.layout import Layout
@@ -113,20 +114,31 @@ def test_torchrun_ranks_do_not_all_take_one_gpu(monkeypatch):
         join_world("cuda:1")
 
 
+def _without_torchrun_error(keys: list[str]) -> str:
+    procs = 2 ** len(keys)  # each key asks for 2
+    return (f"codraft train: error: {' '.join(keys)} needs torchrun, one process per rank: torchrun --standalone "
+            f"--nproc-per-node {procs} -m codraft train [...] {' '.join(keys)}")
+
+
 @pytest.mark.parametrize("keys", [["parallel.cp=2"], ["parallel.pp=2"], ["parallel.pp=2", "parallel.cp=2"],
                                   ["parallel.dp=2"], ["parallel.dp=2", "parallel.cp=2"], ["parallel.tp=2"]])
-def test_parallel_train_without_torchrun_is_one_line(tmp_path, keys):
-    """Without torchrun the parallel keys are one error line saying how to launch (no traceback, exit 1)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+def test_parallel_train_without_torchrun_is_one_line(tmp_path, monkeypatch, keys):
+    """Without torchrun the parallel keys are one error line saying how to launch, before the run folder."""
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
     run = tmp_path / "run"
-    done = subprocess.run([sys.executable, "-m", "codraft", "train", *keys, f"run_dir={run}"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)
-    procs = 2 ** len(keys)  # each key asks for 2
-    assert done.returncode == 1, done.stderr
-    assert done.stderr.splitlines() == [
-        f"codraft train: error: {' '.join(keys)} needs torchrun, one process per rank: torchrun --standalone "
-        f"--nproc-per-node {procs} -m codraft train [...] {' '.join(keys)}"]
+    with pytest.raises(SystemExit) as stop:
+        main(["train", *keys, f"run_dir={run}"])
+    assert stop.value.code == _without_torchrun_error(keys)
     assert not run.exists()
+
+
+def test_the_command_without_torchrun_exits_1_with_the_line_alone(tmp_path):
+    """The same as a command: exit 1, stderr the one line (no traceback)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
+    done = subprocess.run([sys.executable, "-m", "codraft", "train", "parallel.cp=2", f"run_dir={tmp_path / 'run'}"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    assert (done.returncode, done.stderr.splitlines()) == (1, [_without_torchrun_error(["parallel.cp=2"])])
 
 
 def test_each_rank_prints_its_own_error_line(tmp_path):

@@ -42,15 +42,29 @@ def _codraft(*args) -> None:
 
 
 
-def _wait_for(proc: subprocess.Popen, ready, what: str) -> None:
+def _stopped(proc: subprocess.Popen) -> bool:
+    """SIGSTOP ``proc`` and wait until it is stopped (False: it has ended)."""
+    proc.send_signal(signal.SIGSTOP)
+    while proc.poll() is None:
+        if Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] in "tT":
+            return True
+        time.sleep(0.001)
+    return False
+
+
+def _held_at(proc: subprocess.Popen, ready, what: str) -> None:
+    """Wait until ``ready()``, checked while the run is stopped, and leave it stopped there (SIGCONT goes on):
+    however loaded the machine, the run cannot pass the point (or end) between the check and what follows."""
     deadline = time.monotonic() + WAIT
-    while not ready():
-        if proc.poll() is not None:
-            raise AssertionError(f"the run ended before {what}: {proc.communicate()[1][-4000:]}")
+    while _stopped(proc):
+        if ready():
+            return
+        proc.send_signal(signal.SIGCONT)
         if time.monotonic() > deadline:
             proc.kill()
             raise AssertionError(f"no {what} within {WAIT} s")
         time.sleep(0.05)
+    raise AssertionError(f"the run ended before {what}: {proc.communicate()[1][-4000:]}")
 
 
 def _no_temporaries(run: Path) -> None:
@@ -68,8 +82,9 @@ def reference(tmp_path_factory) -> dict:
 def test_sigterm_in_one_process_saves_the_last_completed_step_and_exits_143(tmp_path, reference):
     run = tmp_path / "run"
     proc = _start(f"run_dir={run}", *ARGS)
-    _wait_for(proc, lambda: (run / "metrics.jsonl").is_file() and step_rows(run), "first step")
+    _held_at(proc, lambda: (run / "metrics.jsonl").is_file() and step_rows(run), "first step")
     proc.send_signal(signal.SIGTERM)
+    proc.send_signal(signal.SIGCONT)
     _, err = proc.communicate(timeout=WAIT)
     assert proc.returncode == 143, err[-4000:]
     step = max(p for p in range(1, 5) if (run / f"step_{p}").is_dir())
@@ -132,10 +147,11 @@ def test_a_real_full_disk_is_one_line_and_the_run_resumes(small_disk, reference)
     """Once step 2 is saved the tmpfs is filled but for 256 kB: the write of step 4 (~15 MB) meets ENOSPC."""
     run = small_disk / "run"
     proc = _start(f"run_dir={run}", *ARGS)
-    _wait_for(proc, lambda: (run / "step_2").is_dir(), "checkpoint of step 2")
+    _held_at(proc, lambda: (run / "step_2").is_dir(), "checkpoint of step 2")
     filler = small_disk / "filler"
     with open(filler, "wb") as f:
         os.posix_fallocate(f.fileno(), 0, shutil.disk_usage(small_disk).free - 256 * 1024)
+    proc.send_signal(signal.SIGCONT)
     _, err = proc.communicate(timeout=WAIT)
     assert proc.returncode == 1, err[-4000:]
     last = err.rstrip("\n").splitlines()[-1]
