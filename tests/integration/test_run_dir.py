@@ -86,7 +86,8 @@ def test_a_run_dir_on_a_read_only_file_system_is_refused(tmp_path):
 
 def test_a_second_run_is_refused_naming_the_first_and_a_killed_run_frees_the_folder(tmp_path, tiny_policy_dir):
     """Run A trains into the folder (then stopped, SIGSTOP); B (fresh, then --resume) is refused naming A's pid
-    and leaves A alone. A killed with SIGKILL: the OS drops its lock (its pid is still in the file) and a resume takes it."""
+    and leaves A alone. A killed with SIGKILL: the OS drops its lock (its pid is still in the file) and a resume
+    takes it."""
     run = tmp_path / "run"
     with open(tmp_path / "a.err", "w") as err:
         a = subprocess.Popen([sys.executable, "-m", "codraft", *_cli_run(tiny_policy_dir, run, steps=100_000)],
